@@ -1,0 +1,64 @@
+"""Device helpers and small shared utilities.
+
+Library code never calls ``.cuda()`` or ``torch.cuda.*`` directly: it asks these helpers, so every code path runs on
+CPU (gloo) as well as on NVIDIA GPUs (nccl).
+"""
+
+import logging
+import warnings
+from functools import lru_cache
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def get_current_device() -> torch.device:
+    """The device this rank computes on: its CUDA device when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_device_for_rank(local_rank: int) -> None:
+    """Bind this process to its local GPU, when there is one."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Exact integer division; raises when ``denominator`` does not divide ``numerator``."""
+    if denominator == 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+@lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    """Emit ``message`` as a warning the first time it is seen in this process."""
+    warnings.warn(message, stacklevel=3)
+
+
+def print_rank_0(message: str) -> None:
+    """Print from global rank 0 only (or always, before torch.distributed is initialised)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    print(message, flush=True)
+
+
+def get_attr_wrapped_model(model, attr: str):
+    """Get ``attr`` from ``model``, looking through wrappers (DDP, Float16Module) that keep the real model in ``.module``."""
+    if isinstance(model, list):
+        raise TypeError("get_attr_wrapped_model takes a single model chunk, not a list")
+    while not hasattr(model, attr) and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, attr)

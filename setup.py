@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lite",
+    version="0.1.0",
+    description="Megatron-Core and Megatron-LM's public API, rebuilt to run and be tested on CPU (gloo) and GPU (nccl).",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    include_package_data=True,
+    install_requires=["torch>=2.4", "numpy", "pyyaml"],
+    extras_require={
+        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken"],
+        "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],
+        "gpu": ["triton"],
+        "logging": ["tensorboard", "wandb"],
+    },
+)
