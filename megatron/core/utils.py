@@ -62,3 +62,17 @@ def get_attr_wrapped_model(model, attr: str):
     while not hasattr(model, attr) and hasattr(model, "module"):
         model = model.module
     return getattr(model, attr)
+
+
+def init_method_normal(sigma: float):
+    """Init method drawing from N(0, sigma^2)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0):
+    """Init method for output projections: N(0, (sigma / sqrt(multiplier * num_layers))^2), as in GPT-2/Megatron."""
+    return init_method_normal(sigma / (multiplier * num_layers) ** 0.5)

@@ -1,0 +1,14 @@
+"""Activation functions Megatron-Core names that torch does not provide directly."""
+
+import torch
+import torch.nn.functional as F
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Primer; ``--squared-relu``)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x), the GELU approximation used by CLIP."""
+    return x * torch.sigmoid(1.702 * x)

@@ -1,0 +1,167 @@
+"""ModelParallelConfig: how a model is split and run (Megatron-Core's field names and defaults)."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron.core.utils import warn_once
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallelism, precision and pipeline-communication settings shared by every Megatron-Core module."""
+
+    # ---- model parallelism ----
+    tensor_model_parallel_size: int = 1
+    """Number of tensor-parallel ranks a layer's weights are split over."""
+    pipeline_model_parallel_comm_backend: Optional[str] = None
+    """Backend for pipeline send/recv (None: the default backend)."""
+    pipeline_model_parallel_size: int = 1
+    """Number of pipeline stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule (None: no interleaving)."""
+    sequence_parallel: bool = False
+    """Split the activations of non-tensor-parallel regions (norms, dropout) along the sequence over the TP group."""
+    context_parallel_size: int = 1
+    """Number of ranks the sequence is split over inside attention."""
+    hierarchical_context_parallel_sizes: Optional[list] = None
+    """Not supported: must stay None."""
+    expert_model_parallel_size: int = 1
+    """Number of ranks the MoE experts are distributed over."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel size inside each expert (None: same as tensor_model_parallel_size)."""
+    moe_extended_tp: bool = False
+    """Deprecated Megatron switch, accepted for compatibility."""
+
+    # ---- initialisation ----
+    perform_initialization: bool = True
+    """Initialise weights (off when they are about to be loaded from a checkpoint)."""
+    use_cpu_initialization: bool = False
+    """Initialise each full weight once on the CPU from the seed, then split it: identical models for every TP size."""
+
+    # ---- precision ----
+    fp16: bool = False
+    """Run the model in float16."""
+    bf16: bool = False
+    """Run the model in bfloat16."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype the parameters are created in."""
+    timers: Optional[Callable] = None
+    """Megatron Timers object, if the caller wants per-phase timings."""
+
+    # ---- hooks used by the schedules and DDP ----
+    finalize_model_grads_func: Optional[Callable] = None
+    """Called once after the last backward of a step (DP reduction, tied-embedding and SP-norm all-reduces)."""
+    grad_scale_func: Optional[Callable] = None
+    """Scales the loss before backward (the loss scaler)."""
+    no_sync_func: Optional[Callable] = None
+    """Context manager factory that suspends gradient reduction (DDP's no_sync) between micro-batches."""
+    grad_sync_func: Optional[Callable] = None
+    """Launches a model chunk's gradient reduction (overlapped with the pipeline)."""
+    param_sync_func: Optional[Callable] = None
+    """Launches a model chunk's parameter all-gather (distributed optimizer, overlapped with the pipeline)."""
+    deterministic_mode: bool = False
+    """Prefer deterministic kernels."""
+    enable_autocast: bool = False
+    """Run forward passes under torch.autocast with autocast_dtype."""
+    autocast_dtype: Optional[torch.dtype] = None
+    """Autocast dtype (None: params_dtype)."""
+    num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
+    """Micro-batches that recompute only part of the layers (None: all recompute alike)."""
+
+    # ---- fused kernels and GPU communication overlap (accepted; no-ops where the kernel is absent) ----
+    gradient_accumulation_fusion: bool = False
+    """Fuse weight-gradient GEMM with accumulation into main_grad (needs a CUDA fused kernel)."""
+    async_tensor_model_parallel_allreduce: bool = False
+    """Deprecated Megatron switch, accepted for compatibility."""
+    use_te_rng_tracker: bool = False
+    """Use Transformer Engine's RNG tracker (only with Transformer Engine)."""
+    tp_comm_overlap: bool = False
+    """Overlap TP communication with GEMMs (Transformer Engine userbuffers; not available here)."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy kernel."""
+
+    # ---- pipeline communication ----
+    pipeline_dtype: Optional[torch.dtype] = None
+    """Dtype of activations sent between pipeline stages (required when pipeline_model_parallel_size > 1)."""
+    variable_seq_lengths: bool = False
+    """Exchange tensor shapes before each pipeline send (sequence lengths differ between micro-batches)."""
+    overlap_p2p_comm: bool = False
+    """Overlap pipeline send/recv with compute (interleaved schedule)."""
+    batch_p2p_comm: bool = True
+    """Issue pipeline sends and receives together with batch_isend_irecv."""
+    batch_p2p_sync: bool = True
+    """Synchronise after batched pipeline communication (works around old NCCL races)."""
+    use_ring_exchange_p2p: bool = False
+    """Custom ring-exchange kernel (not available here)."""
+    deallocate_pipeline_outputs: bool = False
+    """Free a stage's output tensor data once it has been sent (keeps only its autograd graph)."""
+    defer_embedding_wgrad_compute: bool = False
+    """Defer the output-layer weight-gradient GEMMs to the pipeline flush."""
+    wgrad_deferral_limit: int = 0
+    """How many micro-batches' output-layer weight gradients may be deferred (0: all)."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Micro-batches run consecutively on one virtual stage (None: pipeline_model_parallel_size)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """Also overlap pipeline communication in the warm-up and flush phases."""
+
+    # ---- offloading ----
+    cpu_offloading: bool = False
+    """Offload activations/weights to host memory (GPU only; not available here)."""
+    cpu_offloading_num_layers: int = 0
+    """Layers to offload."""
+    cpu_offloading_activations: bool = True
+    """Offload activations."""
+    cpu_offloading_weights: bool = True
+    """Offload weights."""
+    barrier_with_L1_time: bool = True
+    """Timers: use barriers when measuring level-1 times."""
+
+    def __post_init__(self):
+        _validate_parallel_sizes(self)
+        _validate_precision(self)
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            raise ValueError(
+                "pipeline_dtype must be set when pipeline_model_parallel_size > 1 "
+                f"(got pipeline_model_parallel_size={self.pipeline_model_parallel_size}); "
+                "use params_dtype, e.g. torch.float32 or torch.bfloat16"
+            )
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+        if self.tp_comm_overlap:
+            warn_once("tp_comm_overlap needs Transformer Engine userbuffers; running without the overlap")
+
+
+def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+    ):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.sequence_parallel and config.tensor_model_parallel_size == 1:
+        raise ValueError(
+            "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1); "
+            "turn sequence_parallel off or raise tensor_model_parallel_size"
+        )
+    if config.virtual_pipeline_model_parallel_size is not None and config.pipeline_model_parallel_size < 2:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} needs "
+            f"pipeline_model_parallel_size > 1 (got {config.pipeline_model_parallel_size})"
+        )
+    if config.hierarchical_context_parallel_sizes:
+        raise ValueError("hierarchical_context_parallel_sizes is not supported; leave it unset")
+
+
+def _validate_precision(config: ModelParallelConfig) -> None:
+    if config.fp16 and config.bf16:
+        raise ValueError("fp16 and bf16 are both set; choose one")
+
