@@ -8,11 +8,7 @@ licence and how the files were made. Use with `--tokenizer-type GPT2BPETokenizer
 import gzip
 import json
 import os
-import uuid
-from argparse import Namespace
 from pathlib import Path
-
-import numpy as np
 
 BUILTIN_DIR = Path(__file__).resolve().parent
 
@@ -45,17 +41,9 @@ def data_prefix():
 
 def build_tokenizer():
     """The built-in tokenizer, as `--tokenizer-type GPT2BPETokenizer` with the shipped files builds it."""
-    from megatron.core.tokenizers import build_tokenizer as build_from_args
+    from megatron.core.tokenizers import GPT2BPETokenizer
 
-    return build_from_args(Namespace(
-        tokenizer_type="GPT2BPETokenizer",
-        vocab_file=vocab_file(),
-        merge_file=merge_file(),
-        rank=0,
-        make_vocab_size_divisible_by=128,
-        tensor_model_parallel_size=1,
-        vocab_extra_ids=0,
-    ))
+    return GPT2BPETokenizer(vocab_file(), merge_file())
 
 
 def ensure_preprocessed(cache_dir=None):
@@ -64,8 +52,8 @@ def ensure_preprocessed(cache_dir=None):
     The shipped files are used when both exist. Otherwise the corpus is tokenized again with the shipped tokenizer
     (EOD appended to each document, as `preprocess_data.py --append-eod`) into `cache_dir`, or into this package
     directory when `cache_dir` is None; pass a writable `cache_dir` when the package is installed read-only.
-    Each file is written under a temporary name and renamed into place, and the `.idx` goes last, so a reader that
-    finds the `.idx` also finds a complete `.bin`, and concurrent callers never see a partial file.
+    Both files are written under temporary names and renamed into place, the `.idx` last, so a reader that finds
+    the `.idx` also finds a complete `.bin`, and concurrent callers never see a partial file.
     """
     shipped = data_prefix()
     if _exists(shipped):
@@ -81,26 +69,20 @@ def _exists(prefix):
 
 
 def _write_indexed_corpus(corpus_path, prefix):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     tokenizer = build_tokenizer()
-    token_dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    # A name unique to this call, in the target directory so that os.replace is an atomic rename.
-    tmp_stem = f"{prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp_bin, tmp_idx = tmp_stem + ".bin", tmp_stem + ".idx"
+    # The builder writes under temporary names and renames into place at finalize, the .idx last.
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(tokenizer.vocab_size))
     try:
-        builder = IndexedDatasetBuilder(tmp_bin, dtype=token_dtype)
         for text in _read_corpus_texts(corpus_path):
             tokens = tokenizer.tokenize(text) + [tokenizer.eod]
             builder.add_document(tokens, [len(tokens)])
-        builder.finalize(tmp_idx)
-        os.replace(tmp_bin, prefix + ".bin")
-        os.replace(tmp_idx, prefix + ".idx")
-    finally:
-        for leftover in (tmp_bin, tmp_idx):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        builder.finalize(get_idx_path(prefix))
+    except BaseException:
+        builder.abort()
+        raise
 
 
 def _read_corpus_texts(corpus_path):
