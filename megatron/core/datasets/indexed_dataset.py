@@ -293,6 +293,8 @@ class IndexedDataset:
             raise IndexError(f"sequence index {idx} out of range for {self.path_prefix} ({count} sequences)")
         sequence_length = int(self._index.sequence_lengths[idx])
         pointer = int(self._index.sequence_pointers[idx])
+        if sequence_length < 0:
+            raise IndexedDatasetFormatError(f"{self._idx_path}: sequence {idx} has a negative length {sequence_length}")
         if length is None:
             length = sequence_length - offset
         if offset < 0 or length < 0 or offset + length > sequence_length:
