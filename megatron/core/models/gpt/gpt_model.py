@@ -1,0 +1,155 @@
+"""GPTModel: embedding -> transformer block -> output layer, one pipeline stage of it per rank."""
+
+from typing import Literal, Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class GPTModel(LanguageModule):
+    """A decoder-only transformer language model (GPT, Llama and friends, by config and layer spec).
+
+    ``forward(input_ids [b, s], position_ids [b, s], attention_mask)`` returns the per-token loss ``[b, s]`` when
+    ``labels`` are given, else logits ``[b, s, v/tp]`` (``[b, s, v]`` with ``parallel_output=False``). A stage
+    without ``post_process`` returns its hidden states ``[s, b, h]`` for the next stage.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec: Optional[ModuleSpec] = None,
+        vp_stage: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config)
+        if mtp_block_spec is not None:
+            raise ValueError("multi-token prediction (mtp_block_spec) is not supported; pass None")
+        if vocab_size % tp_group_or_default(pg_collection).size() != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size "
+                f"({tp_group_or_default(pg_collection).size()}); pad it as Megatron does with "
+                "--make-vocab-size-divisible-by"
+            )
+        self.transformer_layer_spec = transformer_layer_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                pg_collection=pg_collection,
+            )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=transformer_layer_spec,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=tp_group_or_default(pg_collection),
+            )
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        decoder_input: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params=None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            hidden_for_length = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            rotary_pos_emb = self.rotary_pos_emb(
+                self.rotary_pos_emb.get_rotary_seq_len(hidden_for_length, self.config)
+            )
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            **(extra_block_kwargs or {}),
+        )
+        if not self.post_process:
+            return hidden_states
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
+        return self.compute_language_model_loss(labels, logits)

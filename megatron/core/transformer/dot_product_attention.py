@@ -1,0 +1,111 @@
+"""Core attention: softmax(q k^T * scale + mask) v over tensor-parallel heads.
+
+Runs PyTorch's ``scaled_dot_product_attention``, which picks a flash / memory-efficient kernel on GPU and a fused
+CPU kernel otherwise. Masks are boolean with True = masked out (Megatron's convention); SDPA wants True = keep, so
+the mask is inverted once here.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.transformer.enums import AttnMaskType, AttnType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class DotProductAttention(MegatronModule):
+    """Attention over this rank's heads. Inputs ``[s, b, heads, head_dim]``; output ``[s, b, heads * head_dim]``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} needs ring attention, which this "
+                "DotProductAttention does not implement; use context_parallel_size=1"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp_size = tp_group_or_default(pg_collection).size()
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params (THD packed sequences) is not supported; pass a block-diagonal "
+                             "attention_mask instead")
+        mask_type = attn_mask_type or self.attn_mask_type
+        groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups_repeat > 1:  # grouped-query attention: each key/value head serves a group of query heads
+            key = key.repeat_interleave(groups_repeat, dim=2)
+            value = value.repeat_interleave(groups_repeat, dim=2)
+        sq, b, heads, head_dim = query.shape
+        out_dtype = query.dtype
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.config.attention_softmax_in_fp32 and q.device.type == "cpu" and q.dtype != torch.float32:
+            # GPU kernels keep the softmax in fp32 internally; the CPU kernel computes in the input dtype.
+            q, k, v = q.float(), k.float(), v.float()
+        keep_mask, is_causal = self._sdpa_mask(attention_mask, mask_type, attention_bias, sq, k.shape[2], q.device)
+        if keep_mask is not None and keep_mask.is_floating_point():
+            keep_mask = keep_mask.to(q.dtype)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Heads are split over TP ranks, so each rank draws its own masks from the tensor-parallel stream
+            # (under sequence parallelism the whole block already runs inside that stream).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal)
+        else:
+            context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal)
+        # [b, n, s, d] -> [s, b, n * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim).to(out_dtype)
+
+    def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
+        )
+
+    def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):
+        """Turn Megatron's (True = masked) mask and mask type into SDPA's (keep mask or bias, is_causal)."""
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if attention_mask is None and attention_bias is None:
+            return None, causal and sq > 1
+        masked = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise TypeError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
+            masked = masked | attention_mask
+        if causal:
+            # Causal positions line up at the end of the key sequence (queries are the last sq positions).
+            masked = masked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+        if attention_bias is None:
+            return ~masked, False
+        bias = attention_bias.float().masked_fill(masked, float("-inf"))
+        return bias, False

@@ -1,0 +1,54 @@
+"""ModuleSpec and build_module: layer recipes that swap implementations without touching model code."""
+
+import importlib
+import types
+from dataclasses import dataclass, field
+from typing import Tuple, Union
+
+
+@dataclass
+class ModuleSpec:
+    """What to build: ``module`` (a class, function, or ``(module_path, name)`` to import), the keyword ``params``
+    to pass it, and its own ``submodules`` (a dataclass of further specs), passed as ``submodules=`` when set."""
+
+    module: Union[Tuple, type]
+    params: dict = field(default_factory=dict)
+    submodules: object = None
+
+
+def import_module(module_path: Tuple[str, str]):
+    """Import ``name`` from ``module_path`` given as ``(module_path, name)``."""
+    base_path, name = module_path
+    return getattr(importlib.import_module(base_path), name)
+
+
+def get_module(spec_or_module: Union[ModuleSpec, type], **additional_kwargs):
+    """The class or function a spec names, without building it."""
+    if isinstance(spec_or_module, (type, types.FunctionType)):
+        return spec_or_module
+    if isinstance(spec_or_module.module, (type, types.FunctionType)):
+        return spec_or_module.module
+    return import_module(spec_or_module.module)
+
+
+def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
+    """Instantiate what ``spec_or_module`` describes.
+
+    A bare function (such as ``get_bias_dropout_add``) is returned as it is; a class is called with ``args`` and
+    ``kwargs``; a :class:`ModuleSpec` is called with ``args``, its ``params`` and ``kwargs`` (``kwargs`` win), plus
+    ``submodules`` when the spec has them.
+    """
+    if isinstance(spec_or_module, types.FunctionType):
+        return spec_or_module
+    if isinstance(spec_or_module, ModuleSpec) and isinstance(spec_or_module.module, types.FunctionType):
+        return spec_or_module.module
+    if isinstance(spec_or_module, type):
+        return spec_or_module(*args, **kwargs)
+    module = get_module(spec_or_module)
+    params = {**spec_or_module.params, **kwargs}
+    if spec_or_module.submodules is not None:
+        params["submodules"] = spec_or_module.submodules
+    try:
+        return module(*args, **params)
+    except TypeError as error:
+        raise TypeError(f"could not build {module.__qualname__} from its ModuleSpec: {error}") from error

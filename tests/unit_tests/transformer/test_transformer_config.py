@@ -1,0 +1,110 @@
+"""TransformerConfig / ModelParallelConfig: derived defaults and every validation message."""
+
+import pytest
+import torch
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import warn_once
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8)
+
+
+def make(**overrides):
+    return TransformerConfig(**{**BASE, **overrides})
+
+
+def test_derived_defaults():
+    config = make(tensor_model_parallel_size=2)
+    assert config.ffn_hidden_size == 256
+    assert config.kv_channels == 8
+    assert config.num_query_groups == 8
+    assert config.expert_tensor_parallel_size == 2
+    assert config.autocast_dtype == torch.float32
+    assert config.microbatch_group_size_per_vp_stage == 1
+    # Output projections are initialised with std / sqrt(2 * num_layers).
+    weight = torch.empty(2000, 200)
+    config.output_layer_init_method(weight)
+    assert abs(weight.std().item() - 0.02 / 2) < 1e-3
+
+
+def test_selective_recompute_defaults_to_core_attention():
+    assert make(recompute_granularity="selective").recompute_modules == ["core_attn"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_layers": 0}, r"num_layers must be a positive integer, got 0"),
+        ({"hidden_size": -1}, r"hidden_size must be a positive integer, got -1"),
+        ({"num_attention_heads": 6}, r"hidden_size \(64\) must be divisible by num_attention_heads \(6\)"),
+        ({"num_query_groups": 3}, r"num_attention_heads \(8\) must be a multiple of num_query_groups \(3\)"),
+        (
+            {"tensor_model_parallel_size": 16},
+            r"num_attention_heads \(8\) must be divisible by tensor_model_parallel_size \(16\)",
+        ),
+        (
+            {"tensor_model_parallel_size": 4, "num_query_groups": 2},
+            r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)",
+        ),
+        (
+            {"tensor_model_parallel_size": 2, "ffn_hidden_size": 15},
+            r"ffn_hidden_size \(15\) must be divisible by tensor_model_parallel_size \(2\)",
+        ),
+        ({"normalization": "BatchNorm"}, r"normalization='BatchNorm' is not supported"),
+        ({"hidden_dropout": 1.0}, r"hidden_dropout must be in \[0, 1\), got 1.0"),
+        ({"recompute_granularity": "partial"}, r"recompute_granularity='partial' is not valid"),
+        ({"recompute_granularity": "full"}, r"recompute_granularity='full' needs recompute_method"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "uniform"},
+            r"recompute_granularity='full' needs recompute_num_layers >= 1, got None",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_num_layers": 1},
+            r"recompute_num_layers must be None with recompute_granularity='selective'",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+            r"recompute_modules \['moe'\] are not supported",
+        ),
+        (
+            {
+                "recompute_granularity": "full",
+                "recompute_method": "block",
+                "recompute_num_layers": 1,
+                "distribute_saved_activations": True,
+                "sequence_parallel": True,
+                "tensor_model_parallel_size": 2,
+            },
+            r"distribute_saved_activations cannot be combined with sequence_parallel",
+        ),
+        ({"window_size": (4, 0)}, r"window_size=\(4, 0\) \(sliding-window attention\) is not supported"),
+        ({"multi_latent_attention": True}, r"multi_latent_attention is not supported"),
+        ({"fp8": "hybrid"}, r"fp8='hybrid' needs Transformer Engine"),
+        ({"sequence_parallel": True}, r"sequence_parallel=True needs tensor_model_parallel_size > 1"),
+        ({"tensor_model_parallel_size": 0}, r"tensor_model_parallel_size must be a positive integer, got 0"),
+        ({"pipeline_model_parallel_size": 2}, r"pipeline_dtype must be set when pipeline_model_parallel_size > 1"),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1",
+        ),
+        ({"fp16": True, "bf16": True}, r"fp16 and bf16 are both set"),
+        ({"hierarchical_context_parallel_sizes": [2, 2]}, r"hierarchical_context_parallel_sizes is not supported"),
+    ],
+)
+def test_validation_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make(**overrides)
+
+
+def test_fusion_switches_warn_once_and_are_accepted():
+    warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="masked_softmax_fusion=True: no fused kernel is available here"):
+        make(masked_softmax_fusion=True)
+
+
+def test_model_parallel_config_alone():
+    config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert config.expert_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size > 1"):
+        ModelParallelConfig(sequence_parallel=True)
