@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]),
-    include_package_data=True,
+    package_data={"megatron.training.builtin_data": ["*.json", "*.txt", "*.gz", "*.bin", "*.idx", "*.md"]},
     install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
         "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken"],
