@@ -1,0 +1,142 @@
+"""finalize_model_grads on plain modules and on chunks that look like our DDP (main_grad, finish_grad_sync)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from tests.unit_tests.test_utilities import Utils, run_distributed
+
+
+class TiedStage(torch.nn.Module):
+    """One pipeline stage of a model whose input embedding and output layer share a weight."""
+
+    def __init__(self, tied: bool = True):
+        super().__init__()
+        self.share_embeddings_and_output_weights = tied
+        self.word_embeddings = torch.nn.Parameter(torch.zeros(3, 2))
+        self.norm = torch.nn.Parameter(torch.zeros(2))
+        self.norm.sequence_parallel = True
+        self.other = torch.nn.Parameter(torch.zeros(4))
+
+    def shared_embedding_or_output_weight(self):
+        return self.word_embeddings
+
+
+class Wrapper(torch.nn.Module):
+    """Stands for DDP / Float16Module: the real model sits in ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def _set_grads(module, value):
+    for param in module.parameters():
+        param.grad = torch.full_like(param, value)
+
+
+def _tied_embedding_over_two_stages():
+    Utils.initialize_model_parallel(pipeline_model_parallel_size=2)
+    rank = dist.get_rank()
+    tied, untied = TiedStage(tied=True), TiedStage(tied=False)
+    _set_grads(tied, rank + 1.0)
+    _set_grads(untied, rank + 1.0)
+    finalize_model_grads([Wrapper(tied)])
+    finalize_model_grads([untied])
+    # A stage whose shared weight received no gradient still takes part (with zeros).
+    no_grad_stage = TiedStage()
+    no_grad_stage.word_embeddings.grad = None if rank == 0 else torch.full((3, 2), 5.0)
+    finalize_model_grads(no_grad_stage)
+    return (
+        tied.word_embeddings.grad[0, 0].item(),
+        tied.other.grad[0].item(),
+        untied.word_embeddings.grad[0, 0].item(),
+        no_grad_stage.word_embeddings.grad[0, 0].item(),
+    )
+
+
+def test_tied_embedding_grads_are_summed_over_first_and_last_stage():
+    results = run_distributed(2, _tied_embedding_over_two_stages)
+    # tied: 1 + 2 on both stages; untouched params keep their own grads; untied models are left alone.
+    assert results == [(3.0, 1.0, 1.0, 5.0), (3.0, 2.0, 2.0, 5.0)]
+
+
+def _sequence_parallel_grads_and_token_division():
+    # 4 ranks: TP=2 x DP=2. Marked grads are summed over TP; with num_tokens every grad is divided by the DP total.
+    Utils.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = dist.get_rank()
+    stage = TiedStage(tied=False)
+    _set_grads(stage, rank + 1.0)
+    tp_partner_value = (rank ^ 1) + 1.0
+    num_tokens = torch.tensor(rank + 1)  # DP groups are {0, 2} and {1, 3}
+    finalize_model_grads([stage], num_tokens=num_tokens)
+    return (
+        stage.norm.grad[0].item(),
+        (rank + 1.0 + tp_partner_value),
+        stage.other.grad[0].item(),
+        num_tokens.item(),
+    )
+
+
+def test_sequence_parallel_grads_summed_over_tp_and_divided_by_global_tokens():
+    results = run_distributed(4, _sequence_parallel_grads_and_token_division)
+    dp_token_total = {0: 1 + 3, 1: 2 + 4, 2: 1 + 3, 3: 2 + 4}
+    for rank, (norm_grad, tp_sum, other_grad, total_tokens) in enumerate(results):
+        assert total_tokens == dp_token_total[rank]
+        assert norm_grad == pytest.approx(tp_sum / total_tokens)
+        assert other_grad == pytest.approx((rank + 1.0) / total_tokens)
+
+
+class FakeDDPChunk(torch.nn.Module):
+    """Records the calls finalize_model_grads makes on a DDP-wrapped chunk; grads live in main_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = TiedStage(tied=True)
+        self.calls = []
+        for param in self.module.parameters():
+            param.main_grad = torch.ones_like(param)
+
+    def finish_grad_sync(self):
+        self.calls.append("finish_grad_sync")
+
+    def scale_gradients(self, factor):
+        self.calls.append(("scale_gradients", float(factor)))
+        for param in self.module.parameters():
+            param.main_grad.mul_(factor)
+
+
+def _ddp_like_chunks_on_pipeline():
+    # PP=2 x DP=2 (ranks 0,1 first stage; 2,3 last stage); only the last stage counts tokens.
+    Utils.initialize_model_parallel(pipeline_model_parallel_size=2)
+    rank = dist.get_rank()
+    chunk = FakeDDPChunk()
+    last_stage = parallel_state.is_pipeline_last_stage()
+    num_tokens = torch.tensor(10 if last_stage else 999)
+    finalize_model_grads([chunk], num_tokens=num_tokens)
+    weight = chunk.module.word_embeddings
+    return rank, chunk.calls, weight.main_grad[0, 0].item(), weight.grad, num_tokens.item()
+
+
+def test_ddp_chunks_use_main_grad_and_their_own_sync_and_scaling():
+    for rank, calls, embedding_grad, plain_grad, num_tokens in run_distributed(4, _ddp_like_chunks_on_pipeline):
+        assert num_tokens == 20, f"rank {rank}: the last stage's count summed over its 2 DP ranks"
+        assert calls == ["finish_grad_sync", ("scale_gradients", pytest.approx(1 / 20))]
+        assert embedding_grad == pytest.approx(2 / 20), "tied main_grads summed over the two stages, then divided"
+        assert plain_grad is None
+
+
+def _zero_tokens_leave_grads_alone():
+    Utils.initialize_model_parallel()
+    stage = TiedStage(tied=False)
+    _set_grads(stage, 3.0)
+    finalize_model_grads(stage, num_tokens=torch.tensor(0))
+    with pytest.raises(TypeError, match="num_tokens must be a tensor.*got int"):
+        finalize_model_grads(stage, num_tokens=4)
+    return stage.other.grad[0].item()
+
+
+def test_empty_batch_keeps_grads_and_int_token_count_is_rejected():
+    assert run_distributed(1, _zero_tokens_leave_grads_alone) == [3.0]
