@@ -1,0 +1,498 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Weights are split over the tensor-parallel group and tagged with ``tensor_model_parallel``, ``partition_dim`` and
+``partition_stride`` so optimizers, gradient clipping and checkpointing know how to treat them. With
+``config.use_cpu_initialization`` every rank builds the full ("master") weight on the CPU from the default
+generator and keeps its own slice, so a model has the same weights for every TP size; otherwise each rank
+initialises its shard directly, drawing from the tensor-parallel RNG stream.
+
+Parameters whose gradient is only partial on each rank under sequence parallelism (the row-parallel output bias)
+carry ``sequence_parallel=True``; gradient finalisation all-reduces those across the TP group.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _start_gather_along_first_dim,
+    _start_reduce_scatter_along_first_dim,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import _EXPERT_PARALLEL_RNG_TRACKER_NAME, _MODEL_PARALLEL_RNG_TRACKER_NAME
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
+from megatron.core.utils import get_current_device, warn_once
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+# ---- tensor-parallel attributes on parameters ----------------------------------------------------------------------
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True for a split parameter, or for a replicated one on TP rank 0 (count each replicated value once)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return group_rank(resolve_tp_group(tp_group)) == 0
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Tag ``tensor`` as split (or not) along ``dim`` with ``stride``; a tensor is tagged once."""
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(tensor, attribute):
+            raise ValueError(
+                f"tensor already has the tensor-parallel attribute {attribute!r}; "
+                "use copy_tensor_model_parallel_attributes to copy them between tensors"
+            )
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the 'not split' defaults for any tensor-parallel attribute it lacks."""
+    for attribute, default in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, default)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+    """Copy the tensor-parallel attributes present on ``source_tensor`` to ``destination_tensor``."""
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, attribute):
+            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
+
+
+# ---- initialisation ------------------------------------------------------------------------------------------------
+
+
+def _initialize_affine_weight_gpu(
+    weight: torch.Tensor, init_method: Callable, partition_dim: int, stride: int = 1, is_expert: bool = False
+) -> None:
+    """Initialise this rank's shard in place, drawing from the (expert) tensor-parallel RNG stream."""
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    stream = _EXPERT_PARALLEL_RNG_TRACKER_NAME if is_expert else _MODEL_PARALLEL_RNG_TRACKER_NAME
+    with get_cuda_rng_tracker().fork(stream):
+        init_method(weight)
+
+
+def _initialize_affine_weight_cpu(
+    weight: torch.Tensor,
+    output_size: int,
+    input_size: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_method: Callable,
+    stride: int = 1,
+    return_master_weight: bool = False,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> Optional[torch.Tensor]:
+    """Build the full ``[output_size, input_size]`` weight on the CPU (fp32, default generator) and keep this rank's part.
+
+    The partition dimension is cut into ``stride * world_size`` equal blocks and rank r keeps blocks
+    r, r + world_size, r + 2 * world_size, ... in order. With ``stride=2`` on a fused ``[gate; up]`` weight this
+    gives rank r ``[gate_r; up_r]``, so each rank can split its own output in two.
+    """
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, requires_grad=False)
+    init_method(master_weight)
+    master_weight = master_weight.to(dtype=params_dtype)
+
+    block_size = per_partition_size // stride
+    blocks = torch.split(master_weight, block_size, dim=partition_dim)
+    my_blocks = blocks[rank::world_size]
+    with torch.no_grad():
+        weight.copy_(torch.cat(my_blocks, dim=partition_dim))
+    return master_weight if return_master_weight else None
+
+
+def _check_divisible(layer: str, name: str, size: int, world_size: int, stride: int = 1) -> None:
+    if size % (world_size * stride) != 0:
+        stride_note = f" x stride {stride}" if stride != 1 else ""
+        raise ValueError(
+            f"{layer}: {name}={size} is not divisible by the tensor-parallel size {world_size}{stride_note}; "
+            f"choose sizes that split evenly over the TP ranks"
+        )
+
+
+class _TensorParallelModule(torch.nn.Module):
+    """What the three layers share: group resolution, parameter creation and initialisation."""
+
+    def _setup_group(self, config: ModelParallelConfig, tp_group, is_expert: bool) -> None:
+        self.config = config
+        self.is_expert = is_expert
+        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
+        self.tp_size = group_size(self.tp_group)
+        self.tp_rank = group_rank(self.tp_group)
+        # An expert layer whose tokens the MoE dispatcher moves explicitly does no TP communication itself.
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
+
+    def _new_weight(
+        self,
+        full_shape,
+        partition_dim: int,
+        init_method: Callable,
+        stride: int,
+        keep_master_weight_for_test: bool,
+    ) -> Parameter:
+        local_shape = list(full_shape)
+        local_shape[partition_dim] //= self.tp_size
+        weight = Parameter(torch.empty(local_shape, dtype=self.config.params_dtype, device=get_current_device()))
+        if not self.config.perform_initialization:
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+        elif self.config.use_cpu_initialization:
+            self.master_weight = _initialize_affine_weight_cpu(
+                weight,
+                full_shape[0],
+                full_shape[1],
+                local_shape[partition_dim],
+                partition_dim,
+                init_method,
+                stride=stride,
+                return_master_weight=keep_master_weight_for_test,
+                params_dtype=self.config.params_dtype,
+                rank=self.tp_rank,
+                world_size=self.tp_size,
+            )
+        else:
+            _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=stride, is_expert=self.is_expert)
+        weight.allreduce = not (self.is_expert and self.expert_parallel)
+        return weight
+
+    def _new_bias(self, size: int) -> Parameter:
+        bias = Parameter(torch.zeros(size, dtype=self.config.params_dtype, device=get_current_device()))
+        bias.allreduce = not (self.is_expert and self.expert_parallel)
+        return bias
+
+
+# ---- the linear autograd function ----------------------------------------------------------------------------------
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``input @ weight.T + bias`` with the column-parallel layer's input communication folded in.
+
+    Forward: under sequence parallelism the ``[s/tp, b, h]`` input is all-gathered along dim 0 first. Only the local
+    slice is saved; backward all-gathers it again for the weight gradient (saving ``tp - 1`` slices of activation
+    memory, as Megatron does).
+    Backward: the input gradient is reduce-scattered (sequence parallel) or all-reduced (``allreduce_dgrad``); the
+    collective runs asynchronously while the weight gradient is computed.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, group):
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.group = group
+        ctx.save_for_backward(input_, weight)
+        total_input = _gather_along_first_dim(input_, group) if sequence_parallel else input_
+        return F.linear(total_input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group = ctx.group
+        gather_handle = None
+        total_input = input_
+        if ctx.sequence_parallel and ctx.needs_input_grad[1]:
+            total_input, gather_handle = _start_gather_along_first_dim(input_, group)
+
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        reduce_handle = None
+        if grad_input is not None and ctx.sequence_parallel:
+            if gather_handle is not None:
+                gather_handle.wait()
+                gather_handle = None
+            grad_input, reduce_handle = _start_reduce_scatter_along_first_dim(grad_input, group)
+        elif grad_input is not None and ctx.allreduce_dgrad:
+            reduce_handle = dist.all_reduce(grad_input, group=group, async_op=True)
+
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or (ctx.use_bias and ctx.needs_input_grad[2]):
+            if gather_handle is not None:
+                gather_handle.wait()
+            grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
+            if ctx.use_bias and ctx.needs_input_grad[2]:
+                grad_bias = grad_output_2d.sum(dim=0)
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool = False,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: Optional[int] = None,
+    async_grad_allreduce: Optional[bool] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Linear layer with the column-parallel input communication (see the autograd function above).
+
+    ``gradient_accumulation_fusion`` (a CUDA kernel accumulating into ``main_grad``) and deferred weight-gradient
+    computation (``grad_output_buffer``, ``wgrad_deferral_limit``) are accepted and not used: the weight gradient is
+    computed at once and autograd accumulates it as usual. ``async_grad_allreduce`` is Megatron's old name for
+    ``allreduce_dgrad``.
+    """
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
+    group = resolve_tp_group(tp_group)
+    if group_size(group) == 1 or not (allreduce_dgrad or sequence_parallel):
+        return F.linear(input, weight, bias)  # nothing to communicate: PyTorch's own backward is as fast
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, allreduce_dgrad, sequence_parallel, group
+    )
+
+
+# ---- layers --------------------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """``Y = X A + b`` with ``A`` split by columns: rank r computes ``Y_r = X A_r + b_r``.
+
+    The weight is ``[output_size / tp, input_size]`` (``partition_dim=0``). The input must be the same on every TP
+    rank (its gradient is all-reduced), or, under ``config.sequence_parallel``, this rank's ``[s/tp, b, h]`` slice
+    (all-gathered in forward, gradient reduce-scattered). The output is ``[..., output_size / tp]``, or the full
+    ``[..., output_size]`` with ``gather_output``.
+
+    ``forward(input_, weight=None, runtime_gather_output=None)`` returns ``(output, bias)``: ``bias`` is the bias
+    parameter when ``skip_bias_add`` (the caller fuses the add) and ``None`` otherwise. With
+    ``skip_weight_param_allocation`` the layer owns no weight and ``forward`` must be given one (tied output
+    embeddings). ``stride`` is the number of interleaved sub-matrices the output dimension holds (2 for a fused
+    SwiGLU ``[gate; up]``), so each rank keeps matching slices of each. ``disable_grad_reduce`` skips the
+    input-gradient all-reduce (the caller reduces it). ``is_expert`` uses the expert tensor-parallel group and RNG
+    stream; when experts are parallelised the MoE dispatcher does the communication, so the layer does none.
+    ``embedding_activation_buffer``, ``grad_output_buffer`` (deferred embedding weight gradients) and
+    ``tp_comm_buffer_name`` (Transformer Engine overlap) are accepted for compatibility and unused.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: Optional[List[torch.Tensor]] = None,
+        grad_output_buffer: Optional[List[torch.Tensor]] = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        disable_grad_reduce: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self._setup_group(config, tp_group, is_expert)
+        _check_divisible("ColumnParallelLinear", "output_size", output_size, self.tp_size, stride)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = output_size // self.tp_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.disable_grad_reduce = disable_grad_reduce
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        if config.defer_embedding_wgrad_compute:
+            warn_once("defer_embedding_wgrad_compute is not implemented; weight gradients are computed immediately")
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = self._new_weight(
+                (output_size, input_size), 0, init_method, stride, keep_master_weight_for_test
+            )
+        if bias:
+            self.bias = self._new_bias(self.output_size_per_partition)
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        runtime_gather_output: Optional[bool] = None,
+    ):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True, "
+                    "so forward() needs the weight argument"
+                )
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"ColumnParallelLinear: the weight passed to forward() has shape {tuple(weight.shape)}, expected "
+                f"{(self.output_size_per_partition, self.input_size)} (output_size / tp, input_size)"
+            )
+        bias = None if self.skip_bias_add else self.bias
+
+        communicates = not self.explicit_expert_comm
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_,
+            weight,
+            bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
+            sequence_parallel=communicates and self.sequence_parallel,
+            tp_group=self.tp_group,
+        )
+
+        gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output and not self.explicit_expert_comm:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"tp_size={self.tp_size}, bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """``Y = X A + b`` with ``A`` split by rows: rank r computes ``X_r A_r`` and the partial results are summed.
+
+    The weight is ``[output_size, input_size / tp]`` (``partition_dim=1``). The input is this rank's
+    ``[..., input_size / tp]`` slice when ``input_is_parallel`` (the output of a ColumnParallelLinear), else the full
+    input, which is split here. The partial outputs are all-reduced, or, under ``config.sequence_parallel``,
+    reduce-scattered along dim 0 to ``[s/tp, b, h]``. The bias (not split) is added after the reduction, or returned
+    for the caller to add when ``skip_bias_add``. ``forward(input_)`` returns ``(output, bias)``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self._setup_group(config, tp_group, is_expert)
+        _check_divisible("RowParallelLinear", "input_size", input_size, self.tp_size, stride)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = input_size // self.tp_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
+                "(the input must already be split over the tensor-parallel ranks)"
+            )
+
+        self.weight = self._new_weight((output_size, input_size), 1, init_method, stride, keep_master_weight_for_test)
+        if bias:
+            self.bias = self._new_bias(output_size)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        if self.input_is_parallel or self.explicit_expert_comm:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = F.linear(input_parallel, self.weight)
+
+        if self.explicit_expert_comm:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"tp_size={self.tp_size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+        )
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """Embedding table split by vocabulary rows: rank r holds rows ``[r * V/tp, (r + 1) * V/tp)``.
+
+    ``forward(input_)`` takes token ids ``[b, s]``. Each rank looks up the ids it owns (zeros elsewhere) and the
+    partial results are all-reduced to ``[b, s, h]``; with ``reduce_scatter_embeddings`` they are instead
+    reduce-scattered into the sequence-parallel layout ``[s/tp, b, h]``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: Callable,
+        reduce_scatter_embeddings: bool = False,
+        config: ModelParallelConfig,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self._setup_group(config, tp_group, is_expert=False)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = self._new_weight((num_embeddings, embedding_dim), 0, init_method, 1, False)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            not_here = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(not_here, 0)
+            output_parallel = F.embedding(local_ids, self.weight).masked_fill(not_here.unsqueeze(-1), 0.0)
+        else:
+            output_parallel = F.embedding(input_, self.weight)
+
+        if self.reduce_scatter_embeddings:
+            # [b, s, h] -> [s, b, h], then each rank keeps the summed rows of its slice of the sequence.
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
