@@ -163,10 +163,10 @@ def initialize_model_parallel(
 
     dp = world_size // (tp * pp * cp)
     expert_dp = world_size // (etp * ep * pp)
-    # The dense layout has no ep axis (experts are laid out separately); its order must still validate ep's place.
+    # The dense layout has no ep axis and the expert one no cp axis; between them they validate every token.
     decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order)
-    _parse_order(order, {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp})
+    _check_expert_layout_matches_pipeline(order, pp, dp, expert_dp, decoder.get_ranks("pp"), expert.get_ranks("pp"))
 
     timeout = timedelta(minutes=distributed_timeout_minutes)
     rank = dist.get_rank()
@@ -200,6 +200,10 @@ def initialize_model_parallel(
     pp_rank_lists = decoder.get_ranks("pp")
     groups.embd = create("embd", [embedding_ranks_of(ranks) for ranks in pp_rank_lists])
     groups.pos_embd = create("pos_embd", [position_ranks_of(ranks) for ranks in pp_rank_lists])
+    # Every rank knows its own pipeline's embedding ranks, member or not (as in Megatron), so the
+    # is_rank_in_*embedding_group checks answer False on the other stages.
+    _GROUP_RANKS["embd"] = embedding_ranks_of(_GROUP_RANKS["pp"])
+    _GROUP_RANKS["pos_embd"] = position_ranks_of(_GROUP_RANKS["pp"])
 
     groups.expt_tp = create("expt_tp", expert.get_ranks("tp"))
     groups.ep = create("ep", expert.get_ranks("ep"))
@@ -211,6 +215,25 @@ def initialize_model_parallel(
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
         _VIRTUAL_PIPELINE_RANK = 0
+
+
+def _check_expert_layout_matches_pipeline(
+    order: str, pp: int, dp: int, expert_dp: int, dense_pp_groups: List[List[int]], expert_pp_groups: List[List[int]]
+) -> None:
+    """Attention and MoE layers of one stage must live on the same ranks: both layouts need the same pipelines."""
+    if pp > 1 and not order.endswith("pp") and expert_dp != dp:
+        raise ValueError(
+            f"order {order!r} does not end with 'pp', so the expert data-parallel size ({expert_dp}) must equal the "
+            f"data-parallel size ({dp}) when pipeline_model_parallel_size is {pp}; put 'pp' last in the order or "
+            "make expert_tensor_parallel_size x expert_model_parallel_size equal "
+            "tensor_model_parallel_size x context_parallel_size"
+        )
+    if dense_pp_groups != expert_pp_groups:
+        raise ValueError(
+            f"order {order!r} gives the expert layers pipeline groups {expert_pp_groups} but the dense layers "
+            f"{dense_pp_groups}; the stages must match, so put 'pp' last in the order or place the tokens before "
+            "'pp' so that both layouts have the same product of sizes there"
+        )
 
 
 def destroy_model_parallel() -> None:
@@ -281,8 +304,16 @@ def get_model_parallel_group(check_initialized: bool = True):
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
-    if partial_data_parallel:
-        raise ValueError("partial_data_parallel needs several distributed-optimizer instances, which are not supported")
+    """The data-parallel group, optionally with context parallelism folded in.
+
+    ``partial_data_parallel`` asks for the distributed optimizer's intra-instance group; with the one instance
+    supported here that is the whole data x context group, as in Megatron.
+    """
+    if partial_data_parallel and not with_context_parallel:
+        raise ValueError(
+            "partial_data_parallel=True needs with_context_parallel=True: the optimizer's partial data-parallel "
+            "group always includes context parallelism"
+        )
     return _group("dp_cp" if with_context_parallel else "dp")
 
 
