@@ -11,7 +11,7 @@ setup(
     package_data={"megatron.training.builtin_data": ["*.json", "*.txt", "*.gz", "*.bin", "*.idx", "*.md"]},
     install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
-        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken"],
+        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken", "regex"],
         "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],
         "gpu": ["triton"],
         "logging": ["tensorboard", "wandb"],
