@@ -1,0 +1,1 @@
+"""Data loading for the training application: samplers and the data-loader factory."""
