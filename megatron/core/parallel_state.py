@@ -13,7 +13,6 @@ from math import prod
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -58,7 +57,7 @@ class RankGenerator:
 
 
 def _parse_order(order: str, sizes_by_token: Dict[str, int]) -> List[str]:
-    tokens = order.split("-")
+    tokens = order.lower().split("-")
     for token in tokens:
         if token not in _TOKENS:
             raise ValueError(f"unknown token {token!r} in order {order!r}; valid tokens are {', '.join(_TOKENS)}")

@@ -140,7 +140,7 @@ class _Pool:
                 rank = conns[conn]
                 try:
                     status, payload = conn.recv()
-                except EOFError:
+                except (EOFError, ConnectionError):
                     self.workers[rank][0].join(timeout=1)
                     status, payload = "error", f"worker process died (exit code {self.workers[rank][0].exitcode})"
                 (results if status == "ok" else errors)[rank] = payload

@@ -68,10 +68,9 @@ class LanguageModelEmbedding(MegatronModule):
         embedding = torch.nn.Embedding(rows, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
         if self.config.perform_initialization:
             self.config.init_method(embedding.weight)
-        embedding.to(get_current_device())
-        # Under sequence parallelism each rank sees a slice of the sequence, so these gradients are partial.
-        embedding.weight.sequence_parallel = self.config.sequence_parallel
-        return embedding
+        # No sequence_parallel mark: the lookup runs on the full sequence before the scatter, whose backward
+        # all-gathers, so every rank gets the whole gradient.
+        return embedding.to(get_current_device())
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor], tokentype_ids=None
