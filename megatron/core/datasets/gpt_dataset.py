@@ -298,10 +298,12 @@ def _get_ltor_masks_and_position_ids(
 
     attention_mask = None
     if create_attention_mask:
-        allowed = torch.ones(seq_length, seq_length, dtype=torch.bool).tril_()
+        # Query q sees keys [start of its document (or 0), q]; everything else is masked.
+        keys = positions[None, :]
+        masked = keys > positions[:, None]
         if reset_attention_mask:
-            allowed &= document_start[:, None] == document_start[None, :]
-        attention_mask = (~allowed).unsqueeze(0)
+            masked |= keys < document_start[:, None]
+        attention_mask = masked.unsqueeze(0)
     return attention_mask, loss_mask, position_ids
 
 
