@@ -1,0 +1,105 @@
+"""Every error the model-building code raises, with its message."""
+
+import re
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_mlp_module_spec,
+)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from tests.unit_tests.models.gpt_test_helpers import VOCAB, build_config
+from tests.unit_tests.test_utilities import run_distributed
+
+
+def _capture(call):
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _model_errors():
+    parallel_state.initialize_model_parallel(2)
+    config = build_config(2, False, {})
+    spec = get_gpt_layer_local_spec()
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8, pre_process=False)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    return [
+        _capture(lambda: GPTModel(config, spec, vocab_size=VOCAB + 1, max_sequence_length=8)),
+        _capture(lambda: GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8, mtp_block_spec=spec)),
+        _capture(lambda: model.set_input_tensor([torch.zeros(1), torch.zeros(1)])),
+        _capture(lambda: model(tokens, None, None)),
+        _capture(lambda: LanguageModelEmbedding(config, VOCAB, 8, position_embedding_type="alibi")),
+        _capture(lambda: LanguageModelEmbedding(config, VOCAB, 8)(tokens, None)),
+        _capture(lambda: LanguageModelEmbedding(config, VOCAB, 8)(tokens, tokens, tokentype_ids=tokens)),
+        _capture(lambda: TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * 3))),
+        _capture(lambda: TransformerBlock(config, "not a spec")),
+        _capture(
+            lambda: TransformerLayer(config, TransformerLayerSubmodules(cross_attention=ModuleSpec(module=torch.nn.Linear)))
+        ),
+        _capture(lambda: WrappedTorchNorm(config, 8, zero_centered_gamma=True)),
+        _capture(lambda: WrappedTorchNorm(config, 8, normalization="BatchNorm")),
+    ]
+
+
+def test_model_errors():
+    messages = run_distributed(2, _model_errors)[0]
+    expected = [
+        r"ValueError: vocab_size \(129\) must be divisible by the tensor-parallel size \(2\)",
+        r"ValueError: multi-token prediction \(mtp_block_spec\) is not supported",
+        r"ValueError: GPTModel takes one input tensor per stage, got 2",
+        r"ValueError: TransformerBlock got no hidden_states: a stage without pre_process needs set_input_tensor",
+        r"ValueError: position_embedding_type='alibi' is not valid",
+        r"ValueError: position_ids are required with learned_absolute position embeddings",
+        r"ValueError: tokentype_ids given but the embedding was built with num_tokentypes=0",
+        r"ValueError: the block spec lists 3 layers but this stage builds 2",
+        r"TypeError: cannot build a TransformerBlock from str",
+        r"ValueError: cross_attention is not supported in TransformerLayer",
+        r"ValueError: layernorm_zero_centered_gamma is not supported by the PyTorch norms",
+        r"ValueError: normalization='BatchNorm' is not supported",
+    ]
+    assert len(messages) == len(expected)
+    for message, pattern in zip(messages, expected):
+        assert message is not None, pattern
+        assert re.match(pattern, message), (pattern, message)
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match="num_experts=8: mixture-of-experts layers are not available yet"):
+        get_gpt_layer_local_spec(num_experts=8)
+    with pytest.raises(ValueError, match="use_te=True needs Transformer Engine specs"):
+        get_mlp_module_spec(use_te=True)
+    with pytest.raises(ValueError, match="multi_latent_attention is not supported"):
+        get_gpt_layer_local_spec(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="qk_l2_norm is not supported"):
+        get_gpt_layer_local_spec(qk_l2_norm=True)
+    with pytest.raises(ValueError, match="fp8='e4m3' needs Transformer Engine"):
+        get_gpt_layer_local_spec(fp8="e4m3")
+    with pytest.raises(ValueError, match="use_transformer_engine=True needs Transformer Engine specs"):
+        get_gpt_decoder_block_spec(build_config(1, False, {}), use_transformer_engine=True)
+
+
+def _block_spec_builds_the_same_model():
+    parallel_state.initialize_model_parallel(1)
+    config = build_config(1, False, {"normalization": "RMSNorm"})
+    block_spec = get_gpt_decoder_block_spec(config, normalization="RMSNorm")
+    model = GPTModel(config, block_spec, vocab_size=VOCAB, max_sequence_length=8)
+    return sorted(name for name, _ in model.named_parameters()), type(model.decoder.final_layernorm).__name__
+
+
+def test_decoder_block_spec():
+    names, norm = run_distributed(1, _block_spec_builds_the_same_model)[0]
+    assert norm == "RMSNorm"
+    assert "decoder.layers.1.mlp.linear_fc2.weight" in names
+    assert "decoder.final_layernorm.bias" not in names  # RMSNorm has no bias
