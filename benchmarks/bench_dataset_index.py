@@ -187,7 +187,8 @@ def main():
         bench_index_build(int(args.tokens), args.mean_document_length, args.sequence_length, epochs)
         for epochs in args.epochs
     ]
-    reference = bench_reference_loop(int(args.reference_tokens or args.tokens), args.mean_document_length, args.sequence_length)
+    reference_tokens = int(args.reference_tokens or args.tokens)
+    reference = bench_reference_loop(reference_tokens, args.mean_document_length, args.sequence_length)
     blends = [bench_blending(args.blend_samples, w) for w in ([0.3, 0.7], [0.2, 0.3, 0.5], [0.125] * 8)]
     with tempfile.TemporaryDirectory() as directory:
         prefix = real_corpus(directory)

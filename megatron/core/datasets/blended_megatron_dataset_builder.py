@@ -171,29 +171,27 @@ class BlendedMegatronDatasetBuilder:
         return datasets
 
     def _build_rank_0_first(self, tasks: List[Callable[[], Any]]) -> List[Any]:
-        """Run `tasks` on global rank 0, then (after all ranks agree it succeeded) on the other building ranks.
+        """Run `tasks` on global rank 0, then (once all ranks know it succeeded) on the other building ranks.
 
-        Every rank calls this the same number of times, whatever `is_built_on_rank` says, because it holds a
-        collective. A failure on rank 0 is re-raised there and turned into an error on the others: no rank hangs.
+        Every rank calls this the same number of times, whatever `is_built_on_rank` says, because it holds
+        collectives. After each phase the ranks agree on whether any of them failed; the failing rank re-raises its
+        error and the others raise a RuntimeError, so no rank is left waiting in a later collective.
         """
         if not _distributed():
             return self._run(tasks) if self.is_built_on_rank() else [None] * len(tasks)
         rank = torch.distributed.get_rank()
         results: List[Any] = [None] * len(tasks)
-        failure: Optional[BaseException] = None
-        if rank == 0:
-            try:
-                results = self._run(tasks)
-            except Exception as error:  # re-raised below, once the other ranks know to stop
-                failure = error
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=get_current_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if failure is not None:
-            raise failure
-        if int(flag.item()) != 0:
-            raise RuntimeError("global rank 0 failed to build the datasets (its error names the cause); stopping")
-        if rank != 0 and self.is_built_on_rank():
-            results = self._run(tasks)
+        for phase in ("global rank 0", "the other ranks"):
+            failure: Optional[BaseException] = None
+            if (rank == 0) == (phase == "global rank 0") and self.is_built_on_rank():
+                try:
+                    results = self._run(tasks)
+                except Exception as error:  # re-raised below, once every rank knows to stop
+                    failure = error
+            if _any_rank_failed(failure is not None):
+                if failure is not None:
+                    raise failure
+                raise RuntimeError(f"{phase} failed to build the datasets (see that rank's error); stopping")
         return results
 
     def _run(self, tasks: List[Callable[[], Any]]) -> List[Any]:
@@ -218,6 +216,12 @@ def _check_sizes(sizes: Sequence[Optional[int]]) -> Sizes:
         if size is not None and (not isinstance(size, numbers.Integral) or size < 0):
             raise ValueError(f"sizes[{split.value}] ({split.name}) must be None or an integer >= 0, got {size!r}")
     return [None if size is None else int(size) for size in sizes]
+
+
+def _any_rank_failed(failed_here: bool) -> bool:
+    flag = torch.tensor([1 if failed_here else 0], dtype=torch.int32, device=get_current_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _distributed() -> bool:

@@ -137,7 +137,9 @@ class GPTDataset(MegatronDataset):
         sample["position_ids"] = position_ids
         return sample
 
-    def _masks_and_position_ids(self, tokens: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    def _masks_and_position_ids(
+        self, tokens: torch.Tensor
+    ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Masks and positions; without resets or EOD masking they are the same for every sample, so cached."""
         if self.masks_and_position_ids_are_cacheable and self._cached_masks_and_position_ids is not None:
             attention_mask, loss_mask, position_ids = self._cached_masks_and_position_ids

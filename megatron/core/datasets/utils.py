@@ -37,7 +37,9 @@ def normalize(weights: Sequence[float]) -> List[float]:
         raise ValueError(f"weights must be finite and >= 0, got {list(weights)!r}")
     total = np.sum(array)
     if total <= 0:
-        raise ValueError(f"weights must not all be 0, got {list(weights)!r}: give at least one dataset a positive weight")
+        raise ValueError(
+            f"weights must not all be 0, got {list(weights)!r}: give at least one dataset a positive weight"
+        )
     return (array / total).tolist()
 
 

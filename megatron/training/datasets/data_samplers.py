@@ -162,7 +162,9 @@ def build_pretraining_data_loader(
     returned as is (it is its own iterator). None for a None dataset.
     """
     if dataloader_type not in DATALOADER_TYPES:
-        raise ValueError(f"dataloader_type must be one of {DATALOADER_TYPES} (--dataloader-type), got {dataloader_type!r}")
+        raise ValueError(
+            f"dataloader_type must be one of {DATALOADER_TYPES} (--dataloader-type), got {dataloader_type!r}"
+        )
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if dataset is None:

@@ -89,11 +89,8 @@ def reference_blending(weights, size):
     counts = [0] * len(weights)
     dataset_index, sample_index = [], []
     for k in range(size):
-        best = None
-        for i in range(len(weights)):
-            error = weights[i] * max(k, 1) - counts[i]
-            if best is None or error > best_error:
-                best, best_error = i, error
+        errors = [weights[i] * max(k, 1) - counts[i] for i in range(len(weights))]
+        best = errors.index(max(errors))  # the first index wins ties
         dataset_index.append(best)
         sample_index.append(counts[best])
         counts[best] += 1
@@ -106,13 +103,9 @@ def reference_exhaustive_blending(sizes):
     counts = [0] * len(sizes)
     dataset_index, sample_index = [], []
     for k in range(total):
-        best = None
-        for i in range(len(sizes)):
-            if counts[i] == sizes[i]:
-                continue
-            error = weights[i] * max(k, 1) - counts[i]
-            if best is None or error > best_error:
-                best, best_error = i, error
+        unspent = [i for i in range(len(sizes)) if counts[i] < sizes[i]]
+        errors = [weights[i] * max(k, 1) - counts[i] for i in unspent]
+        best = unspent[errors.index(max(errors))]
         dataset_index.append(best)
         sample_index.append(counts[best])
         counts[best] += 1

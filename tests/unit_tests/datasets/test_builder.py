@@ -190,7 +190,32 @@ def _build_with_missing_prefix(cache):
 def test_a_failure_on_rank_0_stops_every_rank_without_a_hang(tmp_path):
     rank_0, rank_1 = run_distributed(2, _build_with_missing_prefix, str(tmp_path), timeout=60)
     assert rank_0[1] is not None and "missing" in rank_0[2]
-    assert rank_1[1] == "RuntimeError" and "global rank 0 failed to build the datasets" in rank_1[2]
+    message = "global rank 0 failed to build the datasets (see that rank's error); stopping"
+    assert rank_1[1:] == ("RuntimeError", message)
+
+
+def _rank_1_cannot_open_a_prefix(prefix_a, prefix_b, cache):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        prefix_b += "-missing-on-this-rank"
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=8, blend=([prefix_a, prefix_b], [1, 1]), split="1", path_to_cache=cache,
+        tokenizer=ToyTokenizer(),
+    )
+    try:
+        BlendedMegatronDatasetBuilder(GPTDataset, [10, None, None], lambda: True, config).build()
+    except Exception as error:  # each rank reports what it raised
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_failure_on_another_rank_stops_rank_0_before_the_next_collective(tmp_path, corpora):
+    rank_0, rank_1 = run_distributed(
+        2, _rank_1_cannot_open_a_prefix, corpora["a"], corpora["b"], str(tmp_path / "c"), timeout=60
+    )
+    assert rank_0 == ("RuntimeError", "the other ranks failed to build the datasets (see that rank's error); stopping")
+    assert "missing-on-this-rank" in rank_1[1]
 
 
 def _rank_0_must_build():

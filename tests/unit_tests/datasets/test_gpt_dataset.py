@@ -260,7 +260,7 @@ def test_split_indices_select_the_documents(tmp_path):
 
 
 def test_indices_outside_the_low_level_dataset_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"indexed_indices for the train split .* must lie in \[0, 60\), got \[0, 60\]"):
+    with pytest.raises(ValueError, match=r"indexed_indices for the train split .* must lie in \[0, 60\), got \[0, 60"):
         make_dataset(tmp_path, DOCUMENTS, None, indices=np.arange(61, dtype=np.int32))
 
 

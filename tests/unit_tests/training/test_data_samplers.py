@@ -92,7 +92,8 @@ def test_random_sampler_shards_by_rank_and_is_seeded_by_epoch():
     expected = torch.randperm(12, generator=torch.Generator().manual_seed(0)).tolist()
     assert [i for batch in rank_0 for i in batch] == expected
     epoch_1 = random_epoch(24, 24, 3, 2, True)[0]
-    assert [i for batch in epoch_1 for i in batch] == torch.randperm(12, generator=torch.Generator().manual_seed(1)).tolist()
+    expected = torch.randperm(12, generator=torch.Generator().manual_seed(1)).tolist()
+    assert [i for batch in epoch_1 for i in batch] == expected
 
 
 @pytest.mark.parametrize("data_sharding", [True, False])
