@@ -339,7 +339,8 @@ def _partition_process(result_queue, *partition_args):
         progress = encode_partition(*partition_args)
         result_queue.put((partition_args[2], progress, None))
     except Exception as error:  # reported by the parent, which owns the exit status
-        result_queue.put((partition_args[2], None, f"{type(error).__name__}: {error}"))
+        message = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
+        result_queue.put((partition_args[2], None, message))
 
 
 # --- the whole run --------------------------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ def _run_partitions(args, paths, level, splitter_kind, token_dtype):
         results = sorted(_collect_results(result_queue, processes), key=lambda result: result[0])
         errors = [error for _, _, error in results if error is not None]
         if errors:
-            raise MalformedInputError("; ".join(errors))
+            raise RuntimeError("; ".join(errors))
         for _, progress, _ in results:
             total.documents += progress.documents
             total.tokens += progress.tokens

@@ -22,7 +22,7 @@ import os
 import struct
 import uuid
 from array import array
-from typing import List, Optional, Tuple, Type, Union
+from typing import Optional, Type, Union
 
 import numpy as np
 

@@ -290,7 +290,8 @@ def test_multimodal_flag_on_a_plain_index(good_prefix):
 
 def test_bin_shorter_than_index_says(good_prefix):
     overwrite(good_prefix + ".bin", read_bytes(good_prefix + ".bin")[:-2])
-    with pytest.raises(IndexedDatasetFormatError, match=r"good\.bin: data file has 8 bytes but .*good\.idx describes 10"):
+    message = r"good\.bin: data file has 8 bytes but .*good\.idx describes 10"
+    with pytest.raises(IndexedDatasetFormatError, match=message):
         IndexedDataset(good_prefix)
 
 

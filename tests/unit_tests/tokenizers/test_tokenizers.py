@@ -207,7 +207,8 @@ def test_sentencepiece_bad_model(tmp_path):
 
 def test_missing_optional_library_names_the_pip_package(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
-    with pytest.raises(ImportError, match="Llama2Tokenizer needs the `sentencepiece` module: pip install sentencepiece"):
+    message = "Llama2Tokenizer needs the `sentencepiece` module: pip install sentencepiece"
+    with pytest.raises(ImportError, match=message):
         build_tokenizer(make_args(tokenizer_type="Llama2Tokenizer", tokenizer_model=files.sp_model))
 
 
@@ -259,7 +260,8 @@ def test_tiktoken_options(files):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(tiktoken_special_tokens=["<s>", "</s>"]), r"must include \['<unk>', '<s>', '</s>'\]; missing \['<unk>'\]"),
+        (dict(tiktoken_special_tokens=["<s>", "</s>"]),
+         r"must include \['<unk>', '<s>', '</s>'\]; missing \['<unk>'\]"),
         (dict(tiktoken_special_tokens=["<unk>", "<s>", "</s>", "<s>"]), "each token may appear only once"),
         (dict(tiktoken_num_special_tokens=2), "--tiktoken-num-special-tokens 2 is less than the 3 special tokens"),
         (dict(vocab_size=786), r"--vocab-size 786 leaves no room for the 1000 special tokens"),
