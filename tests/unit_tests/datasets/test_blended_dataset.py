@@ -160,6 +160,8 @@ def test_blended_dataset_needs_datasets_of_one_split(two_datasets):
     datasets, config = two_datasets
     with pytest.raises(ValueError, match=r"needs at least one dataset"):
         BlendedDataset([], None, None, config)
+    with pytest.raises(ValueError, match=r"BlendedDataset takes at most 32768 datasets \(int16 ids\), got 32769"):
+        BlendedDataset(datasets[:1] * 32769, None, None, config)
     other = GPTDataset(datasets[1].dataset, datasets[1].dataset_path, datasets[1].indices, 5, Split.valid, config)
     with pytest.raises(ValueError, match=r"all blended datasets must belong to one split, got \['train', 'valid'\]"):
         BlendedDataset([datasets[0], other], [0.5, 0.5], 5, config)

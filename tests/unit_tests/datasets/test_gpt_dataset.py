@@ -46,11 +46,11 @@ def make_dataset(tmp_path, documents, num_samples, split=Split.train, indices=No
     return GPTDataset(low_level, prefix, indices, num_samples, split, config)
 
 
-def token_stream_sample(documents, document_index, row_begin, sequence_length, extra, pad):
-    """Reference text of a sample: the shuffled document stream from the sample's start, padded."""
-    stream = [token for position in document_index for token in documents[position]]
+def token_stream_sample(shuffled_documents, row_begin, sequence_length, extra, pad):
+    """Reference text of a sample: the stream of shuffled documents from the sample's start, padded."""
+    stream = [token for document in shuffled_documents for token in document]
     position, offset = row_begin
-    start = sum(len(documents[document_index[p]]) for p in range(position)) + offset
+    start = sum(len(document) for document in shuffled_documents[:position]) + offset
     text = stream[start : start + sequence_length + extra]
     return text + [pad] * (sequence_length + extra - len(text))
 
@@ -125,17 +125,19 @@ def test_gpt_dataset_indices_match_the_reference(tmp_path, case, num_samples, ex
     assert dataset.shuffle_index.tolist() == shuffle
     assert len(dataset) == len(rows) - 1
     assert num_samples is None or len(dataset) >= num_samples
+    if not drop_last:
+        usable_tokens = len(dataset.document_index) // len(DOCUMENTS) * TOKENS - 1
+        assert len(dataset) == usable_tokens // 16 + 1, "the case must end in a partial sample"
 
 
 @pytest.mark.parametrize("extra", [True, False])
 def test_every_sample_is_its_window_of_the_shuffled_token_stream(tmp_path, extra):
     dataset = make_dataset(tmp_path, DOCUMENTS, 2 * TOKENS // 16, add_extra_token_to_sequence=extra)
     shuffled_documents = [DOCUMENTS[i] for i in dataset.document_index]
-    positions = list(range(len(shuffled_documents)))
     for idx in range(len(dataset)):
         sample_id = int(dataset.shuffle_index[idx])
         begin = tuple(int(v) for v in dataset.sample_index[sample_id])
-        expected = token_stream_sample(shuffled_documents, positions, begin, 16, int(extra), PAD)
+        expected = token_stream_sample(shuffled_documents, begin, 16, int(extra), PAD)
         sample = dataset[idx]
         if extra:
             assert sample["tokens"].tolist() == expected[:-1]
@@ -148,8 +150,8 @@ def test_every_sample_is_its_window_of_the_shuffled_token_stream(tmp_path, extra
 
 def test_samples_overlap_by_the_label_token(tmp_path):
     dataset = make_dataset(tmp_path, DOCUMENTS, None)
-    text = [dataset._query_document_sample_shuffle_indices(int(np.where(dataset.shuffle_index == s)[0][0]))[0]
-            for s in range(3)]
+    position_of_sample = np.argsort(dataset.shuffle_index)
+    text = [dataset._query_document_sample_shuffle_indices(int(position_of_sample[s]))[0] for s in range(3)]
     assert text[0][-1] == text[1][0] and text[1][-1] == text[2][0]
 
 
@@ -272,6 +274,16 @@ def test_a_split_without_tokens_is_rejected(tmp_path):
 def test_negative_num_samples_is_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"num_samples must be None \(one epoch\) or an integer >= 0, got -3"):
         make_dataset(tmp_path, DOCUMENTS, -3)
+
+
+def test_index_split_must_be_a_split(tmp_path):
+    with pytest.raises(ValueError, match=r"index_split must be a Split \(train, valid or test\), got 'train'"):
+        make_dataset(tmp_path, DOCUMENTS, None, split="train")
+
+
+def test_sample_index_needs_enough_tokens_for_one_extra_token():
+    with pytest.raises(ValueError, match=r"0 tokens cannot hold a sample of 4 \+ 1 tokens"):
+        index_helpers.build_sample_index(np.zeros(2, np.int32), np.arange(2, dtype=np.int32), 4, 1, 0)
 
 
 # ---- the index cache -------------------------------------------------------------------------------------------
