@@ -126,6 +126,16 @@ def test_add_item_and_end_document_match_add_document(tmp_path):
     assert read_bytes(str(tmp_path / "item.idx")) == read_bytes(by_document + ".idx")
 
 
+def test_builder_accepts_cpu_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    builder = IndexedDatasetBuilder(str(tmp_path / "t.bin"), dtype=np.uint16)
+    builder.add_item(torch.tensor([1, 2, 3]))
+    builder.end_document()
+    builder.add_document(torch.tensor([4, 5], dtype=torch.int32), torch.tensor([2]))
+    builder.finalize(str(tmp_path / "t.idx"))
+    assert read_bytes(str(tmp_path / "t.idx")) == HEADER_82_BYTE_VECTOR
+
+
 def test_add_index_merges_byte_identically(tmp_path):
     first = [[[1, 2], [3]], []]
     second = [[[4]], [[5, 6, 7]]]
