@@ -19,8 +19,12 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, group_size, resolve_tp_group
-from megatron.core.tensor_parallel.utils import split_tensor_into_1d_equal_chunks
+from megatron.core.tensor_parallel.utils import (
+    gather_split_1d_tensor,
+    group_size,
+    resolve_tp_group,
+    split_tensor_into_1d_equal_chunks,
+)
 from megatron.core.utils import get_current_device, warn_once
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -241,7 +245,7 @@ class CheckpointFunction(torch.autograd.Function):
             # Keep only this rank's 1/tp of the first input; backward all-gathers it.
             ctx.distributed_first_input_shape = args[0].shape
             saved[0] = split_tensor_into_1d_equal_chunks(args[0].detach(), new_buffer=True)
-        ctx.requires_grad = [torch.is_tensor(arg) and arg.requires_grad for arg in args]
+        ctx.inputs_require_grad = [torch.is_tensor(arg) and arg.requires_grad for arg in args]
         ctx.tensor_positions = [i for i, arg in enumerate(saved) if torch.is_tensor(arg)]
         ctx.other_args = [None if torch.is_tensor(arg) else arg for arg in saved]
         ctx.save_for_backward(*(saved[i] for i in ctx.tensor_positions))
@@ -256,7 +260,7 @@ class CheckpointFunction(torch.autograd.Function):
             args[0] = gather_split_1d_tensor(args[0]).view(ctx.distributed_first_input_shape)
         inputs = [
             arg.detach().requires_grad_(needs_grad) if torch.is_tensor(arg) else arg
-            for arg, needs_grad in zip(args, ctx.requires_grad)
+            for arg, needs_grad in zip(args, ctx.inputs_require_grad)
         ]
 
         states_now = _RngSnapshot()
