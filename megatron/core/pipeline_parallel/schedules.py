@@ -1,0 +1,662 @@
+"""Forward/backward schedules: no pipelining, 1F1B, and interleaved 1F1B with virtual pipeline stages.
+
+All three share one contract (Megatron-Core's):
+
+* ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``. The model's input from the previous
+  stage has already been handed over with ``model.set_input_tensor([tensor])``.
+* On the last stage ``loss_func(output_tensor)`` returns ``(loss, num_tokens, reduced_dict)``, and the loss is
+  divided by ``num_tokens`` and by ``num_microbatches`` unless ``config.calculate_per_token_loss`` (then it is
+  left as a sum, and the token count of the whole step goes to ``config.finalize_model_grads_func``); or the legacy
+  ``(loss, reduced_dict)``, divided by ``num_microbatches``. ``reduced_dict`` (e.g. ``{'lm loss': ...}``) is what
+  the schedule returns, one per micro-batch, on the last stage; elsewhere the list is empty.
+* ``config.grad_scale_func`` scales the loss before backward; ``config.no_sync_func`` suspends gradient reduction
+  until the last micro-batch; ``config.grad_sync_func`` / ``config.param_sync_func`` launch a model chunk's
+  gradient reduction / parameter gather overlapped with the pipeline; ``config.finalize_model_grads_func`` runs once
+  after the last backward pass.
+
+Schedules are keyword-only, as in Megatron: ``forward_step_func, data_iterator, model, num_microbatches,
+seq_length, micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+first_val_step=None``. ``forward_only`` runs the forward passes under ``torch.no_grad()``.
+"""
+
+import contextlib
+from typing import Callable, Iterator, List, Optional, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan, get_schedule_table  # noqa: F401
+from megatron.core.utils import get_attr_wrapped_model, get_current_device
+
+
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
+    """The schedule for this layout: no pipelining (one stage), 1F1B, or interleaved 1F1B (virtual stages).
+
+    ``pp_size`` / ``vp_size`` default to the pipeline and virtual-pipeline sizes in ``parallel_state``.
+    """
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if vp_size is None:
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size > 1:
+        if vp_size is not None:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+def get_model_config(model: torch.nn.Module):
+    """The ``config`` of a model chunk, looking through DDP / Float16Module wrappers."""
+    return get_attr_wrapped_model(model, "config")
+
+
+def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False) -> None:
+    """Free the data of a stage output that has been sent to the next stage, keeping its autograd graph.
+
+    Only the output's ``grad_fn`` is needed for the backward pass, so its storage is replaced by a single element
+    broadcast to the same shape (shape checks in ``torch.autograd.backward`` still pass). This is what keeps
+    activation memory at 1F1B's bound. Does nothing unless ``deallocate_pipeline_outputs``.
+    """
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"expected the stage output to be a tensor, got {type(out).__name__}")
+    if out._base is not None:
+        raise ValueError(
+            "the stage output is a view of another tensor, so freeing it would release no memory; return a tensor "
+            "that owns its storage (e.g. .contiguous() or .clone()), or set deallocate_pipeline_outputs=False"
+        )
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype).expand(out.shape)
+
+
+def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
+    """Whether a micro-batch counts as the first one (``first_val_step`` overrides it during validation)."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int], config):
+    """Shapes of the tensors sent between stages: ``[(s / cp (/ tp with sequence parallelism), b, h)]``."""
+    del decoder_seq_length  # encoder-decoder models are not supported; decoders use seq_length
+    seq = seq_length // parallel_state.get_context_parallel_world_size()
+    if config.sequence_parallel:
+        seq //= parallel_state.get_tensor_model_parallel_world_size()
+    return [(seq, micro_batch_size, config.hidden_size)]
+
+
+def forward_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    input_tensor,
+    forward_data_store: list,
+    config,
+    collect_non_loss_data: bool = False,
+    checkpoint_activations_microbatch=None,
+    is_first_microbatch: bool = False,
+    current_microbatch: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+    is_last_stage: Optional[bool] = None,
+):
+    """Run one micro-batch through one model chunk; on the last stage also compute and store its loss.
+
+    Returns ``(output_tensors, num_tokens)``: the output as a one-element list (or a bare tensor when
+    ``input_tensor`` was given bare), and the micro-batch's token count (0 for legacy losses and off the last stage).
+    """
+    if checkpoint_activations_microbatch is not None:
+        raise ValueError(
+            "checkpoint_activations_microbatch (num_microbatches_with_partial_activation_checkpoints) is not "
+            "supported; leave it None"
+        )
+    if is_last_stage is None:
+        is_last_stage = parallel_state.is_pipeline_last_stage(vp_stage=vp_stage)
+    if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
+    unwrap_output_tensor = not isinstance(input_tensor, list)
+    if unwrap_output_tensor:
+        input_tensor = [input_tensor]
+    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
+
+    if config.enable_autocast:
+        autocast = torch.autocast(get_current_device().type, dtype=config.autocast_dtype)
+    else:
+        autocast = contextlib.nullcontext()
+    with autocast:
+        output_tensor, loss_func = forward_step_func(data_iterator, model)
+
+    num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+    if is_last_stage:
+        if collect_non_loss_data:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        else:
+            output_tensor, num_tokens, reduced = _reduce_loss(loss_func(output_tensor), num_microbatches, config)
+            forward_data_store.append(reduced)
+    if unwrap_output_tensor:
+        return output_tensor, num_tokens
+    return [output_tensor], num_tokens
+
+
+def _reduce_loss(outputs, num_microbatches: int, config):
+    """Apply Megatron's loss normalisation to what ``loss_func`` returned."""
+    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+        raise ValueError(
+            "loss_func must return (loss, num_tokens, reduced_dict) or the legacy (loss, reduced_dict); "
+            f"got {type(outputs).__name__} of length {len(outputs) if isinstance(outputs, (tuple, list)) else '-'}"
+        )
+    if len(outputs) == 2:
+        loss, reduced = outputs
+        return loss / num_microbatches, torch.zeros((), dtype=torch.int64, device=loss.device), reduced
+    loss, num_tokens, reduced = outputs
+    num_tokens = torch.as_tensor(num_tokens, device=loss.device)
+    if not config.calculate_per_token_loss:
+        # A micro-batch whose tokens are all masked contributes zero, not NaN.
+        loss = loss / num_tokens.clamp(min=1) / num_microbatches
+    return loss, num_tokens.to(torch.int64), reduced
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    """Backpropagate one micro-batch through one model chunk; return the gradient of its input.
+
+    ``output_tensor_grad`` is None on the last stage, where the output is the loss (scaled by
+    ``config.grad_scale_func`` first). ``model_type`` is kept for Megatron's signature; only decoder (or
+    encoder-only) models are supported. Inputs and outputs may be bare tensors or one-element lists, as returned by
+    :func:`forward_step`.
+    """
+    del model_type
+    unwrap_input_tensor_grad = not isinstance(input_tensor, list)
+    if unwrap_input_tensor_grad:
+        input_tensor = [input_tensor]
+    if not isinstance(output_tensor, list):
+        output_tensor = [output_tensor]
+    if not isinstance(output_tensor_grad, list):
+        output_tensor_grad = [output_tensor_grad]
+    for tensor in input_tensor:
+        if tensor is not None:
+            tensor.retain_grad()
+
+    loss_or_output = output_tensor[0]
+    if output_tensor_grad[0] is None and config.grad_scale_func is not None:
+        loss_or_output = config.grad_scale_func(loss_or_output)
+    torch.autograd.backward(loss_or_output, grad_tensors=output_tensor_grad[0])
+
+    input_tensor_grad = [None if tensor is None else tensor.grad for tensor in input_tensor]
+    return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
+
+
+class _GradSyncSwitch:
+    """Enters ``no_sync_func()`` to suspend gradient reduction and leaves it to let the reduction happen."""
+
+    def __init__(self, no_sync_func):
+        if isinstance(no_sync_func, (list, tuple)):
+            chunk_funcs = list(no_sync_func)
+
+            def no_sync_func():
+                stack = contextlib.ExitStack()
+                for func in chunk_funcs:
+                    stack.enter_context(func())
+                return stack
+
+        self.no_sync_func = no_sync_func or contextlib.nullcontext
+        self.context = None
+
+    def disable(self) -> None:
+        if self.context is None:
+            self.context = self.no_sync_func()
+            self.context.__enter__()
+
+    def enable(self) -> None:
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+def _single_chunk(model, data_iterator, schedule: str):
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(
+                f"{schedule} takes one model chunk, got a list of {len(model)}; use the interleaved schedule "
+                "(virtual_pipeline_model_parallel_size) for several chunks per rank"
+            )
+        model = model[0]
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != 1:
+            raise ValueError(f"{schedule} takes one data iterator, got a list of {len(data_iterator)}")
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
+def _check_num_microbatches(num_microbatches) -> None:
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+
+
+def _finalize(config, model_chunks: list, total_num_tokens: torch.Tensor, forward_only: bool) -> None:
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(
+            model_chunks, total_num_tokens if config.calculate_per_token_loss else None
+        )
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func,
+    data_iterator: Union[Iterator, List[Iterator]],
+    model: Union[torch.nn.Module, List[torch.nn.Module]],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+) -> list:
+    """Run forward and backward for every micro-batch on a single stage; return the per-micro-batch loss dicts.
+
+    Gradients accumulate across micro-batches; reduction is suspended (``no_sync_func``) for all but the last.
+    ``seq_length`` and ``micro_batch_size`` are unused here (nothing is communicated) but kept for the common
+    signature.
+    """
+    del seq_length, micro_batch_size, decoder_seq_length
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
+    _check_num_microbatches(num_microbatches)
+    config = get_model_config(model)
+    grad_sync = _GradSyncSwitch(config.no_sync_func)
+    forward_data_store = []
+    total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for microbatch in range(num_microbatches):
+            if microbatch < num_microbatches - 1:
+                grad_sync.disable()
+            else:
+                grad_sync.enable()  # the last backward pass reduces the accumulated gradients
+            output_tensor, num_tokens = forward_step(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                None,
+                forward_data_store,
+                config,
+                collect_non_loss_data,
+                is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
+                current_microbatch=microbatch,
+                is_last_stage=True,
+            )
+            total_num_tokens += num_tokens
+            if not forward_only:
+                backward_step(None, output_tensor, None, None, config)
+    grad_sync.enable()
+    _finalize(config, [model], total_num_tokens, forward_only)
+    return forward_data_store
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func,
+    data_iterator: Union[Iterator, List[Iterator]],
+    model: Union[torch.nn.Module, List[torch.nn.Module]],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+) -> list:
+    """The 1F1B schedule (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+
+    Stage ``r`` of ``p`` first runs ``min(p - r - 1, m)`` forward passes, then alternates a forward and a backward
+    pass until its ``m`` forwards are done, then runs the remaining backward passes. At most ``p - r`` micro-batches
+    are in flight on stage ``r``, so the first stage stashes activations for at most ``p`` micro-batches.
+    """
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
+    _check_num_microbatches(num_microbatches)
+    config = get_model_config(model)
+    if config.overlap_p2p_comm:
+        raise ValueError(
+            "overlap_p2p_comm=True is only supported by the interleaved schedule; set it to False or use "
+            "virtual_pipeline_model_parallel_size"
+        )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    first_stage, last_stage = pp_rank == 0, pp_rank == pp_size - 1
+    (tensor_shape,) = get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, config=config
+    )
+    num_warmup = num_microbatches if forward_only else min(pp_size - pp_rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+
+    grad_sync = _GradSyncSwitch(config.no_sync_func)
+    grad_sync.disable()
+    # With a custom grad_sync_func only the first stage reduces during its last backward pass; the others launch
+    # their reduction after the flush, so every stage's reduction starts at about the same time.
+    sync_in_last_backward = config.grad_sync_func is None or first_stage
+    forward_data_store = []
+    total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+    input_tensors, output_tensors = [], []
+
+    def run_forward(microbatch: int, input_tensor):
+        nonlocal total_num_tokens
+        output_tensor, num_tokens = forward_step(
+            forward_step_func,
+            data_iterator,
+            model,
+            num_microbatches,
+            input_tensor,
+            forward_data_store,
+            config,
+            collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
+            current_microbatch=microbatch,
+            is_last_stage=last_stage,
+        )
+        total_num_tokens += num_tokens
+        return output_tensor
+
+    def run_backward(output_tensor_grad, is_last_backward: bool):
+        if is_last_backward and sync_in_last_backward:
+            grad_sync.enable()
+        input_tensor = input_tensors.pop(0)
+        output_tensor = output_tensors.pop(0)
+        return backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+
+    def stash(input_tensor, output_tensor) -> None:
+        input_tensors.append(input_tensor)
+        output_tensors.append(output_tensor)
+        if not last_stage:  # the last stage's output is its loss, which nothing else holds
+            deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for microbatch in range(num_warmup):
+            input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+            output_tensor = run_forward(microbatch, input_tensor)
+            p2p_communication.send_forward(output_tensor, config, is_last_stage=last_stage, tensor_shape=tensor_shape)
+            if not forward_only:
+                stash(input_tensor, output_tensor)
+
+        input_tensor = None
+        if num_steady > 0:
+            input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+        for step in range(num_steady):
+            last_step = step == num_steady - 1
+            output_tensor = run_forward(num_warmup + step, input_tensor)
+            if forward_only:
+                p2p_communication.send_forward(
+                    output_tensor, config, is_last_stage=last_stage, tensor_shape=tensor_shape
+                )
+                if not last_step:
+                    input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+                continue
+            output_tensor_grad = p2p_communication.send_forward_recv_backward(
+                output_tensor, tensor_shape, config, is_last_stage=last_stage
+            )
+            stash(input_tensor, output_tensor)
+            input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=last_step and num_warmup == 0)
+            if last_step:
+                p2p_communication.send_backward(
+                    input_tensor_grad, config, is_first_stage=first_stage, tensor_shape=tensor_shape
+                )
+            else:
+                input_tensor = p2p_communication.send_backward_recv_forward(
+                    input_tensor_grad, tensor_shape, config, is_first_stage=first_stage
+                )
+
+    if not forward_only:
+        for step in range(num_warmup):
+            output_tensor_grad = p2p_communication.recv_backward(tensor_shape, config, is_last_stage=last_stage)
+            input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=step == num_warmup - 1)
+            p2p_communication.send_backward(
+                input_tensor_grad, config, is_first_stage=first_stage, tensor_shape=tensor_shape
+            )
+    grad_sync.enable()
+    if config.grad_sync_func is not None and not forward_only:
+        config.grad_sync_func(model.parameters())
+    _finalize(config, [model], total_num_tokens, forward_only)
+    return forward_data_store
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func,
+    data_iterator: List[Iterator],
+    model: List[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+) -> list:
+    """Interleaved 1F1B: each rank holds ``v`` model chunks (virtual stages) and the pipeline bubble shrinks by ``v``.
+
+    ``model`` and ``data_iterator`` are lists with one entry per chunk. Chunk ``c`` of pipeline rank ``r`` is virtual
+    stage ``c * p + r``. Forward passes follow :func:`get_schedule_table`; backward passes follow the same table with
+    chunks mirrored. See :class:`~megatron.core.pipeline_parallel.interleaved_plan.InterleavedPlan` for the order of
+    work and communication on each rank.
+    """
+    if not isinstance(model, list) or not all(isinstance(chunk, torch.nn.Module) for chunk in model):
+        raise TypeError("the interleaved schedule expects model to be a list of model chunks (torch.nn.Module)")
+    if not isinstance(data_iterator, list) or len(data_iterator) != len(model):
+        raise TypeError(
+            "the interleaved schedule expects data_iterator to be a list with one iterator (or None) per model chunk"
+        )
+    _check_num_microbatches(num_microbatches)
+    config = get_model_config(model[0])
+    plan = InterleavedPlan(
+        num_microbatches=num_microbatches,
+        num_model_chunks=len(model),
+        microbatch_group_size=config.microbatch_group_size_per_vp_stage,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        vp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        forward_only=forward_only,
+    )
+    if config.overlap_p2p_comm and config.batch_p2p_comm:
+        raise ValueError(
+            "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "
+            "overlapping); set batch_p2p_comm=False"
+        )
+    (tensor_shape,) = get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, config=config
+    )
+    runner = _InterleavedRunner(
+        plan, forward_step_func, data_iterator, model, config, tensor_shape, collect_non_loss_data, first_val_step
+    )
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        runner.run()
+    _finalize(config, model, runner.total_num_tokens, forward_only)
+    return runner.forward_data_store
+
+
+class _InterleavedRunner:
+    """Carries out an :class:`InterleavedPlan` on this rank: compute, communicate, buffer, sync gradients."""
+
+    def __init__(
+        self, plan, forward_step_func, data_iterators, model, config, tensor_shape, collect_non_loss_data, first_val_step
+    ):
+        self.plan = plan
+        self.forward_step_func = forward_step_func
+        self.data_iterators = data_iterators
+        self.model = model
+        self.config = config
+        self.tensor_shape = tensor_shape
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.forward_data_store = []
+        self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+        # Tensors keyed by (microbatch_id, model_chunk_id): inputs received ahead of their forward pass, gradients
+        # received ahead of their backward pass, and what a forward pass leaves for its backward pass.
+        self.inputs = {}
+        self.output_grads = {}
+        self.stashed = {}
+        self.grad_sync = _GradSyncSwitch(config.no_sync_func)
+        self.synchronized_chunks = set()
+        self.grad_sync_funcs = self._per_chunk(config.grad_sync_func)
+        self.param_sync_funcs = self._per_chunk(config.param_sync_func)
+        # Calls posted but not yet waited on (only with overlap_p2p_comm): (requests, sent activation) or None.
+        self.pending_activations = None
+        self.pending_gradients = None
+
+    def _per_chunk(self, func):
+        if func is None or self.plan.forward_only:  # forward-only steps neither reduce gradients nor gather params
+            return None
+        return list(func) if isinstance(func, (list, tuple)) else [func] * len(self.model)
+
+    def run(self) -> None:
+        plan, config = self.plan, self.config
+        self.grad_sync.disable()
+        if self.param_sync_funcs is not None:
+            for chunk in range(min(2, plan.num_model_chunks)):
+                self.param_sync_funcs[chunk](self.model[chunk].parameters())
+        first_key = plan.forward_key(0)
+        if not plan.is_first_virtual_stage(first_key[1]):
+            self.inputs[first_key] = p2p_communication.recv_forward(self.tensor_shape, config, is_first_stage=False)
+
+        for slot in range(plan.num_slots):
+            self._wait_activations()  # the forward pass may need what it brought; its sent tensor may be freed
+            output_tensor = None
+            if plan.has_forward(slot):
+                output_tensor = self._forward(slot)
+                if plan.is_last_virtual_stage(plan.forward_key(slot)[1]):
+                    output_tensor = None  # the loss stays here
+            recv_prev_key = plan.activation_to_receive(slot)
+            if config.overlap_p2p_comm:
+                # Activations travel while this slot's backward pass computes.
+                self.pending_activations = self._post(output_tensor, None, recv_prev_key, None)
+            self._wait_gradients()
+            input_tensor_grad = None
+            if plan.has_backward(slot):
+                input_tensor_grad = self._backward(slot - plan.num_warmup)
+                if plan.is_first_virtual_stage(plan.backward_key(slot - plan.num_warmup)[1]):
+                    input_tensor_grad = None  # nothing before the first stage
+            recv_next_key = plan.gradient_to_receive(slot)
+            if config.overlap_p2p_comm:
+                # Gradients travel while the next slot's forward pass computes.
+                self.pending_gradients = self._post(None, input_tensor_grad, None, recv_next_key)
+            else:
+                self.pending_activations = self._post(output_tensor, input_tensor_grad, recv_prev_key, recv_next_key)
+                self._wait_activations()
+        self._wait_activations()
+        self._wait_gradients()
+
+        self.grad_sync.enable()
+        if self.grad_sync_funcs is not None:
+            for chunk in range(plan.num_model_chunks):
+                if chunk not in self.synchronized_chunks:
+                    self.grad_sync_funcs[chunk](self.model[chunk].parameters())
+        if self.inputs or self.output_grads or self.stashed:
+            raise RuntimeError(
+                "the interleaved schedule ended with tensors it never used "
+                f"(inputs {sorted(self.inputs)}, gradients {sorted(self.output_grads)}, stashed {sorted(self.stashed)})"
+            )
+
+    def _post(self, send_next, send_prev, recv_prev_key, recv_next_key):
+        """Post one call without waiting; return what finishing it needs: (requests, sent activation) or None."""
+        if all(x is None for x in (send_next, send_prev, recv_prev_key, recv_next_key)):
+            return None
+        received_input, received_grad, requests = p2p_communication._communicate(
+            tensor_send_next=send_next,
+            tensor_send_prev=send_prev,
+            recv_prev=recv_prev_key is not None,
+            recv_next=recv_next_key is not None,
+            tensor_shape=self.tensor_shape,
+            config=self.config,
+            wait_on_reqs=False,
+        )
+        if recv_prev_key is not None:
+            self.inputs[recv_prev_key] = received_input
+        if recv_next_key is not None:
+            self.output_grads[recv_next_key] = received_grad
+        return requests, send_next
+
+    def _wait_activations(self) -> None:
+        self._finish(self.pending_activations)
+        self.pending_activations = None
+
+    def _wait_gradients(self) -> None:
+        self._finish(self.pending_gradients)
+        self.pending_gradients = None
+
+    def _finish(self, pending) -> None:
+        """Wait for a posted call; only then may the sent activation's memory be released."""
+        if pending is None:
+            return
+        requests, sent_activation = pending
+        for request in requests:
+            request.wait()
+        if sent_activation is not None and not self.plan.forward_only:
+            deallocate_output_tensor(sent_activation, self.config.deallocate_pipeline_outputs)
+
+    def _forward(self, virtual_id: int):
+        plan = self.plan
+        microbatch, chunk = plan.forward_key(virtual_id)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        self._launch_param_sync(virtual_id)
+        if plan.is_first_virtual_stage(chunk):
+            input_tensor = None
+        else:
+            input_tensor = self.inputs.pop((microbatch, chunk))
+        output_tensor, num_tokens = forward_step(
+            self.forward_step_func,
+            self.data_iterators[chunk],
+            self.model[chunk],
+            plan.num_microbatches,
+            input_tensor,
+            self.forward_data_store,
+            self.config,
+            self.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(self.first_val_step, plan.forward_only, microbatch == 0),
+            current_microbatch=microbatch,
+            vp_stage=chunk,
+            is_last_stage=plan.is_last_virtual_stage(chunk),
+        )
+        self.total_num_tokens += num_tokens
+        if not plan.forward_only:
+            self.stashed[(microbatch, chunk)] = (input_tensor, output_tensor)
+        return output_tensor
+
+    def _backward(self, backward_id: int):
+        plan = self.plan
+        microbatch, chunk = plan.backward_key(backward_id)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        last_for_chunk = microbatch == plan.num_microbatches - 1
+        if self.grad_sync_funcs is None and last_for_chunk:
+            self.grad_sync.enable()  # this backward pass reduces the chunk's accumulated gradients
+            self.synchronized_chunks.add(chunk)
+        input_tensor, output_tensor = self.stashed.pop((microbatch, chunk))
+        output_grad = None if plan.is_last_virtual_stage(chunk) else self.output_grads.pop((microbatch, chunk))
+        input_tensor_grad = backward_step(input_tensor, output_tensor, output_grad, None, self.config)
+        self._launch_grad_sync(backward_id)
+        self.grad_sync.disable()
+        return input_tensor_grad
+
+    def _launch_param_sync(self, virtual_id: int) -> None:
+        """Gather the parameters of the chunk after next ahead of its first forward pass.
+
+        Ranks launch it at the same virtual step (offset by their pipeline rank), so the gathers line up.
+        """
+        if self.param_sync_funcs is None:
+            return
+        plan = self.plan
+        sync_id = virtual_id + plan.pp_rank
+        if sync_id < plan.total and plan.forward_key(sync_id)[0] == 0:
+            chunk = plan.forward_key(sync_id)[1] + 1
+            if 1 < chunk < plan.num_model_chunks:
+                self.param_sync_funcs[chunk](self.model[chunk].parameters())
+
+    def _launch_grad_sync(self, backward_id: int) -> None:
+        """Launch a chunk's gradient reduction once its last backward pass is done on every rank's clock."""
+        if self.grad_sync_funcs is None:
+            return
+        plan = self.plan
+        sync_id = backward_id - plan.pp_rank
+        if sync_id >= 0 and plan.backward_key(sync_id)[0] == plan.num_microbatches - 1:
+            chunk = plan.backward_key(sync_id)[1]
+            self.grad_sync.enable()
+            self.grad_sync_funcs[chunk](self.model[chunk].parameters())
+            self.synchronized_chunks.add(chunk)
