@@ -21,3 +21,100 @@ class MegatronModule(torch.nn.Module):
         for module in self.modules():
             if hasattr(module, "is_first_microbatch"):
                 module.is_first_microbatch = True
+
+
+# ---- mixed precision: Float16Module and its helpers ----------------------------------------------------------------
+
+_FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for the duplicate copy of a weight held on another stage (``param.shared``), e.g. a tied output layer."""
+    return not getattr(param, "shared", False)
+
+
+def conversion_helper(value, conversion):
+    """Apply ``conversion`` to ``value``, or to every element of (nested) tuples and lists of it."""
+    if isinstance(value, (tuple, list)):
+        converted = [conversion_helper(item, conversion) for item in value]
+        return tuple(converted) if isinstance(value, tuple) else converted
+    return conversion(value)
+
+
+def fp32_to_float16(value, float16_convertor):
+    """Convert fp32 tensors in ``value`` with ``float16_convertor`` (e.g. ``lambda t: t.bfloat16()``)."""
+
+    def convert(item):
+        if isinstance(item, torch.Tensor) and item.dtype == torch.float32:
+            return float16_convertor(item)
+        return item
+
+    return conversion_helper(value, convert)
+
+
+def float16_to_fp32(value):
+    """Convert fp16/bf16 tensors in ``value`` to fp32."""
+
+    def convert(item):
+        if isinstance(item, torch.Tensor) and item.dtype in _FLOAT16_DTYPES:
+            return item.float()
+        return item
+
+    return conversion_helper(value, convert)
+
+
+class Float16Module(MegatronModule):
+    """Run ``module`` in fp16 or bf16 (``config.fp16`` / ``config.bf16``).
+
+    The wrapped module's parameters and buffers are cast once; floating inputs are cast on the first pipeline stage
+    and outputs are returned in fp32 on the last, so losses are computed and reported in fp32. The optimizer keeps
+    fp32 main parameters (Float16OptimizerWithFloat16Params / DistributedOptimizer).
+    """
+
+    def __init__(self, config: TransformerConfig, module: torch.nn.Module):
+        super().__init__(config)
+        if config.fp16 == config.bf16:
+            raise ValueError(
+                f"Float16Module needs exactly one of config.fp16 / config.bf16 set (got fp16={config.fp16}, "
+                f"bf16={config.bf16})"
+            )
+        self.fp16, self.bf16 = config.fp16, config.bf16
+        dtype = torch.float16 if config.fp16 else torch.bfloat16
+        self.add_module("module", module.to(dtype))
+        self.float16_convertor = lambda tensor: tensor.to(dtype)
+
+    def set_input_tensor(self, input_tensor):
+        return self.module.set_input_tensor(input_tensor)
+
+    def _is_stage(self, attribute: str, check) -> bool:
+        value = getattr(self.module, attribute, None)
+        if value is not None:
+            return bool(value)
+        from megatron.core import parallel_state
+
+        return not parallel_state.model_parallel_is_initialized() or check(ignore_virtual=False)
+
+    def forward(self, *inputs, **kwargs):
+        from megatron.core import parallel_state
+
+        if self._is_stage("pre_process", parallel_state.is_pipeline_first_stage):
+            inputs = fp32_to_float16(inputs, self.float16_convertor)
+            kwargs = {key: fp32_to_float16(value, self.float16_convertor) for key, value in kwargs.items()}
+        outputs = self.module(*inputs, **kwargs)
+        if self._is_stage("post_process", parallel_state.is_pipeline_last_stage):
+            outputs = float16_to_fp32(outputs)
+        return outputs
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        if hasattr(self.module, "state_dict_for_save_checkpoint"):
+            return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        return self.module.sharded_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,320 @@
+"""Contiguous parameter and gradient buffers, split into buckets that are reduced as units.
+
+A :class:`_ParamAndGradBuffer` holds every parameter of one (param dtype, grad dtype) pair in one flat gradient
+tensor (``param.main_grad`` is a view into it) and, with the distributed optimizer, one flat parameter tensor
+(``param.data`` becomes a view into it). Parameters are laid out in reverse registration order, which is roughly the
+order backward produces their gradients, and the buffer is cut into buckets of about ``bucket_size`` elements.
+
+A :class:`_ParamAndGradBucketGroup` is the unit of communication: when the last gradient of its buckets is ready
+(with ``overlap_grad_reduce``) it launches their all-reduce, or reduce-scatter for the distributed optimizer,
+asynchronously; ``finish_grad_sync`` waits. With the distributed optimizer it also all-gathers the updated
+parameters, optionally one bucket group ahead of the forward pass (``overlap_param_gather``).
+
+Bucket layout rules (the distributed optimizer relies on them): with ``use_distributed_optimizer`` each parameter
+starts at a multiple of 64 elements and each bucket is padded to a multiple of lcm(DP size, 128) elements, so every
+DP rank owns an equal contiguous shard of every bucket; a tied embedding weight gets a bucket of its own so that its
+shards line up on the first and last pipeline stage.
+"""
+
+import logging
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+logger = logging.getLogger(__name__)
+
+PARAM_START_ALIGNMENT = 64
+BUCKET_ALIGNMENT = 128
+HIGH_BUSBW_BUCKET_ALIGNMENT = 2**16
+
+# torch >= 2.11 names the single-tensor collectives *_single; older releases only have *_tensor.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
+    """Equal contiguous views of ``buffer``, one per data-parallel rank (its numel must divide evenly)."""
+    shard_size = buffer.numel() // data_parallel_world_size
+    return [buffer[r * shard_size : (r + 1) * shard_size] for r in range(data_parallel_world_size)]
+
+
+class _ParamAndGradBucket:
+    """A contiguous slice of a buffer: its parameters and the views of their data and gradients."""
+
+    def __init__(
+        self,
+        params: List[torch.nn.Parameter],
+        param_data: Optional[torch.Tensor],
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        gradient_scaling_factor: float,
+        bucket_id: int,
+        param_to_index: Dict[torch.nn.Parameter, tuple],
+    ):
+        self.params_list = params
+        self.params = set(params)
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+        self.param_to_index = param_to_index
+
+
+class _ParamAndGradBucketGroup:
+    """Buckets that are reduced (and, for the distributed optimizer, all-gathered) together."""
+
+    def __init__(
+        self,
+        buckets: List[_ParamAndGradBucket],
+        ddp_config: DistributedDataParallelConfig,
+        collective_group: dist.ProcessGroup,
+        param_to_name: Dict[torch.nn.Parameter, str],
+        iteration: Callable[[], int],
+    ):
+        self.buckets = buckets
+        self.ddp_config = ddp_config
+        self.data_parallel_group = collective_group
+        self.data_parallel_world_size = dist.get_world_size(collective_group)
+        self.data_parallel_rank = dist.get_rank(collective_group)
+        self.param_to_name = param_to_name
+        self.iteration = iteration
+        self.params = set().union(*(bucket.params for bucket in buckets))
+        self.next_param_gather_bucket_group: Optional["_ParamAndGradBucketGroup"] = None
+        self.param_gather_handles: List = []
+        self.param_gather_dispatched = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's gradient bookkeeping (the buffer itself is zeroed by the owner)."""
+        self.is_last_microbatch = True
+        self.params_with_grad = set()
+        self.grad_reduce_handles: Optional[List] = None
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+
+    def check_grads(self) -> None:
+        """Raise if a local gradient of these buckets is NaN or Inf, naming the rank, iteration and parameters."""
+        for bucket in self.buckets:
+            if torch.isfinite(bucket.grad_data).all():
+                continue
+            bad = sorted(
+                self.param_to_name.get(p, "<unnamed>")
+                for p in bucket.params_list
+                if not torch.isfinite(p.main_grad).all()
+            )
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: found NaN or Inf in local gradients at iteration {self.iteration()} "
+                f"(bucket {bucket.bucket_id}, parameters {bad}) before the data-parallel reduction; "
+                "check the loss and the learning rate, or use loss scaling with fp16"
+            )
+
+    def _reduce_op(self):
+        return dist.ReduceOp.AVG if self.ddp_config.average_in_collective else dist.ReduceOp.SUM
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket: asynchronous with ``overlap_grad_reduce``, else blocking."""
+        if self.grad_reduce_handles is not None:
+            raise RuntimeError("start_grad_sync called twice for the same bucket group without finish_grad_sync")
+        if self.ddp_config.check_for_nan_in_grad:
+            self.check_grads()
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = []
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+            if self.ddp_config.use_distributed_optimizer:
+                local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
+                handle = _reduce_scatter_single(
+                    local_shard, bucket.grad_data, op=self._reduce_op(), group=self.data_parallel_group,
+                    async_op=async_op,
+                )
+            else:
+                handle = dist.all_reduce(
+                    bucket.grad_data, op=self._reduce_op(), group=self.data_parallel_group, async_op=async_op
+                )
+            if handle is not None:
+                handles.append(handle)
+        self.grad_reduce_handles = handles
+
+    def finish_grad_sync(self) -> None:
+        """Make this step's reduction complete: wait for the launched one, or run it now.
+
+        With ``overlap_grad_reduce`` a bucket whose parameters did not all receive a gradient this step (an unused
+        layer) was never launched by the backward hooks; it is reduced here instead, so results stay correct.
+        """
+        if self.grad_reduce_handles is None:
+            self.start_grad_sync()
+        for handle in self.grad_reduce_handles:
+            handle.wait()
+        self.grad_reduce_handles = None
+
+    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Backward hook side: once every parameter of the group has its gradient, launch the reduction."""
+        if not (self.ddp_config.overlap_grad_reduce and self.is_last_microbatch):
+            return
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+    # ---- parameters (distributed optimizer) ------------------------------------------------------------------
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather every bucket's updated parameter shards (asynchronously with ``overlap_param_gather``)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            raise RuntimeError("parameter all-gather only exists with use_distributed_optimizer=True")
+        self._wait_param_gather()
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in self.buckets:
+            local_shard = shard_buffer(bucket.param_data, self.data_parallel_world_size)[self.data_parallel_rank]
+            handle = _all_gather_single(
+                bucket.param_data, local_shard, group=self.data_parallel_group, async_op=async_op
+            )
+            if handle is not None:
+                self.param_gather_handles.append(handle)
+        self.param_gather_dispatched = True
+
+    def _wait_param_gather(self) -> None:
+        for handle in self.param_gather_handles:
+            handle.wait()
+        self.param_gather_handles = []
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """Before the forward uses these parameters: make sure they are gathered, and prefetch the next group."""
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        self._wait_param_gather()
+        following = self.next_param_gather_bucket_group
+        if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
+            following.start_param_sync()
+
+
+class _ParamAndGradBuffer:
+    """Flat parameter and gradient storage for parameters of one dtype pair, cut into buckets."""
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        params: List[torch.nn.Parameter],
+        data_parallel_group: dist.ProcessGroup,
+        bucket_size: Optional[int],
+        param_to_name: Dict[torch.nn.Parameter, str],
+        gradient_scaling_factor: float,
+    ):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.params = params
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = dist.get_world_size(data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_to_name = param_to_name
+
+        bucket_ranges = self._lay_out(bucket_size)
+        device = params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        self._attach_params()
+        self.buckets = [self._make_bucket(i, *bucket_range) for i, bucket_range in enumerate(bucket_ranges)]
+        self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
+
+    def _pad_param_start(self, index: int) -> int:
+        if self.ddp_config.use_distributed_optimizer:
+            return _round_up(index, PARAM_START_ALIGNMENT)
+        return index
+
+    def _pad_bucket_end(self, index: int) -> int:
+        if not self.ddp_config.use_distributed_optimizer:
+            return index
+        alignment = math.lcm(self.data_parallel_world_size, BUCKET_ALIGNMENT)
+        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
+            alignment = math.lcm(alignment, HIGH_BUSBW_BUCKET_ALIGNMENT)
+        return _round_up(index, alignment)
+
+    def _needs_own_bucket(self, param: torch.nn.Parameter) -> bool:
+        return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
+
+    def _lay_out(self, bucket_size: Optional[int]) -> List[tuple]:
+        """Assign every parameter its [start, end) in the buffer; return (start, end, unpadded end, params) per bucket."""
+        self.param_index_map: Dict[torch.nn.Parameter, tuple] = {}
+        buckets = []
+        bucket_start, index, bucket_params = 0, 0, []
+
+        def close_bucket():
+            nonlocal bucket_start, index, bucket_params
+            end = self._pad_bucket_end(index)
+            buckets.append((bucket_start, end, index, bucket_params))
+            bucket_start, index, bucket_params = end, end, []
+
+        for param in reversed(self.params):
+            if self._needs_own_bucket(param) and bucket_params:
+                close_bucket()
+            start = self._pad_param_start(index)
+            index = start + param.numel()
+            self.param_index_map[param] = (start, index, len(buckets))
+            bucket_params.append(param)
+            if self._needs_own_bucket(param) or (bucket_size is not None and index - bucket_start >= bucket_size):
+                close_bucket()
+        if bucket_params:
+            close_bucket()
+        self.numel = bucket_start
+        self.numel_unpadded = sum(p.numel() for p in self.params)
+        return buckets
+
+    def _attach_params(self) -> None:
+        """Point ``main_grad`` (and, with the distributed optimizer, ``data``) of every parameter into the buffer."""
+        for param, (start, end, _) in self.param_index_map.items():
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+    def _make_bucket(self, bucket_id: int, start: int, end: int, unpadded_end: int, params) -> _ParamAndGradBucket:
+        param_to_index = {}
+        for param in params:
+            param_start, param_end, _ = self.param_index_map[param]
+            param_to_index[param] = (param_start - start, param_end - start)
+        return _ParamAndGradBucket(
+            params=params,
+            param_data=None if self.param_data is None else self.param_data[start:end],
+            grad_data=self.grad_data[start:end],
+            offset=start,
+            numel_unpadded=unpadded_end - start,
+            gradient_scaling_factor=self.gradient_scaling_factor,
+            bucket_id=bucket_id,
+            param_to_index=param_to_index,
+        )
+
+    def scale_gradients(self, scaling_factor) -> None:
+        """Multiply every gradient in the buffer by ``scaling_factor`` (a float or a 0-d tensor)."""
+        self.grad_data.mul_(scaling_factor)
+
+    def reset(self) -> None:
+        """Zero the gradient buffer for the next step."""
+        self.grad_data.zero_()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def partition_buckets(
+    buffers: List[_ParamAndGradBuffer], param_to_name, iteration: Callable[[], int]
+) -> List[_ParamAndGradBucketGroup]:
+    """One bucket group per bucket, in buffer order (the order backward fills them)."""
+    return [
+        _ParamAndGradBucketGroup([bucket], buffer.ddp_config, buffer.data_parallel_group, param_to_name, iteration)
+        for buffer in buffers
+        for bucket in buffer.buckets
+    ]

@@ -1,0 +1,478 @@
+"""Megatron's optimizer wrappers around a ``torch.optim`` optimizer.
+
+- :class:`FP32Optimizer`: fp32 model; the torch optimizer steps the model parameters directly.
+- :class:`Float16OptimizerWithFloat16Params`: fp16/bf16 model; the torch optimizer steps fp32 *main* copies, whose
+  results are copied back into the model; fp16 adds loss scaling and skips steps whose gradients overflowed.
+- :class:`ChainedOptimizer`: several of the above (e.g. dense and expert parameters) stepped as one, with one
+  global gradient norm.
+- ``DistributedOptimizer`` (distrib_optimizer.py) shards the main parameters and optimizer state over DP ranks.
+
+Every ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. Gradients are read from
+``param.main_grad`` (DDP's buffers) when present, else from ``param.grad``.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    counts_for_grad_stats,
+    get_grad_norm_fp32,
+)
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
+from megatron.core.utils import get_current_device
+
+_FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
+# Attributes that decide how a parameter counts in gradient statistics; main copies must carry them too.
+_GRAD_STATS_ATTRIBUTES = ("shared", "sequence_parallel", "allreduce", "is_embedding_or_output_parameter")
+
+
+def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Give a main (fp32) copy the tensor-parallel and sharing attributes of its model parameter."""
+    copy_tensor_model_parallel_attributes(destination, source)
+    for attribute in _GRAD_STATS_ATTRIBUTES:
+        if hasattr(source, attribute):
+            setattr(destination, attribute, getattr(source, attribute))
+
+
+def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _zero_grad_group_helper(params, set_to_none: bool) -> None:
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            param.grad.detach_().zero_()
+
+
+class MegatronOptimizer(ABC):
+    """Base class: gradient statistics, clipping and the step protocol around a torch optimizer.
+
+    Args:
+        optimizer: the torch optimizer (its param groups carry Megatron's ``wd_mult``/``lr_mult``/... keys).
+        config: the OptimizerConfig.
+        init_state_fn: ``fn(torch_optimizer, config)`` that creates empty optimizer state (used before loading).
+        grad_stats_parallel_group: the group gradient norms and zero counts are summed over
+            (the model-parallel group; None means every rank).
+        tp_group: the tensor-parallel group, to count replicated parameters once.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        init_state_fn: Callable = lambda optimizer, config=None: None,
+        grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        self.optimizer = optimizer
+        self.config = config
+        self.init_state_fn = init_state_fn
+        self.grad_stats_parallel_group = grad_stats_parallel_group
+        self.tp_group = tp_group
+
+    # ---- parameters and gradients ----------------------------------------------------------------------------
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        """The tensors the torch optimizer steps (model parameters, or main copies / shards of them)."""
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """Gradients this rank counts in the global norm (replicated and shared parameters counted once)."""
+        return [
+            param.grad
+            for param in self.get_parameters()
+            if param.grad is not None and counts_for_grad_stats(param, self.tp_group)
+        ]
+
+    def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.grad_stats_parallel_group
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the (unscaled) main gradients."""
+        return get_grad_norm_fp32(
+            self.get_main_grads_for_grad_norm(), grad_stats_parallel_group=self.get_grad_stats_parallel_group()
+        )
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the main gradients to a global norm of ``clip_grad``; return the norm before clipping."""
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(
+            self.get_parameters(), grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
+            tp_group=self.tp_group,
+        )
+
+    # ---- loss scale ------------------------------------------------------------------------------------------
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The factor the loss is multiplied by before backward (1.0 without loss scaling)."""
+        return torch.tensor([1.0], dtype=torch.float32, device=get_current_device())
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.get_loss_scale() * loss
+
+    # ---- the step --------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def prepare_grads(self) -> bool:
+        """Move this step's gradients where the torch optimizer reads them; return True if they overflowed."""
+
+    @abstractmethod
+    def step_with_ready_grads(self) -> bool:
+        """Run the torch optimizer and write the results back to the model; return whether it succeeded."""
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``; an overflow skips the step
+        and returns ``(False, None, None)``."""
+        if self.prepare_grads():
+            return False, None, None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        else:
+            grad_norm = self.get_grad_norm()
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    @abstractmethod
+    def reload_model_params(self) -> None:
+        """Refresh the optimizer's main parameters from the model's (after the model was loaded from disk)."""
+
+    # ---- state -----------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def state_dict(self) -> Dict:
+        pass
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: Dict) -> None:
+        pass
+
+    def owned_main_params(self) -> List[torch.Tensor]:
+        """Main parameters this optimizer allocated itself (not views of the model's parameters)."""
+        return []
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: owned main parameters plus the torch optimizer's state."""
+        total = sum(p.numel() * p.element_size() for p in self.owned_main_params())
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        return total
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Shared step logic of optimizers that keep fp32 main gradients apart from the model's gradients."""
+
+    def __init__(
+        self,
+        optimizer,
+        config: OptimizerConfig,
+        grad_scaler: Optional[MegatronGradScaler],
+        init_state_fn: Callable,
+        grad_stats_parallel_group=None,
+        tp_group=None,
+    ):
+        super().__init__(optimizer, config, init_state_fn, grad_stats_parallel_group, tp_group)
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("fp16 training needs a grad scaler (ConstantGradScaler or DynamicGradScaler)")
+        self.grad_scaler = grad_scaler
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=get_current_device())
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return super().get_loss_scale()
+        return self.grad_scaler.scale
+
+    @abstractmethod
+    def _copy_model_grads_to_main_grads(self) -> None:
+        pass
+
+    @abstractmethod
+    def _copy_main_params_to_model_params(self) -> None:
+        pass
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        """Divide the main gradients by the loss scale; True if any rank found a NaN/Inf among them."""
+        self.found_inf.fill_(0.0)
+        grads = self._main_grads()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
+        return self.found_inf.item() > 0
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_main_grads_and_check_for_nan()
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """Steps fp32 main copies of a bf16/fp16 model's parameters (fp32 model parameters are stepped as they are)."""
+
+    def __init__(
+        self,
+        optimizer,
+        config: OptimizerConfig,
+        grad_scaler: Optional[MegatronGradScaler],
+        init_state_fn: Callable,
+        grad_stats_parallel_group=None,
+        tp_group=None,
+    ):
+        super().__init__(optimizer, config, grad_scaler, init_state_fn, grad_stats_parallel_group, tp_group)
+        self.float16_groups: List[List[torch.nn.Parameter]] = []
+        self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: List[List[torch.nn.Parameter]] = []
+        for group in self.optimizer.param_groups:
+            float16_params, main_params, fp32_params = [], [], []
+            for i, param in enumerate(group["params"]):
+                if not param.requires_grad:
+                    continue
+                if param.dtype in _FLOAT16_DTYPES:
+                    main_param = param.detach().clone().float()
+                    copy_param_attributes(main_param, param)
+                    group["params"][i] = main_param
+                    float16_params.append(param)
+                    main_params.append(main_param)
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                elif param.dtype == torch.float32:
+                    fp32_params.append(param)
+                else:
+                    raise TypeError(
+                        f"Float16OptimizerWithFloat16Params: parameter of dtype {param.dtype} is not supported; "
+                        "parameters must be float16, bfloat16 or float32"
+                    )
+            self.float16_groups.append(float16_params)
+            self.fp32_from_float16_groups.append(main_params)
+            self.fp32_from_fp32_groups.append(fp32_params)
+
+    def owned_main_params(self) -> List[torch.Tensor]:
+        return [p for group in self.fp32_from_float16_groups for p in group]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group_helper(group, set_to_none)
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                grad = _model_grad(model_param)
+                main_param.grad = None if grad is None else grad.float()
+                model_param.grad = None
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                if getattr(param, "main_grad", None) is not None:
+                    param.grad = param.main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_param.data.copy_(main_param)
+        _release_main_grad_aliases(self.fp32_from_fp32_groups)
+
+    def reload_model_params(self) -> None:
+        with torch.no_grad():
+            for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    main_param.copy_(model_param)
+
+    def state_dict(self) -> Dict:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "fp32_from_fp16_params": [[p.detach() for p in group] for group in self.fp32_from_float16_groups],
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        _require_keys(state_dict, ("optimizer", "fp32_from_fp16_params"), type(self).__name__)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved = state_dict["fp32_from_fp16_params"]
+        if [len(g) for g in saved] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError(
+                "fp32_from_fp16_params in the state dict has groups of sizes "
+                f"{[len(g) for g in saved]}, this optimizer {[len(g) for g in self.fp32_from_float16_groups]}; "
+                "the checkpoint was written for a different model or parallel layout"
+            )
+        with torch.no_grad():
+            for main_group, saved_group in zip(self.fp32_from_float16_groups, saved):
+                for main_param, saved_param in zip(main_group, saved_group):
+                    main_param.copy_(saved_param)
+
+
+def _release_main_grad_aliases(groups) -> None:
+    """Drop ``.grad`` where it was pointed at DDP's ``main_grad``: autograd would otherwise accumulate into it and
+    the DDP hook would add the same gradient to the buffer a second time."""
+    for group in groups:
+        for param in group:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None and param.grad is main_grad:
+                param.grad = None
+
+
+def _require_keys(state_dict: Dict, keys, owner: str) -> None:
+    missing = [key for key in keys if key not in state_dict]
+    if missing:
+        raise KeyError(f"{owner} state dict lacks {missing}; it has {sorted(state_dict)}")
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """An fp32 model stepped directly by the torch optimizer (no main copies, no loss scaling)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.optimizer.param_groups:
+            _zero_grad_group_helper(group["params"], set_to_none)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        for param in self.get_parameters():
+            if getattr(param, "main_grad", None) is not None:
+                param.grad = param.main_grad
+        return False
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        _release_main_grad_aliases([group["params"] for group in self.optimizer.param_groups])
+        return True
+
+    def reload_model_params(self) -> None:
+        pass
+
+    def state_dict(self) -> Dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Several optimizers (e.g. dense and expert parameters) stepped together with one global gradient norm."""
+
+    def __init__(self, chained_optimizers: List[MegatronOptimizer]):
+        if not chained_optimizers:
+            raise ValueError("ChainedOptimizer needs at least one optimizer")
+        self.chained_optimizers = list(chained_optimizers)
+        self.config = chained_optimizers[0].config
+
+    @property
+    def optimizer(self):
+        raise AttributeError("ChainedOptimizer has no single torch optimizer; see .chained_optimizers")
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        return [group for opt in self.chained_optimizers for group in opt.param_groups]
+
+    @property
+    def state(self):
+        return {key: value for opt in self.chained_optimizers for key, value in opt.state.items()}
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        return [param for opt in self.chained_optimizers for param in opt.get_parameters()]
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def get_grad_norm(self) -> float:
+        return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
+
+    def count_zeros(self) -> int:
+        return sum(opt.count_zeros() for opt in self.chained_optimizers)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        # Every optimizer prepares (and updates its loss scaler) even after another one found an overflow.
+        found = [opt.prepare_grads() for opt in self.chained_optimizers]
+        return any(found)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        return all([opt.step_with_ready_grads() for opt in self.chained_optimizers])
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        for opt in self.chained_optimizers:
+            if opt.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.chained_optimizers:
+            opt.zero_grad(set_to_none)
+
+    def reload_model_params(self) -> None:
+        for opt in self.chained_optimizers:
+            opt.reload_model_params()
+
+    def state_bytes(self) -> int:
+        return sum(opt.state_bytes() for opt in self.chained_optimizers)
+
+    def state_dict(self) -> List[Dict]:
+        return [opt.state_dict() for opt in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: List[Dict]) -> None:
+        if len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(
+                f"ChainedOptimizer: the state dict holds {len(state_dict)} optimizer states, this optimizer chains "
+                f"{len(self.chained_optimizers)}; the checkpoint was written for a different model"
+            )
+        for opt, opt_state in zip(self.chained_optimizers, state_dict):
+            opt.load_state_dict(opt_state)
