@@ -21,7 +21,7 @@ VOCAB, HIDDEN, SEQ = 32, 16, 4
 
 def model_config(**overrides) -> TransformerConfig:
     """The TransformerConfig DDP needs (only its precision and per-token-loss fields matter for TinyLM)."""
-    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, **overrides)
+    return TransformerConfig(**{"num_layers": 2, "hidden_size": HIDDEN, "num_attention_heads": 2, **overrides})
 
 
 class TinyLM(torch.nn.Module):
@@ -66,17 +66,19 @@ class TinyLM(torch.nn.Module):
         return self.embedding.weight if self.pre_process else self.output
 
     def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
+        """Take the previous stage's activations (the pipeline schedules pass a one-element list)."""
+        self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
 
     def forward(self, tokens, labels=None):
-        hidden = self.embedding(tokens) if self.pre_process else self.input_tensor
+        """``tokens``/``labels`` are ``[b, s]``; activations between stages are ``[s, b, h]`` as in Megatron."""
+        hidden = self.embedding(tokens.t()) if self.pre_process else self.input_tensor
         for layer in self.layers:
             hidden = torch.tanh(layer(hidden))
         if not self.post_process:
             return hidden
         weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) else self.output
         logits = F.linear(self.norm(hidden), weight)
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.t().reshape(-1))
 
 
 def make_batch(global_batch: int, seed: int = 0):
