@@ -21,68 +21,111 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-def _pipeline_layout(config: TransformerConfig, vp_stage: Optional[int]):
-    """(pipeline rank, pipeline size, virtual stage, virtual size) for the stage being built."""
-    pp_size = config.pipeline_model_parallel_size
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
-    vp_size = config.virtual_pipeline_model_parallel_size or 1
-    if vp_stage is None:
-        vp_stage = 0
-    return pp_rank, pp_size, vp_stage, vp_size
+def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
+    """Layers built by each virtual stage, in pipeline order (virtual stage ``c * pp + r`` is chunk ``c`` of rank ``r``).
 
-
-def _layers_per_stage(config: TransformerConfig) -> List[int]:
-    """Layers on each pipeline stage (before virtual splitting), honouring uneven first/last stages."""
-    pp_size = config.pipeline_model_parallel_size
+    Without virtual stages there is one per pipeline rank. Layers are split evenly, except that
+    ``num_layers_in_first/last_pipeline_stage`` fix the first/last rank's share (the rest split evenly over the
+    other ranks), and ``account_for_embedding/loss_in_pipeline_split`` count the embedding / the loss as one more
+    layer of the first / last virtual stage.
+    """
+    pp = config.pipeline_model_parallel_size
+    vp = config.virtual_pipeline_model_parallel_size or 1
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
-    if pp_size == 1:
-        return [config.num_layers]
-    middle_stages = pp_size - (first is not None) - (last is not None)
-    middle_layers = config.num_layers - (first or 0) - (last or 0)
+    extra_first = int(config.account_for_embedding_in_pipeline_split)
+    extra_last = int(config.account_for_loss_in_pipeline_split)
+    if first is not None or last is not None:
+        if extra_first or extra_last:
+            raise ValueError(
+                "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding_in_pipeline_"
+                "split or account_for_loss_in_pipeline_split; use one way of balancing the stages"
+            )
+        per_rank = _uneven_layers_per_rank(config.num_layers, pp, first, last)
+    else:
+        slots = config.num_layers + extra_first + extra_last
+        counted = f"num_layers ({config.num_layers})"
+        if extra_first or extra_last:
+            counted = f"num_layers + embedding/loss ({slots})"
+        if slots % pp != 0:
+            raise ValueError(
+                f"{counted} is not divisible by pipeline_model_parallel_size ({pp}); change num_layers or the "
+                "pipeline size, or set num_layers_in_first/last_pipeline_stage for an uneven split"
+            )
+        per_rank = [slots // pp] * pp
+    for rank, count in enumerate(per_rank):
+        if count % vp != 0:
+            raise ValueError(
+                f"pipeline stage {rank} has {count} layers, not divisible by virtual_pipeline_model_parallel_size "
+                f"({vp}); every stage's layers must split evenly into its model chunks"
+            )
+    per_virtual = [per_rank[rank] // vp for _ in range(vp) for rank in range(pp)]
+    per_virtual[0] -= extra_first
+    per_virtual[-1] -= extra_last
+    if min(per_virtual) < 0:
+        raise ValueError(
+            f"num_layers ({config.num_layers}) is too small to leave room for the embedding/loss on "
+            f"{pp * vp} (virtual) pipeline stages"
+        )
+    return per_virtual
+
+
+def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
+    if pp == 1:
+        raise ValueError(
+            "num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1; unset them for one stage"
+        )
+    for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
         raise ValueError(
-            f"num_layers ({config.num_layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
-            f"num_layers_in_last_pipeline_stage ({last}) over {pp_size} pipeline stages"
+            f"num_layers ({num_layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
+            f"num_layers_in_last_pipeline_stage ({last}) on {pp} pipeline stages"
         )
     if middle_stages and middle_layers % middle_stages != 0:
         raise ValueError(
-            f"the {middle_layers} layers left for the {middle_stages} middle pipeline stages do not divide evenly; "
-            "adjust num_layers, num_layers_in_first/last_pipeline_stage or pipeline_model_parallel_size"
+            f"the {middle_layers} layers left after num_layers_in_first/last_pipeline_stage do not divide evenly "
+            f"over the other {middle_stages} pipeline stages; adjust num_layers, the first/last stage sizes or "
+            "pipeline_model_parallel_size"
         )
-    per_middle = middle_layers // middle_stages if middle_stages else 0
-    counts = [per_middle] * pp_size
+    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
     if first is not None:
-        counts[0] = first
+        per_rank[0] = first
     if last is not None:
-        counts[-1] = last
-    return counts
+        per_rank[-1] = last
+    return per_rank
+
+
+def _virtual_stage_index(config: TransformerConfig, vp_stage: Optional[int]) -> int:
+    """Position of this rank's chunk ``vp_stage`` among all virtual stages."""
+    pp = config.pipeline_model_parallel_size
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
+    vp = config.virtual_pipeline_model_parallel_size
+    if vp is None:
+        return pp_rank
+    if vp_stage is None or not 0 <= vp_stage < vp:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={vp} needs the model chunk's vp_stage (0 .. {vp - 1}), "
+            f"got {vp_stage!r}; build one model per chunk with vp_stage=chunk"
+        )
+    return vp_stage * pp + pp_rank
 
 
 def get_num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Number of layers the (virtual) pipeline stage ``vp_stage`` of this rank builds."""
-    pp_rank, _, _, vp_size = _pipeline_layout(config, vp_stage)
-    stage_layers = _layers_per_stage(config)[pp_rank]
-    if stage_layers % vp_size != 0:
-        raise ValueError(
-            f"pipeline stage {pp_rank} has {stage_layers} layers, not divisible into "
-            f"virtual_pipeline_model_parallel_size={vp_size} chunks"
-        )
-    return stage_layers // vp_size
+    """Number of transformer layers this rank builds for model chunk ``vp_stage`` (None without virtual stages)."""
+    return _layers_per_virtual_stage(config)[_virtual_stage_index(config, vp_stage)]
 
 
 def get_transformer_layer_offset(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Global index of this (virtual) stage's first layer.
+    """Global index of the first layer this rank builds for model chunk ``vp_stage``.
 
-    With virtual stages the model is cut into ``pp * vp`` chunks taken round-robin: chunk ``v`` of pipeline rank
-    ``p`` is global chunk ``v * pp + p``.
+    Virtual stages take consecutive slices of the model in pipeline order: chunk ``c`` of rank ``r`` of ``p``
+    comes after every chunk ``< c`` of every rank and after chunk ``c`` of ranks ``< r``.
     """
-    pp_rank, pp_size, vp_stage, vp_size = _pipeline_layout(config, vp_stage)
-    counts = _layers_per_stage(config)
-    if vp_size == 1:
-        return sum(counts[:pp_rank])
-    chunk_sizes = [counts[p] // vp_size for p in range(pp_size)]
-    # Every virtual round covers one chunk of each stage; within a round, stages come in pipeline order.
-    return vp_stage * sum(chunk_sizes) + sum(chunk_sizes[:pp_rank])
+    counts = _layers_per_virtual_stage(config)
+    return sum(counts[: _virtual_stage_index(config, vp_stage)])
 
 
 def _block_submodules(config: TransformerConfig, spec) -> TransformerBlockSubmodules:
