@@ -83,5 +83,8 @@ class MLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None):
         if self.checkpoint_mlp and self.training:
-            return tensor_parallel.checkpoint(self._forward, False, hidden_states)
+            # Recompute only what is computed from the input: fc2's bias is a parameter and a checkpointed function
+            # must not hand a parameter back as its output, so the bias goes back outside the checkpoint.
+            output = tensor_parallel.checkpoint(lambda x: self._forward(x)[0], False, hidden_states)
+            return output, self.linear_fc2.bias
         return self._forward(hidden_states)
