@@ -6,6 +6,7 @@ seed and the global layer index, so a stage of it holds exactly the correspondin
 ``finalize_model_grads`` as in GPTModel.
 """
 
+import contextlib
 from typing import Dict, List, Optional
 
 import torch
@@ -108,12 +109,9 @@ def wrap(model, ddp_config: DistributedDataParallelConfig, config: Optional[Tran
 
 
 def train_data_parallel(ddp_model, optimizer, steps: int, global_batch: int, num_microbatches: int,
-                        forward_backward=None) -> List[Optional[float]]:
-    """Each DP rank trains on its slice of every global batch; returns the gradient norm of every step.
-
-    ``forward_backward(model, tokens, labels, scale)`` replaces the plain single-stage forward/backward (the
-    pipeline tests pass one that runs their stages by hand).
-    """
+                        inject=None) -> List[Optional[float]]:
+    """Each DP rank trains on its slice of every global batch (loss scaled by the optimizer's loss scale); returns
+    the gradient norm of every step (None for a skipped step). ``inject(step, loss)`` may replace a loss."""
     dp_rank = dist.get_rank(ddp_model.dp_cp_group)
     dp_size = dist.get_world_size(ddp_model.dp_cp_group)
     norms = []
@@ -125,12 +123,11 @@ def train_data_parallel(ddp_model, optimizer, steps: int, global_batch: int, num
         micro = list(zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)))
         for index, (tok, lab) in enumerate(micro):
             last = index == len(micro) - 1
-            context = torch.enable_grad() if last else ddp_model.no_sync()
-            with context:
-                if forward_backward is None:
-                    (ddp_model(tok, lab) / num_microbatches).backward()
-                else:
-                    forward_backward(ddp_model, tok, lab, 1.0 / num_microbatches)
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                loss = ddp_model(tok, lab) / num_microbatches
+                if inject is not None:
+                    loss = inject(step, loss)
+                optimizer.scale_loss(loss).backward()
         finalize_model_grads([ddp_model])
         _, grad_norm, _ = optimizer.step()
         norms.append(grad_norm)
