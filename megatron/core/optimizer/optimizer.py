@@ -173,10 +173,13 @@ class MegatronOptimizer(ABC):
         return []
 
     def state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: owned main parameters plus the torch optimizer's state."""
+        """Bytes this rank holds for the optimizer: owned main parameters plus the per-element optimizer state
+        (tensors shaped like their parameter, e.g. Adam's moments; scalar step counters are not counted)."""
         total = sum(p.numel() * p.element_size() for p in self.owned_main_params())
-        for state in self.optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        for param, state in self.optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    total += value.numel() * value.element_size()
         return total
 
     @property
