@@ -447,6 +447,11 @@ def forward_backward_pipelining_with_interleaving(
         )
     _check_num_microbatches(num_microbatches)
     config = get_model_config(model[0])
+    if config.overlap_p2p_comm and config.batch_p2p_comm:
+        raise ValueError(
+            "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "
+            "overlapping); set batch_p2p_comm=False"
+        )
     plan = InterleavedPlan(
         num_microbatches=num_microbatches,
         num_model_chunks=len(model),
@@ -456,11 +461,6 @@ def forward_backward_pipelining_with_interleaving(
         vp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         forward_only=forward_only,
     )
-    if config.overlap_p2p_comm and config.batch_p2p_comm:
-        raise ValueError(
-            "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "
-            "overlapping); set batch_p2p_comm=False"
-        )
     (tensor_shape,) = get_tensor_shapes(
         seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, config=config
     )

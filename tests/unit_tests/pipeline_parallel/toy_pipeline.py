@@ -19,15 +19,15 @@ TRACE = []
 
 
 def toy_config(num_layers: int, pp: int = 1, vp=None, **overrides) -> TransformerConfig:
-    return TransformerConfig(
+    fields = dict(
         num_layers=num_layers,
         hidden_size=HIDDEN,
         num_attention_heads=1,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         pipeline_dtype=torch.float32,
-        **overrides,
     )
+    return TransformerConfig(**{**fields, **overrides})
 
 
 def full_layers(num_layers: int, seed: int = 0):

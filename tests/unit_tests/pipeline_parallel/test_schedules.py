@@ -1,0 +1,401 @@
+"""The schedules on a tiny residual MLP: equivalence with one stage, documented pass order, hooks, memory, errors.
+
+Scenarios that share a world size run in one multi-rank job (see ``_run_scenarios``); the single-stage reference
+runs in the test process itself (no communication needed).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.schedules import (
+    deallocate_output_tensor,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    get_tensor_shapes,
+)
+from tests.unit_tests.pipeline_parallel import toy_pipeline as toy
+from tests.unit_tests.test_utilities import Utils, run_distributed
+
+SEQ, MBS = 4, 2
+
+# name: (world size = pp, vp, num_layers, num_microbatches, config overrides, options)
+SCENARIOS = {
+    "1f1b_pp2_m1": (2, None, 4, 1, {}, {}),
+    "1f1b_pp2_m5": (2, None, 4, 5, {}, {}),
+    "1f1b_pp2_unbatched_dealloc": (2, None, 4, 3, {"batch_p2p_comm": False, "deallocate_pipeline_outputs": True}, {}),
+    "1f1b_pp2_varlen": (2, None, 4, 4, {"variable_seq_lengths": True}, {"seq_lengths": [3, 6, 2, 5]}),
+    "1f1b_pp2_legacy_loss": (2, None, 2, 3, {}, {"legacy": True}),
+    "1f1b_pp2_per_token": (2, None, 4, 3, {"calculate_per_token_loss": True}, {"finalize": True}),
+    "1f1b_pp4_m2": (4, None, 4, 2, {}, {}),
+    "1f1b_pp4_m6": (4, None, 8, 6, {}, {}),
+    "vpp2_pp2_m2": (2, 2, 4, 2, {}, {}),
+    "vpp2_pp2_m4": (2, 2, 4, 4, {}, {}),
+    "vpp2_pp2_m6_dealloc": (2, 2, 8, 6, {"deallocate_pipeline_outputs": True}, {}),
+    "vpp2_pp2_overlap_varlen": (
+        2, 2, 4, 4,
+        {"overlap_p2p_comm": True, "batch_p2p_comm": False, "variable_seq_lengths": True},
+        {"seq_lengths": [5, 2, 3, 4]},
+    ),
+    "vpp3_pp2_group3_m5": (2, 3, 6, 5, {"microbatch_group_size_per_vp_stage": 3}, {}),
+    "vpp2_pp2_per_token": (2, 2, 4, 4, {"calculate_per_token_loss": True}, {"finalize": True}),
+    "vpp2_pp4_m4": (4, 2, 8, 4, {}, {}),
+    "vpp2_pp4_m8_overlap": (4, 2, 8, 8, {"overlap_p2p_comm": True, "batch_p2p_comm": False}, {}),
+}
+
+
+def _forward_backward(chunks, config, batches, num_microbatches, options, forward_only=False, outputs=None):
+    return get_forward_backward_func()(
+        forward_step_func=toy.forward_step_func(options.get("legacy", False), outputs),
+        data_iterator=toy.iterators(batches, len(chunks)),
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        forward_only=forward_only,
+    )
+
+
+def _run_scenarios(names):
+    results = {}
+    for name in names:
+        pp, vp, num_layers, num_microbatches, overrides, options = SCENARIOS[name]
+        Utils.initialize_model_parallel(1, pp, vp)
+        if options.get("finalize"):
+            overrides = {**overrides, "finalize_model_grads_func": finalize_model_grads}
+        config = toy.toy_config(num_layers, pp, vp, **overrides)
+        chunks = toy.build_chunks(config)
+        batches = toy.make_microbatches(num_microbatches, options.get("seq_lengths"))
+        toy.TRACE.clear()
+        outputs = []
+        losses = _forward_backward(chunks, config, batches, num_microbatches, options, outputs=outputs)
+        trace = list(toy.TRACE)
+        # Sent activations keep only one element of storage when deallocate_pipeline_outputs is on.
+        forwards = [chunk for kind, _, chunk in trace if kind == "F"]
+        sent = [o for o, chunk in zip(outputs, forwards) if not chunks[chunk].post_process]
+        storage = sorted({o.untyped_storage().nbytes() for o in sent})
+        grads = toy.gather_grads(chunks)
+        outputs.clear()
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        eval_losses = _forward_backward(chunks, config, batches, num_microbatches, options, True, outputs)
+        results[name] = {
+            "losses": losses,
+            "trace": trace,
+            "grads": grads,
+            "sent_storage_bytes": storage,
+            "forward_only_losses": eval_losses,
+            "forward_only_builds_graph": any(o.requires_grad for o in outputs),
+            "forward_only_grads": [p.grad for c in chunks for p in c.parameters() if p.grad is not None],
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        }
+    return results
+
+
+def _reference(name):
+    _, _, num_layers, num_microbatches, overrides, options = SCENARIOS[name]
+    config = toy.toy_config(num_layers, **{k: v for k, v in overrides.items() if k == "calculate_per_token_loss"})
+    if options.get("finalize"):
+        config.finalize_model_grads_func = _divide_by_tokens
+    model = toy.ToyChunk(config, toy.full_layers(num_layers), 0, True, True)
+    batches = toy.make_microbatches(num_microbatches, options.get("seq_lengths"))
+    losses = forward_backward_no_pipelining(
+        forward_step_func=toy.forward_step_func(options.get("legacy", False)),
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+    return losses, model.global_grads()
+
+
+def _divide_by_tokens(model, num_tokens):
+    for chunk in model:
+        for param in chunk.parameters():
+            param.grad /= num_tokens
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = {}
+    for world_size in (2, 4):
+        names = [n for n, s in SCENARIOS.items() if s[0] == world_size]
+        for rank_results in run_distributed(world_size, _run_scenarios, names, timeout=240):
+            for name, result in rank_results.items():
+                results.setdefault(name, []).append(result)
+    return results
+
+
+def _relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_schedule_matches_single_stage(runs, name):
+    expected_losses, expected_grads = _reference(name)
+    pp = SCENARIOS[name][0]
+    for rank, result in enumerate(runs[name]):
+        if rank == pp - 1:
+            assert len(result["losses"]) == len(expected_losses)
+            for got, want in zip(result["losses"], expected_losses):
+                assert torch.allclose(got["loss"], want["loss"], rtol=1e-6, atol=0)
+        else:
+            assert result["losses"] == []
+        assert sorted(result["grads"]) == sorted(expected_grads)
+        for layer, (weight_grad, bias_grad) in expected_grads.items():
+            assert _relative(result["grads"][layer][0], weight_grad) <= 1e-5, f"rank {rank} layer {layer} weight"
+            assert _relative(result["grads"][layer][1], bias_grad) <= 1e-5, f"rank {rank} layer {layer} bias"
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_forward_only_returns_same_losses_and_builds_no_graph(runs, name):
+    for result in runs[name]:
+        assert len(result["forward_only_losses"]) == len(result["losses"])
+        for got, want in zip(result["forward_only_losses"], result["losses"]):
+            assert torch.equal(got["loss"], want["loss"])
+        assert not result["forward_only_builds_graph"]
+        assert result["forward_only_grads"] == []
+
+
+def _one_f_one_b_order(pp_rank, pp_size, m):
+    """1F1B as published: p - r - 1 warm-up forwards, alternate F and B, then the remaining backwards."""
+    warmup = min(pp_size - pp_rank - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
+def test_1f1b_trace_is_the_documented_order(runs):
+    # Written out for p=4, m=6 so the expectation does not depend on the helper above.
+    expected = [
+        ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"],
+        ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "F5", "B3", "B4", "B5"],
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "F5", "B4", "B5"],
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"],
+    ]
+    got = [[f"{kind}{mb}" for kind, mb, _ in r["trace"]] for r in runs["1f1b_pp4_m6"]]
+    assert got == expected
+    for name in ("1f1b_pp2_m1", "1f1b_pp2_m5", "1f1b_pp4_m2"):
+        pp, _, _, m, _, _ = SCENARIOS[name]
+        for rank, result in enumerate(runs[name]):
+            assert [(kind, mb) for kind, mb, _ in result["trace"]] == _one_f_one_b_order(rank, pp, m)
+
+
+def test_1f1b_keeps_at_most_p_minus_r_microbatches_in_flight(runs):
+    for rank, result in enumerate(runs["1f1b_pp4_m6"]):
+        in_flight, peak = 0, 0
+        for kind, _, _ in result["trace"]:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == 4 - rank
+
+
+def test_interleaved_trace_is_the_documented_order(runs):
+    # p=2, v=2, m=4 (groups of 2): rank 0 warms up with 2*(p-1) + (v-1)*2 = 4 forwards, rank 1 with 2.
+    # Entries are pass, micro-batch, model chunk; backward passes visit the chunks in reverse.
+    expected = [
+        "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0".split(),
+        "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0".split(),
+    ]
+    got = [[f"{kind}{mb}.{chunk}" for kind, mb, chunk in r["trace"]] for r in runs["vpp2_pp2_m4"]]
+    assert got == expected
+
+
+def test_deallocated_outputs_keep_one_element(runs):
+    for name, deallocated in (("1f1b_pp2_unbatched_dealloc", True), ("vpp2_pp2_m6_dealloc", True), ("vpp2_pp2_m4", False)):
+        for result in runs[name]:
+            if not result["sent_storage_bytes"]:
+                continue  # the last stage sends nothing (1F1B)
+            if deallocated:
+                assert result["sent_storage_bytes"] == [4]
+            else:
+                assert min(result["sent_storage_bytes"]) == SEQ * MBS * toy.HIDDEN * 4
+
+
+# ---- hooks on a single stage (no communication needed) ----------------------------------------------------------
+
+
+def _single_stage(**overrides):
+    config = toy.toy_config(2, **overrides)
+    return toy.ToyChunk(config, toy.full_layers(2), 0, True, True), config
+
+
+def _run_single(model, num_microbatches=3, **kwargs):
+    return forward_backward_no_pipelining(
+        forward_step_func=toy.forward_step_func(kwargs.pop("legacy", False)),
+        data_iterator=iter(toy.make_microbatches(num_microbatches)),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        **kwargs,
+    )
+
+
+def test_grad_scale_func_scales_the_loss_before_backward():
+    plain, _ = _single_stage()
+    _run_single(plain)
+    scaled, config = _single_stage(grad_scale_func=lambda loss: loss * 8)
+    _run_single(scaled)
+    for (w, b), (sw, sb) in zip(plain.global_grads().values(), scaled.global_grads().values()):
+        assert torch.allclose(sw, 8 * w) and torch.allclose(sb, 8 * b)
+
+
+def test_no_sync_is_held_for_all_but_the_last_microbatch_and_finalize_runs_once():
+    events = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    model, config = _single_stage(
+        no_sync_func=no_sync,
+        finalize_model_grads_func=lambda chunks, num_tokens: events.append(("finalize", len(chunks), num_tokens)),
+    )
+    _run_single(model, num_microbatches=3)
+    # The no_sync context wraps micro-batches 0 and 1; micro-batch 2's backward runs with reduction enabled.
+    assert events == ["enter", "exit", ("finalize", 1, None)]
+
+
+def test_per_token_loss_hands_the_token_count_to_finalize():
+    seen = []
+    model, _ = _single_stage(
+        calculate_per_token_loss=True, finalize_model_grads_func=lambda chunks, num_tokens: seen.append(num_tokens)
+    )
+    losses = _run_single(model)
+    assert seen[0] == sum(int(l["loss"][1]) for l in losses)
+
+
+def test_legacy_loss_is_averaged_over_microbatches():
+    model, _ = _single_stage()
+    losses = _run_single(model, legacy=True)
+    batches = toy.make_microbatches(3)
+    for loss, batch in zip(losses, batches):
+        model.zero_grad()
+        output = model(batch["x"], batch["id"])
+        per_token = ((output - batch["target"]) ** 2).sum(-1) * batch["mask"]
+        assert torch.allclose(loss["loss"], per_token.sum() / batch["mask"].sum())
+
+
+def test_collect_non_loss_data_returns_what_loss_func_collects():
+    model, _ = _single_stage()
+    collected = _run_single(model, forward_only=True, collect_non_loss_data=True)
+    assert len(collected) == 3 and all(set(c) == {"mean output"} for c in collected)
+
+
+def test_first_microbatch_is_announced_to_the_model():
+    model, _ = _single_stage()
+    calls = []
+    model.set_is_first_microbatch = lambda: calls.append(True)
+    _run_single(model, num_microbatches=3)
+    assert calls == [True]
+    _run_single(model, num_microbatches=2, forward_only=True, first_val_step=False)
+    assert calls == [True]
+
+
+def test_get_forward_backward_func_picks_the_schedule():
+    assert get_forward_backward_func(1, None) is forward_backward_no_pipelining
+    assert get_forward_backward_func(2, None) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(4, 2) is forward_backward_pipelining_with_interleaving
+    assert get_forward_backward_func() is forward_backward_no_pipelining  # nothing initialised: one stage
+
+
+def test_tensor_shapes_split_the_sequence_under_sequence_parallelism():
+    config = toy.toy_config(2)
+    assert get_tensor_shapes(seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config) == [(16, 2, 8)]
+    parallel_state.set_tensor_model_parallel_world_size(4)
+    try:
+        config = toy.toy_config(2, tensor_model_parallel_size=4, sequence_parallel=True, num_attention_heads=4)
+        shapes = get_tensor_shapes(seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config)
+    finally:
+        parallel_state.set_tensor_model_parallel_world_size(None)
+    assert shapes == [(4, 2, 8)]
+
+
+# ---- errors --------------------------------------------------------------------------------------------------------
+
+
+def _call(schedule, model, data_iterator=None, num_microbatches=2, **kwargs):
+    return schedule(
+        forward_step_func=toy.forward_step_func(),
+        data_iterator=data_iterator if data_iterator is not None else iter(toy.make_microbatches(2)),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        **kwargs,
+    )
+
+
+def test_schedule_argument_errors():
+    model, _ = _single_stage()
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
+        _call(forward_backward_no_pipelining, model, num_microbatches=0)
+    with pytest.raises(ValueError, match="takes one model chunk, got a list of 2"):
+        _call(forward_backward_pipelining_without_interleaving, [model, model])
+    with pytest.raises(ValueError, match="takes one data iterator, got a list of 2"):
+        _call(forward_backward_no_pipelining, model, data_iterator=[iter([]), iter([])])
+    overlapping, _ = _single_stage(overlap_p2p_comm=True)
+    with pytest.raises(ValueError, match="overlap_p2p_comm=True is only supported by the interleaved schedule"):
+        _call(forward_backward_pipelining_without_interleaving, overlapping)
+    with pytest.raises(TypeError, match="expects model to be a list of model chunks"):
+        _call(forward_backward_pipelining_with_interleaving, model)
+    with pytest.raises(TypeError, match="one iterator \\(or None\\) per model chunk"):
+        _call(forward_backward_pipelining_with_interleaving, [model, model], data_iterator=[iter([])])
+    with pytest.raises(ValueError, match="needs pipeline_model_parallel_size > 1 \\(got 1\\)"):
+        _call(forward_backward_pipelining_with_interleaving, [model], data_iterator=[iter([])])
+
+
+def test_interleaved_rejects_overlap_with_batching():
+    parallel_state.set_pipeline_model_parallel_world_size(2)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(2)
+    try:
+        model, _ = _single_stage(overlap_p2p_comm=True, batch_p2p_comm=True)
+        with pytest.raises(ValueError, match="overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined"):
+            _call(forward_backward_pipelining_with_interleaving, [model, model], [iter([]), iter([])])
+    finally:
+        parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def test_loss_func_must_return_two_or_three_values():
+    model, _ = _single_stage()
+
+    def bad_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch["x"], batch["id"]), lambda output: output.sum()
+
+    with pytest.raises(ValueError, match="loss_func must return \\(loss, num_tokens, reduced_dict\\)"):
+        forward_backward_no_pipelining(
+            forward_step_func=bad_step,
+            data_iterator=iter(toy.make_microbatches(1)),
+            model=model,
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
+
+
+def test_partial_activation_checkpointing_is_rejected():
+    model, config = _single_stage()
+    with pytest.raises(ValueError, match="checkpoint_activations_microbatch .* is not supported"):
+        schedules.forward_step(toy.forward_step_func(), iter([]), model, 1, None, [], config, False, True)
+
+
+def test_deallocating_a_view_is_an_error():
+    base = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="view of another tensor"):
+        deallocate_output_tensor(base[1:], deallocate_pipeline_outputs=True)
+    view = base[1:]
+    deallocate_output_tensor(view, deallocate_pipeline_outputs=False)  # off: nothing happens
+    assert view.shape == (3, 4)
