@@ -1,0 +1,202 @@
+"""get_megatron_optimizer's parameter groups and choices, state-dict round trips, clipping and bad input."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    OptimizerConfig,
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    get_megatron_optimizer,
+)
+from megatron.core.transformer.module import Float16Module
+from tests.unit_tests.distributed.ddp_test_helpers import TinyLM, model_config, train_data_parallel, weights, wrap
+from tests.unit_tests.test_utilities import Utils, run_distributed
+
+
+def _param_groups():
+    Utils.initialize_model_parallel()
+    model = TinyLM()
+    config = OptimizerConfig(lr=1.0, min_lr=0.1, decoupled_lr=0.5, decoupled_min_lr=0.05, weight_decay=0.2)
+    optimizer = get_megatron_optimizer(
+        config, [model], scale_lr_cond=lambda name, p: name.startswith("layers.3"), lr_mult=3.0
+    )
+    names = {p: n for n, p in model.named_parameters()}
+    groups = [
+        (sorted(names[p] for p in g["params"]), {k: g[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr",
+                                                                    "max_lr", "min_lr", "lr", "weight_decay")})
+        for g in optimizer.param_groups
+    ]
+    custom = get_megatron_optimizer(
+        OptimizerConfig(lr=1.0, optimizer="sgd", decoupled_weight_decay=False), [model],
+        no_weight_decay_cond=lambda name, p: name == "output",
+    )
+    adam_l2 = get_megatron_optimizer(OptimizerConfig(lr=1.0, decoupled_weight_decay=False), [model])
+    return groups, [sorted(names[p] for p in g["params"]) for g in custom.param_groups], [
+        type(custom.optimizer).__name__, type(adam_l2.optimizer).__name__,
+        type(get_megatron_optimizer(OptimizerConfig(lr=1.0), [model]).optimizer).__name__,
+    ]
+
+
+def test_param_groups_weight_decay_decoupled_lr_and_lr_mult():
+    groups, custom, torch_classes = run_distributed(1, _param_groups)[0]
+    by_first = {names[0]: settings for names, settings in groups}
+    all_names = sorted(n for names, _ in groups for n in names)
+    assert len(all_names) == 12
+    # Matrices decay; biases and norms (1-D) do not; embedding/output get the decoupled lr; layers.3 gets lr_mult.
+    assert by_first["layers.0.weight"] == dict(wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=False, max_lr=1.0,
+                                              min_lr=0.1, lr=1.0, weight_decay=0.2)
+    assert by_first["layers.0.bias"]["wd_mult"] == 0.0 and by_first["layers.0.bias"]["weight_decay"] == 0.0
+    assert [names for names, _ in groups if "norm.weight" in names][0].count("norm.bias") == 1
+    assert by_first["embedding.weight"] == dict(wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=True, max_lr=0.5,
+                                               min_lr=0.05, lr=0.5, weight_decay=0.2)
+    assert [names for names, _ in groups if "embedding.weight" in names][0] == ["embedding.weight", "output"]
+    assert by_first["layers.3.weight"]["lr_mult"] == 3.0 and by_first["layers.3.weight"]["lr"] == 3.0
+    # A custom no_weight_decay_cond replaces the default rule entirely.
+    assert ["output"] in custom and any("layers.0.bias" in names for names in custom if len(names) > 1)
+    assert torch_classes == ["SGD", "Adam", "AdamW"]
+
+
+def _state_round_trip():
+    """Train 3 steps straight, or 2 steps + save + fresh model/optimizer + load + 1 step: identical weights."""
+    Utils.initialize_model_parallel()
+    results = {}
+    for name, precision, distributed in (("fp32", None, False), ("bf16", "bf16", False), ("bf16-distopt", "bf16", True)):
+
+        def build():
+            config = model_config(**({precision: True} if precision else {}))
+            module = TinyLM() if precision is None else Float16Module(config, TinyLM())
+            model = wrap(module, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                               use_distributed_optimizer=distributed), config)
+            opt_config = OptimizerConfig(lr=1e-2, bf16=precision == "bf16", use_distributed_optimizer=distributed)
+            return model, get_megatron_optimizer(opt_config, [model])
+
+        model, optimizer = build()
+        train_data_parallel(model, optimizer, 2, 4, 1)
+        saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+        train_data_parallel(model, optimizer, 1, 4, 1)
+        model_b, optimizer_b = build()
+        model_b.load_state_dict(saved_model)
+        optimizer_b.load_state_dict(saved_optimizer)
+        train_data_parallel(model_b, optimizer_b, 1, 4, 1)
+        results[name] = max((a - b).abs().max().item() for a, b in zip(weights(model).values(), weights(model_b).values()))
+        if distributed:
+            broken = copy.deepcopy(saved_optimizer)
+            broken["shard_fp32_from_float16_groups"][0] = broken["shard_fp32_from_float16_groups"][0][1:]
+            with pytest.raises(ValueError, match="saved shards do not match this rank's shards"):
+                optimizer_b.load_state_dict(broken)
+        elif precision:
+            with pytest.raises(KeyError, match=r"lacks \['fp32_from_fp16_params'\]"):
+                optimizer_b.load_state_dict({"optimizer": saved_optimizer["optimizer"]})
+    return results
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    for results in run_distributed(2, _state_round_trip):
+        assert results == {"fp32": 0.0, "bf16": 0.0, "bf16-distopt": 0.0}
+
+
+def _chained_and_counted():
+    Utils.initialize_model_parallel()
+    module = TinyLM()
+    for param in module.layers[0].parameters():
+        param.allreduce = False
+    model = wrap(module, DistributedDataParallelConfig())
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, log_num_zeros_in_grad=True, clip_grad=0.0), [model])
+    assert isinstance(optimizer, ChainedOptimizer)
+    model.zero_grad_buffer()
+    module.layers[1].weight.main_grad.fill_(1.0)  # 256 non-zeros; everything else zero
+    success, grad_norm, zeros = optimizer.step()
+    total = sum(p.numel() for p in module.parameters())
+    with pytest.raises(ValueError, match="holds 1 optimizer states, this optimizer chains 2"):
+        optimizer.load_state_dict(optimizer.state_dict()[:1])
+    return success, grad_norm, zeros, total, len(optimizer.param_groups)
+
+
+def test_chained_optimizer_combines_norms_and_zero_counts():
+    success, grad_norm, zeros, total, groups = run_distributed(1, _chained_and_counted)[0]
+    assert success and grad_norm == pytest.approx(16.0) and zeros == total - 256
+    assert groups == 4  # dense and expert, each with and without weight decay
+
+
+def _clip_and_count_under_tensor_parallel():
+    Utils.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = dist.get_rank()
+    split = torch.nn.Parameter(torch.zeros(3))
+    split.tensor_model_parallel = True
+    split.grad = torch.tensor([3.0, 0.0, 4.0]) * (rank + 1)
+    replicated = torch.nn.Parameter(torch.zeros(2))
+    replicated.grad = torch.tensor([0.0, 12.0])
+    shared = torch.nn.Parameter(torch.zeros(1))
+    shared.shared = True
+    shared.grad = torch.tensor([100.0])
+    from megatron.core.optimizer.clip_grads import counts_for_grad_stats
+
+    counted = [p.grad for p in (split, replicated, shared) if counts_for_grad_stats(p)]
+    norm = get_grad_norm_fp32(counted)
+    inf_norm = get_grad_norm_fp32(counted, norm_type=float("inf"))
+    zeros = count_zeros_fp32([split, replicated, shared])
+    clip_grad_by_total_norm_fp32([split, replicated], max_norm=norm / 2, total_norm=norm)
+    with pytest.raises(ValueError, match="norm_type must be positive"):
+        get_grad_norm_fp32(counted, norm_type=0)
+    return norm, inf_norm, zeros, split.grad.tolist()
+
+
+def test_grad_norm_counts_replicated_and_shared_parameters_once():
+    results = run_distributed(2, _clip_and_count_under_tensor_parallel)
+    # split grads (5 and 10 in norm) on both ranks, the replicated one (12) once, the shared copy not at all.
+    expected = (25 + 100 + 144) ** 0.5
+    for rank, (norm, inf_norm, zeros, clipped) in enumerate(results):
+        assert norm == pytest.approx(expected) and inf_norm == 12.0 and zeros == 3
+        assert clipped == pytest.approx([1.5 * (rank + 1), 0.0, 2.0 * (rank + 1)], rel=1e-5)
+
+
+def _bad_requests():
+    Utils.initialize_model_parallel()
+    model = TinyLM()
+    errors = []
+    for config, chunks in (
+        (OptimizerConfig(), [model]),
+        (OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [model]),
+        (OptimizerConfig(lr=1.0), [wrap(TinyLM(), DistributedDataParallelConfig(use_distributed_optimizer=True))]),
+        (OptimizerConfig(lr=1.0, loss_scale=128.0), [model]),
+        (OptimizerConfig(lr=1.0), [torch.nn.Linear(2, 2).requires_grad_(False)]),
+    ):
+        with pytest.raises(ValueError) as info:
+            get_megatron_optimizer(config, chunks)
+        errors.append(str(info.value))
+    return errors
+
+
+def test_get_megatron_optimizer_rejects_bad_requests():
+    errors = run_distributed(1, _bad_requests)[0]
+    assert "OptimizerConfig.lr is None" in errors[0]
+    assert "model chunk 0 is not wrapped in DistributedDataParallel" in errors[1]
+    assert "use_distributed_optimizer=False but model chunk 0 was wrapped with" in errors[2]
+    assert "loss_scale=128.0 needs fp16 or bf16" in errors[3]
+    assert "no trainable parameters" in errors[4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(optimizer="lion"), r"optimizer='lion' is not supported; use one of \('adam', 'sgd'\)"),
+        (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
+        (dict(optimizer_cpu_offload=True), "optimizer_cpu_offload=True is not supported"),
+        (dict(use_precision_aware_optimizer=True), "use_precision_aware_optimizer=True is not supported"),
+        (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_dtype=torch.bfloat16 is not supported"),
+        (dict(lr=1e-4, min_lr=1e-3), "min_lr=0.001 is larger than lr=0.0001"),
+        (dict(clip_grad=-1.0), "clip_grad must be >= 0"),
+        (dict(loss_scale=0.0), "loss_scale must be positive or None, got 0.0"),
+        (dict(hysteresis=0), "hysteresis must be >= 1, got 0"),
+    ],
+)
+def test_optimizer_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**kwargs)
