@@ -96,17 +96,17 @@ def _initialize_affine_weight_cpu(
     return_master_weight: bool = False,
     *,
     params_dtype: torch.dtype = torch.float32,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
+    rank: int,
+    world_size: int,
 ) -> Optional[torch.Tensor]:
-    """Build the full ``[output_size, input_size]`` weight on the CPU (fp32, default generator) and keep this rank's part.
+    """Build the full ``[output_size, input_size]`` weight on the CPU (fp32, default generator); keep this rank's part.
 
-    The partition dimension is cut into ``stride * world_size`` equal blocks and rank r keeps blocks
-    r, r + world_size, r + 2 * world_size, ... in order. With ``stride=2`` on a fused ``[gate; up]`` weight this
+    The partition dimension is cut into ``stride * world_size`` equal blocks and rank r (of ``world_size``) keeps
+    blocks r, r + world_size, r + 2 * world_size, ... in order. With ``stride=2`` on a fused ``[gate; up]`` weight this
     gives rank r ``[gate_r; up_r]``, so each rank can split its own output in two.
     """
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
-    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, requires_grad=False)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float32)
     init_method(master_weight)
     master_weight = master_weight.to(dtype=params_dtype)
 
@@ -205,32 +205,28 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
         group = ctx.group
-        gather_handle = None
-        total_input = input_
+        total_input, gather_work = input_, None
         if ctx.sequence_parallel and ctx.needs_input_grad[1]:
-            total_input, gather_handle = _start_gather_along_first_dim(input_, group)
-
+            total_input, gather_work = _start_gather_along_first_dim(input_, group)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        reduce_handle = None
+        if gather_work is not None:
+            gather_work.wait()  # the re-gather of the input overlapped the input-gradient GEMM
+
+        reduce_work = None
         if grad_input is not None and ctx.sequence_parallel:
-            if gather_handle is not None:
-                gather_handle.wait()
-                gather_handle = None
-            grad_input, reduce_handle = _start_reduce_scatter_along_first_dim(grad_input, group)
+            grad_input, reduce_work = _start_reduce_scatter_along_first_dim(grad_input, group)
         elif grad_input is not None and ctx.allreduce_dgrad:
-            reduce_handle = dist.all_reduce(grad_input, group=group, async_op=True)
+            reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
 
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1] or (ctx.use_bias and ctx.needs_input_grad[2]):
-            if gather_handle is not None:
-                gather_handle.wait()
             grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
             if ctx.needs_input_grad[1]:
                 grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
             if ctx.use_bias and ctx.needs_input_grad[2]:
                 grad_bias = grad_output_2d.sum(dim=0)
-        if reduce_handle is not None:
-            reduce_handle.wait()
+        if reduce_work is not None:
+            reduce_work.wait()  # the input-gradient reduction overlapped the weight-gradient GEMM
         return grad_input, grad_weight, grad_bias, None, None, None
 
 

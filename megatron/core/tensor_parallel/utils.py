@@ -75,7 +75,7 @@ def split_tensor_into_1d_equal_chunks(
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Inverse of :func:`split_tensor_into_1d_equal_chunks`: all-gather the TP ranks' flat chunks into one 1-D tensor."""
+    """Inverse of :func:`split_tensor_into_1d_equal_chunks`: all-gather the TP ranks' flat chunks into one tensor."""
     group = resolve_tp_group(group)
     world_size = group_size(group)
     flat = tensor.reshape(-1)

@@ -107,7 +107,8 @@ def _run_layers(sequence_parallel: bool):
     torch.manual_seed(SEED + 1)
     fc = ColumnParallelLinear(H, 2 * FFN, config=config, init_method=INIT, stride=2)
     with torch.no_grad():
-        fc.bias.copy_(torch.cat([local_slice(torch.linspace(-1, 0, FFN), 0), local_slice(torch.linspace(0, 1, FFN), 0)]))
+        gate_bias, up_bias = torch.linspace(-1, 0, FFN), torch.linspace(0, 1, FFN)
+        fc.bias.copy_(torch.cat([local_slice(gate_bias, 0), local_slice(up_bias, 0)]))
     x = _seq(data["x"], sp)
     out, _ = fc(x)
     gate, up = out.chunk(2, dim=-1)

@@ -28,8 +28,9 @@ def test_split_along_last_dim_gives_views_or_contiguous_copies():
 def test_vocab_ranges():
     assert VocabUtility.vocab_range_from_per_partition_vocab_size(8, rank=2, world_size=4) == (16, 24)
     assert VocabUtility.vocab_range_from_global_vocab_size(32, rank=3, world_size=4) == (24, 32)
-    with pytest.raises(ValueError, match=r"vocabulary size 30 is not divisible by the tensor-parallel size 4; pad it "
-                       r"\(Megatron pads to a multiple of make_vocab_size_divisible_by \* tensor_model_parallel_size\)"):
+    with pytest.raises(ValueError, match=r"vocabulary size 30 is not divisible by the tensor-parallel size 4; pad "
+                       r"it \(Megatron pads to a multiple of make_vocab_size_divisible_by \* "
+                       r"tensor_model_parallel_size\)"):
         VocabUtility.vocab_range_from_global_vocab_size(30, rank=0, world_size=4)
 
 
