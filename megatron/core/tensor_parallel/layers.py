@@ -136,6 +136,7 @@ class _TensorParallelModule(torch.nn.Module):
         self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
         self.tp_size = group_size(self.tp_group)
         self.tp_rank = group_rank(self.tp_group)
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
         # An expert layer whose tokens the MoE dispatcher moves explicitly does no TP communication itself.
         self.expert_parallel = config.expert_model_parallel_size > 1
         self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
@@ -310,7 +311,6 @@ class ColumnParallelLinear(_TensorParallelModule):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
-        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
@@ -408,7 +408,6 @@ class RowParallelLinear(_TensorParallelModule):
         self.input_size_per_partition = input_size // self.tp_size
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
