@@ -45,6 +45,7 @@ from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E
 INPUT_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 ENCODE_CHUNK_SIZE = 32  # lines per task sent to a worker, as Megatron-LM
 MAX_REPORTED_MALFORMED_LINES = 20
+NULL_TOKENIZER_DEFAULT_VOCAB_SIZE = 786  # Megatron-LM's --vocab-size default in this tool
 
 
 class MalformedInputError(ValueError):
@@ -456,8 +457,9 @@ def get_args(argv=None):
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePiece .model, HuggingFace directory/tokenizer.json, or TikTokenizer vocabulary")
     group.add_argument("--vocab-file", type=str, default=None, help="path to the vocab file")
-    group.add_argument("--vocab-size", type=int, default=786,
-                       help="size of the vocabulary for NullTokenizer (and TikTokenizer)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help=f"NullTokenizer: ids 0..N-1 (default {NULL_TOKENIZER_DEFAULT_VOCAB_SIZE}, as "
+                            f"Megatron-LM); TikTokenizer: the whole vocabulary (default 2**17)")
     group.add_argument("--merge-file", type=str, default=None, help="path to the BPE merge file")
     group.add_argument("--append-eod", action="store_true", help="append an end-of-document token to each document")
     group.add_argument("--lang", type=str, default="english", help="language of nltk's punkt sentence splitter")
@@ -492,6 +494,10 @@ def get_args(argv=None):
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(output_dir):
         parser.error(f"--output-prefix {args.output_prefix}: directory {output_dir} does not exist")
+    # Megatron-LM's default of 786 is meant for NullTokenizer; TikTokenizer keeps its own default instead of
+    # failing on a vocabulary smaller than its 1000 special tokens.
+    if args.vocab_size is None and args.tokenizer_type == "NullTokenizer":
+        args.vocab_size = NULL_TOKENIZER_DEFAULT_VOCAB_SIZE
     # Settings the tokenizer builder reads that have no meaning here (as Megatron-LM's script sets them).
     args.rank = 1
     args.make_vocab_size_divisible_by = 128

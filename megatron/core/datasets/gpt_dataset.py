@@ -98,6 +98,12 @@ class GPTDataset(MegatronDataset):
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        if dataset_path is None:
+            # The builder passes None when the config fell back to mock data because it was given no blend.
+            raise ValueError(
+                "GPTDataset needs a dataset path prefix, but the config has no blend or blend_per_split, so it "
+                "is a mock-data config (mock=True): give blend=([prefix, ...], weights) or build MockGPTDataset"
+            )
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     @staticmethod

@@ -97,6 +97,12 @@ def test_mock_data_builds_three_mock_splits(tmp_path):
     assert train[0]["tokens"].shape == (32,)
 
 
+def test_gpt_dataset_from_a_config_without_a_blend_names_the_fix(tmp_path):
+    config = GPTDatasetConfig(random_seed=1, sequence_length=32, tokenizer=ToyTokenizer())
+    with pytest.raises(ValueError, match=r"no blend or blend_per_split.*give blend=.*or build MockGPTDataset"):
+        build(config, [10, 5, 5], cls=GPTDataset)
+
+
 def test_ranks_that_do_not_build_get_none(tmp_path, corpora):
     config = gpt_config(tmp_path, blend=([corpora["a"]], None), split="1,1,1")
     assert build(config, [5, 5, 5], is_built_on_rank=lambda: False) == [None, None, None]

@@ -116,6 +116,22 @@ def test_null_tokenizer_end_to_end(tmp_path):
     assert dataset.dtype == np.int32  # vocab size 100001 >= 65500
 
 
+def test_vocab_size_defaults_per_tokenizer(tmp_path, tokenizer_files):
+    corpus = write_jsonl(tmp_path / "ids.jsonl", [{"text": "785"}, {"text": "787"}])
+    result = run_tool(PREPROCESS, "--input", corpus, "--output-prefix", tmp_path / "ids", "--tokenizer-type",
+                      "NullTokenizer", "--append-eod", "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    assert "skipping malformed line" in result.stderr and "ids [787] are outside [0, 787)" in result.stderr
+    assert read_documents(tmp_path / "ids_text_document")[0] == [[785, 786]]  # default 786 ids plus EOD 786
+
+    # Megatron-LM's 786 is NullTokenizer's; TikTokenizer keeps its own 2**17 (so int32 tokens).
+    result = run_tool(PREPROCESS, "--input", tmp_path / "ids.jsonl", "--output-prefix", tmp_path / "tik",
+                      "--tokenizer-type", "TikTokenizer", tokenizer_files.tiktoken[0], tokenizer_files.tiktoken[1],
+                      "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    assert IndexedDataset(str(tmp_path / "tik_text_document")).dtype == np.int32
+
+
 def gpt2_run(tokenizer_files, corpus, prefix, *extra):
     return run_tool(PREPROCESS, "--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
                     "GPT2BPETokenizer", *tokenizer_files.gpt2, "--append-eod", *extra)
