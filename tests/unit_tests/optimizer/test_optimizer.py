@@ -200,3 +200,46 @@ def test_get_megatron_optimizer_rejects_bad_requests():
 def test_optimizer_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OptimizerConfig(**kwargs)
+
+
+def _init_state_and_reload():
+    Utils.initialize_model_parallel()
+    results = {}
+    for distributed in (False, True):
+        config = model_config(bf16=True)
+
+        def build():
+            model = wrap(Float16Module(config, TinyLM()),
+                         DistributedDataParallelConfig(use_distributed_optimizer=distributed), config)
+            opt_config = OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=distributed)
+            return model, get_megatron_optimizer(opt_config, [model]), opt_config
+
+        # Zero state created up front (as before loading a checkpoint) steps exactly like lazily created state.
+        eager, eager_opt, opt_config = build()
+        eager_opt.init_state_fn(eager_opt.optimizer, opt_config)
+        bytes_before_step = eager_opt.state_bytes()
+        lazy, lazy_opt, _ = build()
+        train_data_parallel(eager, eager_opt, 2, 4, 1)
+        train_data_parallel(lazy, lazy_opt, 2, 4, 1)
+        same = all(torch.equal(a, b) for a, b in zip(weights(eager).values(), weights(lazy).values()))
+
+        # reload_model_params: after new weights are loaded into the model, the fp32 main copies follow them.
+        fresh_weights = TinyLM(seed=7).state_dict()
+        lazy.load_state_dict(fresh_weights)
+        lazy_opt.reload_model_params()
+        if distributed:
+            pairs = [(e.main_param, e.model_param.view(-1)[e.shard.param_start:e.shard.param_end])
+                     for e in lazy_opt._entries()]
+        else:
+            pairs = [(main, model_param.view(-1)) for mains, params in
+                     zip(lazy_opt.fp32_from_float16_groups, lazy_opt.float16_groups) for main, model_param in
+                     zip(mains, params)]
+        main_follow = max((main.view(-1) - param.detach().float()).abs().max().item() for main, param in pairs)
+        results[distributed] = (same, bytes_before_step == lazy_opt.state_bytes(), main_follow)
+    return results
+
+
+def test_init_state_fn_and_reload_model_params():
+    for same, same_bytes, main_follow in run_distributed(1, _init_state_and_reload)[0].values():
+        assert same and same_bytes
+        assert main_follow == 0.0
