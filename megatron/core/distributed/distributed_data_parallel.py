@@ -190,9 +190,11 @@ class DistributedDataParallel(MegatronModule):
                 group.is_last_microbatch = True
 
     def start_grad_sync(self, *unused) -> None:
-        """Launch the reduction of every bucket now (the pipeline schedules call this for finished chunks)."""
+        """Launch the reduction of every bucket not already launched by the backward hooks (the pipeline
+        schedules call this, as ``config.grad_sync_func``, once a chunk's last backward is done)."""
         for group in self._all_bucket_groups:
-            group.start_grad_sync()
+            if group.grad_reduce_handles is None:
+                group.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Complete the reduction of every bucket (launching those that have not been launched)."""
@@ -205,17 +207,23 @@ class DistributedDataParallel(MegatronModule):
             if force_sync or not group.param_gather_dispatched:
                 group.start_param_sync(force_sync=force_sync)
 
-    def mark_params_updated(self) -> None:
+    def mark_params_updated(self, buffers=None) -> None:
         """Called by the distributed optimizer after a step: parameter shards changed and must be gathered.
 
-        Without ``overlap_param_gather`` the gather happens right away; with it, each bucket group is gathered
-        just before the forward first needs it, one group ahead.
+        ``buffers`` limits this to the buffers that optimizer steps (a dense and an expert optimizer each gather
+        their own). Without ``overlap_param_gather`` the gather happens right away; with it, each bucket group is
+        gathered just before the forward first needs it, one group ahead.
         """
-        if not self.ddp_config.overlap_param_gather:
-            self.start_param_sync(force_sync=True)
-            return
-        for group in self._all_bucket_groups:
-            group.param_gather_dispatched = False
+        if buffers is None:
+            groups = self._all_bucket_groups
+        else:
+            updated = {id(bucket) for buffer in buffers for bucket in buffer.buckets}
+            groups = [g for g in self._all_bucket_groups if any(id(b) in updated for b in g.buckets)]
+        for group in groups:
+            if self.ddp_config.overlap_param_gather:
+                group.param_gather_dispatched = False
+            else:
+                group.start_param_sync(force_sync=True)
 
     def _finish_pending_param_gathers(self) -> None:
         if self.ddp_config.overlap_param_gather:

@@ -146,7 +146,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if owns_main:
                 model_param.detach().view(-1)[shard.param_start : shard.param_end].copy_(main_param)
         for chunk in self.model_chunks:
-            chunk.mark_params_updated()
+            chunk.mark_params_updated(self.buffers)
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

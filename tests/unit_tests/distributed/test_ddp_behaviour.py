@@ -93,15 +93,24 @@ def _broadcast_unused_and_per_token_loss():
     dist.all_gather(gathered, first_weight)
     broadcast_ok = torch.equal(gathered[0], gathered[1]) and torch.equal(first_weight, TinyLM(seed=100).layers[0].weight)
 
-    # A parameter that gets no gradient (an unused layer) does not stall the overlapped reduction.
+    # A parameter that gets no gradient (an unused layer) does not stall the overlapped reduction, and
+    # start_grad_sync (the pipeline's grad_sync_func) launches only the buckets the hooks did not.
     module = TinyLM()
     module.unused = torch.nn.Linear(2, 2)
     model = wrap(module, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100))
     tokens, labels = make_batch(2)
     model.zero_grad_buffer()
     model(tokens, labels).backward()
+    launched_by_hooks = sum(group.grad_reduce_handles is not None for group in model.bucket_groups)
+    model.start_grad_sync()
     model.finish_grad_sync()
-    unused_ok = module.unused.weight.main_grad.abs().sum().item() == 0.0
+    reference = TinyLM()
+    reference(tokens, labels).backward()
+    unused_ok = (
+        module.unused.weight.main_grad.abs().sum().item() == 0.0
+        and 0 < launched_by_hooks < len(model.bucket_groups)
+        and torch.allclose(module.layers[0].weight.main_grad, reference.layers[0].weight.grad, atol=1e-7)
+    )
 
     # Per-token loss: each rank sums its token losses; finalize_model_grads divides by the global count, which
     # gives the mean over all tokens even though the ranks hold different numbers of tokens.
