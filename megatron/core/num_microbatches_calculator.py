@@ -63,7 +63,7 @@ def init_num_microbatches_calculator(
     data_parallel_size: int,
     decrease_batch_size_if_needed: bool = False,
 ) -> None:
-    """Create the process-wide calculator; raises if one exists (see :func:`reconfigure_num_microbatches_calculator`)."""
+    """Create the process-wide calculator; raises if one exists (see reconfigure_num_microbatches_calculator)."""
     _configure_global_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
         decrease_batch_size_if_needed, init=True,

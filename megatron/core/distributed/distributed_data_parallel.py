@@ -24,7 +24,6 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 from megatron.core.process_groups_config import ProcessGroupCollection

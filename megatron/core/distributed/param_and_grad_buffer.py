@@ -245,7 +245,8 @@ class _ParamAndGradBuffer:
         return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
 
     def _lay_out(self, bucket_size: Optional[int]) -> List[tuple]:
-        """Assign every parameter its [start, end) in the buffer; return (start, end, unpadded end, params) per bucket."""
+        """Give every parameter its [start, end) in the buffer; return (start, end, unpadded end, params) per
+        bucket."""
         self.param_index_map: Dict[torch.nn.Parameter, tuple] = {}
         buckets = []
         bucket_start, index, bucket_params = 0, 0, []

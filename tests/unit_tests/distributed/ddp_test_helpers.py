@@ -77,7 +77,8 @@ class TinyLM(torch.nn.Module):
             hidden = torch.tanh(layer(hidden))
         if not self.post_process:
             return hidden
-        weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) else self.output
+        tied_here = self.share_embeddings_and_output_weights and self.pre_process
+        weight = self.embedding.weight if tied_here else self.output
         logits = F.linear(self.norm(hidden), weight)
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.t().reshape(-1))
 

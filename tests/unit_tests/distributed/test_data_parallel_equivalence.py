@@ -5,10 +5,9 @@ checks a whole set of layouts without extra process start-ups.
 """
 
 import pytest
-import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit_tests.distributed.ddp_test_helpers import (
     TinyLM,
     max_relative_error,

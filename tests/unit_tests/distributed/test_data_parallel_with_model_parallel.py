@@ -2,7 +2,6 @@
 parallelism (PP=2 through the 1F1B schedule, tied embeddings): weights and gradient norms match one process."""
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

@@ -91,7 +91,8 @@ def _broadcast_unused_and_per_token_loss():
     first_weight = model.module.layers[0].weight.detach().clone()
     gathered = [torch.empty_like(first_weight) for _ in range(2)]
     dist.all_gather(gathered, first_weight)
-    broadcast_ok = torch.equal(gathered[0], gathered[1]) and torch.equal(first_weight, TinyLM(seed=100).layers[0].weight)
+    rank0_weight = TinyLM(seed=100).layers[0].weight
+    broadcast_ok = torch.equal(gathered[0], gathered[1]) and torch.equal(first_weight, rank0_weight)
 
     # A parameter that gets no gradient (an unused layer) does not stall the overlapped reduction, and
     # start_grad_sync (the pipeline's grad_sync_func) launches only the buckets the hooks did not.

@@ -8,7 +8,6 @@ group and d = 2 and d = 1 with explicit process groups (pg_collection) in the sa
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection

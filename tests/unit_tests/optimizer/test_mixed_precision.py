@@ -63,7 +63,8 @@ def _half_precision_matches_fp32_master():
                 "all_steps_taken": all(n is not None for n in norms),
                 "error": max_relative_error(final, expected),
                 "error_vs_update": max(
-                    max_relative_error({k: final[k]}, {k: expected[k]}) / max_relative_error({k: expected[k]}, {k: initial[k]})
+                    max_relative_error({k: final[k]}, {k: expected[k]})
+                    / max_relative_error({k: expected[k]}, {k: initial[k]})
                     for k in expected
                 ),
             })
@@ -89,9 +90,8 @@ def _overflow_skips_and_recovers():
     results = {}
     for distributed in (False, True):
         config = model_config(fp16=True)
-        model = wrap(
-            Float16Module(config, TinyLM()), DistributedDataParallelConfig(use_distributed_optimizer=distributed), config
-        )
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+        model = wrap(Float16Module(config, TinyLM()), ddp_config, config)
         optimizer = get_megatron_optimizer(_opt_config("fp16", distributed, hysteresis=1, loss_scale_window=2), [model])
         scales, snapshots = [], []
 

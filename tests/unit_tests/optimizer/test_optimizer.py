@@ -67,7 +67,8 @@ def _state_round_trip():
     """Train 3 steps straight, or 2 steps + save + fresh model/optimizer + load + 1 step: identical weights."""
     Utils.initialize_model_parallel()
     results = {}
-    for name, precision, distributed in (("fp32", None, False), ("bf16", "bf16", False), ("bf16-distopt", "bf16", True)):
+    cases = (("fp32", None, False), ("bf16", "bf16", False), ("bf16-distopt", "bf16", True))
+    for name, precision, distributed in cases:
 
         def build():
             config = model_config(**({precision: True} if precision else {}))
@@ -85,7 +86,8 @@ def _state_round_trip():
         model_b.load_state_dict(saved_model)
         optimizer_b.load_state_dict(saved_optimizer)
         train_data_parallel(model_b, optimizer_b, 1, 4, 1)
-        results[name] = max((a - b).abs().max().item() for a, b in zip(weights(model).values(), weights(model_b).values()))
+        pairs = zip(weights(model).values(), weights(model_b).values())
+        results[name] = max((a - b).abs().max().item() for a, b in pairs)
         if distributed:
             broken = copy.deepcopy(saved_optimizer)
             broken["shard_fp32_from_float16_groups"][0] = broken["shard_fp32_from_float16_groups"][0][1:]
