@@ -196,7 +196,7 @@ class GPTDataset(MegatronDataset):
             return self.config.path_to_cache
         if self.dataset_path is None:
             return None
-        return os.path.join(os.path.dirname(self.dataset_path), "cache", f"{type(self).__name__}_indices")
+        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
 
     def _build_document_sample_shuffle_indices(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Load the three indices from the cache, or build them (Megatron-LM's algorithm, spec d4)."""

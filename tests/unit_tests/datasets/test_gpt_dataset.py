@@ -326,9 +326,9 @@ def test_a_different_seed_or_length_gets_its_own_cache(tmp_path):
     assert b.built_anew_on_cache_miss and c.built_anew_on_cache_miss
 
 
-def test_default_cache_directory_is_next_to_the_data(tmp_path):
+def test_default_cache_directory_is_under_the_prefix_as_megatron(tmp_path):
     make_dataset(tmp_path, DOCUMENTS, 10, path_to_cache=None)
-    assert len(os.listdir(tmp_path / "cache" / "GPTDataset_indices")) == 4
+    assert len(os.listdir(tmp_path / "corpus" / "cache" / "GPTDataset_indices")) == 4
 
 
 def test_a_crash_while_writing_leaves_no_trusted_partial_cache(tmp_path, monkeypatch):
