@@ -1,0 +1,49 @@
+"""The exception every dist_checkpointing error raises, and the ``metadata.json`` that marks a checkpoint directory."""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CONFIG_FNAME = "metadata.json"
+
+
+class CheckpointingException(Exception):
+    """A sharded state dict, a checkpoint directory or a request to save/load it is invalid."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """What ``metadata.json`` records: which backend wrote the shards, and its format version."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+    """True when ``checkpoint_dir`` holds a distributed checkpoint (it has a ``metadata.json``)."""
+    return maybe_load_config(checkpoint_dir) is not None
+
+
+def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+    """The checkpoint's config, or None when ``checkpoint_dir`` has no ``metadata.json``."""
+    config_path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not config_path.exists():
+        return None
+    try:
+        with open(config_path) as f:
+            fields = json.load(f)
+        return CheckpointingConfig(**fields)
+    except (ValueError, TypeError) as error:
+        raise CheckpointingException(
+            f"{config_path} is not a valid checkpoint metadata file ({error}); expected JSON like "
+            '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+        ) from error
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+    """Write ``metadata.json`` (the marker that the sharded data of ``checkpoint_dir`` is complete)."""
+    with open(Path(checkpoint_dir) / CONFIG_FNAME, "w") as f:
+        json.dump(asdict(config), f)
