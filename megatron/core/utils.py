@@ -6,6 +6,7 @@ CPU (gloo) as well as on NVIDIA GPUs (nccl).
 
 import logging
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -76,3 +77,22 @@ def init_method_normal(sigma: float):
 def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0):
     """Init method for output projections: N(0, (sigma / sqrt(multiplier * num_layers))^2), as in GPT-2/Megatron."""
     return init_method_normal(sigma / (multiplier * num_layers) ** 0.5)
+
+
+@contextmanager
+def layout_independent_init(config, stream_offset: int):
+    """Draw the weights of the module built inside from its own CPU random stream when CPU initialisation is on.
+
+    With ``config.use_cpu_initialization`` every full weight is created on the CPU and then split over tensor-parallel
+    ranks. Seeding each module's draws from ``(base seed + stream_offset)`` — the embedding 0, transformer layer n
+    (1-based, global) n, the output layer ``num_layers + 1`` — also makes the weights independent of which pipeline
+    stage builds the module, so every TP/PP/VPP layout assembles the same model from the same seed. The base seed is
+    the one last given to ``torch.manual_seed``; the caller's random state is restored afterwards.
+    """
+    if not config.use_cpu_initialization:
+        yield
+        return
+    base_seed = torch.initial_seed()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base_seed + stream_offset)
+        yield

@@ -13,6 +13,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import layout_independent_init
 
 
 @dataclass
@@ -171,16 +172,19 @@ class TransformerBlock(MegatronModule):
                 f"the block spec lists {len(layer_specs)} layers but this stage builds {num_layers} "
                 f"(of num_layers={config.num_layers})"
             )
-        self.layers = torch.nn.ModuleList(
-            build_module(
-                layer_spec,
-                config=config,
-                layer_number=offset + i + 1,
-                pg_collection=pg_collection,
-                vp_stage=vp_stage,
-            )
-            for i, layer_spec in enumerate(layer_specs)
-        )
+        self.layers = torch.nn.ModuleList()
+        for i, layer_spec in enumerate(layer_specs):
+            layer_number = offset + i + 1
+            with layout_independent_init(config, stream_offset=layer_number):
+                self.layers.append(
+                    build_module(
+                        layer_spec,
+                        config=config,
+                        layer_number=layer_number,
+                        pg_collection=pg_collection,
+                        vp_stage=vp_stage,
+                    )
+                )
         if post_process and post_layer_norm and self.submodules.layer_norm is not None:
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,

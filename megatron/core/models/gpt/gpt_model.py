@@ -12,6 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection, tp_group
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import layout_independent_init
 
 
 class GPTModel(LanguageModule):
@@ -65,14 +66,15 @@ class GPTModel(LanguageModule):
         self.vp_stage = vp_stage
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(
-                config=config,
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                position_embedding_type=position_embedding_type,
-                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                pg_collection=pg_collection,
-            )
+            with layout_independent_init(config, stream_offset=0):
+                self.embedding = LanguageModelEmbedding(
+                    config=config,
+                    vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length,
+                    position_embedding_type=position_embedding_type,
+                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                    pg_collection=pg_collection,
+                )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -93,17 +95,18 @@ class GPTModel(LanguageModule):
             vp_stage=vp_stage,
         )
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                skip_bias_add=False,
-                gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=tp_group_or_default(pg_collection),
-            )
+            with layout_independent_init(config, stream_offset=config.num_layers + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=False,
+                    skip_bias_add=False,
+                    gather_output=not parallel_output,
+                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    tp_group=tp_group_or_default(pg_collection),
+                )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
