@@ -105,7 +105,10 @@ def forward_step(
 
     Returns ``(output_tensors, num_tokens)``: the output as a one-element list (or a bare tensor when
     ``input_tensor`` was given bare), and the micro-batch's token count (0 for legacy losses and off the last stage).
+    ``checkpoint_activations_microbatch`` (partial activation checkpointing) must be None and ``current_microbatch``
+    (FP8 / MoE bookkeeping) is unused; both stay in Megatron's signature.
     """
+    del current_microbatch
     if checkpoint_activations_microbatch is not None:
         raise ValueError(
             "checkpoint_activations_microbatch (num_microbatches_with_partial_activation_checkpoints) is not "
@@ -228,9 +231,15 @@ def _single_chunk(model, data_iterator, schedule: str):
     return model, data_iterator
 
 
-def _check_num_microbatches(num_microbatches) -> None:
+def _check_step(num_microbatches, config) -> None:
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if config.num_microbatches_with_partial_activation_checkpoints is not None:
+        raise ValueError(
+            "num_microbatches_with_partial_activation_checkpoints="
+            f"{config.num_microbatches_with_partial_activation_checkpoints} is not supported; leave it None "
+            "(recompute_granularity / recompute_num_layers apply to every micro-batch)"
+        )
 
 
 def _finalize(config, model_chunks: list, total_num_tokens: torch.Tensor, forward_only: bool) -> None:
@@ -261,8 +270,8 @@ def forward_backward_no_pipelining(
     """
     del seq_length, micro_batch_size, decoder_seq_length
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
-    _check_num_microbatches(num_microbatches)
     config = get_model_config(model)
+    _check_step(num_microbatches, config)
     grad_sync = _GradSyncSwitch(config.no_sync_func)
     forward_data_store = []
     total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
@@ -314,8 +323,8 @@ def forward_backward_pipelining_without_interleaving(
     are in flight on stage ``r``, so the first stage stashes activations for at most ``p`` micro-batches.
     """
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
-    _check_num_microbatches(num_microbatches)
     config = get_model_config(model)
+    _check_step(num_microbatches, config)
     if config.overlap_p2p_comm:
         raise ValueError(
             "overlap_p2p_comm=True is only supported by the interleaved schedule; set it to False or use "
@@ -445,8 +454,8 @@ def forward_backward_pipelining_with_interleaving(
         raise TypeError(
             "the interleaved schedule expects data_iterator to be a list with one iterator (or None) per model chunk"
         )
-    _check_num_microbatches(num_microbatches)
     config = get_model_config(model[0])
+    _check_step(num_microbatches, config)
     if config.overlap_p2p_comm and config.batch_p2p_comm:
         raise ValueError(
             "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "

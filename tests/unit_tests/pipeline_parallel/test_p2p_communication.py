@@ -104,16 +104,19 @@ def test_two_stages_keep_activation_and_gradient_apart():
             assert torch.equal(grad, -_tensor(other))
 
 
-def _unmatched_receive():
+def _both_stages_wait_to_receive():
     Utils.initialize_model_parallel(1, 2)
-    if parallel_state.get_pipeline_model_parallel_rank() == 1:
-        p2p.recv_forward(SHAPE, _config())  # stage 0 never sends
+    config = _config()
+    if parallel_state.get_pipeline_model_parallel_rank() == 0:
+        p2p.recv_backward(SHAPE, config)  # stage 1 never sends a gradient...
+    else:
+        p2p.recv_forward(SHAPE, config)  # ...and stage 0 never sends an activation
     return "done"
 
 
 def test_a_hang_fails_and_names_the_rank():
-    with pytest.raises(DistributedTestError, match=r"rank 1 failed|ranks \[1\] did not finish"):
-        run_distributed(2, _unmatched_receive, timeout=3)
+    with pytest.raises(DistributedTestError, match=r"rank [01] failed|ranks \[0, 1\] did not finish"):
+        run_distributed(2, _both_stages_wait_to_receive, timeout=3)
 
 
 # ---- errors, raised before anything is posted (so no peer is left waiting on a half-made call) -------------------
