@@ -1,0 +1,96 @@
+"""Pretrain a GPT model (Megatron-LM's entry point, same flags).
+
+    torchrun --nproc_per_node 4 pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 \\
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 3e-4 --data-path <prefix> ...
+
+Without --data-path (and without --mock-data) it trains on the built-in Shakespeare corpus with its tokenizer.
+"""
+
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.training.arguments import core_gpt_dataset_config_from_args, core_transformer_config_from_args
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.training import pretrain
+from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+    """A GPTModel for this pipeline stage from the local (pure PyTorch) layer spec."""
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        print_rank_0("WARNING: Transformer Engine specs are not available; using the local spec")
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=args.num_experts, qk_layernorm=args.qk_layernorm, normalization=args.normalization
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked token loss: the sum and the token count, so the schedule can average over the whole batch."""
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    reporting_loss = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": reporting_loss}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    """One micro-batch: read (on TP rank 0, broadcast to the others), forward, and the loss function to apply."""
+    batch = get_batch_on_this_tp_rank(data_iterator)
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def is_dataset_built_on_rank() -> bool:
+    return (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    ) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Blended GPT datasets from --data-path / per-split paths, or the mock dataset with --mock-data."""
+    args = get_args()
+    config = core_gpt_dataset_config_from_args(args, get_tokenizer())
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step)
