@@ -1,0 +1,348 @@
+"""What a parallel layout puts where, computed without process groups: the rank groups, the layers of each pipeline
+stage and virtual chunk, and the parameters each stage holds. ``--dry-run`` prints this before any training.
+
+Rank groups come from :class:`megatron.core.parallel_state.RankGenerator`, the same enumeration
+``initialize_model_parallel`` uses. Layers per stage follow ``transformer_block.get_num_layers_to_build`` and
+``get_transformer_layer_offset`` (which ask the process groups for the pipeline rank; this module takes the rank
+as a number). Parameter counts are exact for the GPT model built from the local layer spec, biases included.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from megatron.core.parallel_state import (
+    RankGenerator,
+    _check_expert_layout_matches_pipeline,
+    default_embedding_ranks,
+)
+from megatron.training.flops import num_query_groups, required_arg
+
+# How many groups of one kind to list before summarising the rest.
+_GROUPS_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class PipelineChunk:
+    """One model chunk: pipeline rank ``pipeline_rank``'s chunk ``virtual_rank`` (0 without virtual stages)."""
+
+    pipeline_rank: int
+    virtual_rank: int
+    first_layer: int
+    num_layers: int
+    has_embedding: bool
+    has_output: bool
+
+    @property
+    def layers(self) -> range:
+        """Global (0-based) indices of the chunk's layers, as in the checkpoint keys ``decoder.layers.<i>``."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Rank groups by kind (lists of global ranks) and the model chunks in pipeline-rank, then chunk, order."""
+
+    world_size: int
+    sizes: Dict[str, int]
+    order: str
+    groups: Dict[str, List[List[int]]]
+    chunks: List[PipelineChunk]
+
+    def stage_ranks(self, pipeline_rank: int) -> List[int]:
+        """Every global rank that runs pipeline stage ``pipeline_rank``."""
+        return sorted(group[pipeline_rank] for group in self.groups["pipeline-parallel"])
+
+
+def layers_per_virtual_stage(
+    num_layers: int,
+    pp: int,
+    vpp: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+) -> List[int]:
+    """Layer counts of the virtual stages in pipeline order (virtual stage ``c * pp + r`` is chunk ``c`` of
+    pipeline rank ``r``), as Megatron-Core splits them.
+
+    Layers split evenly over pipeline ranks, except that ``first/last_stage_layers`` fix the first/last rank's share
+    (the rest split evenly), and ``account_for_embedding/loss_in_pipeline_split`` count the embedding / loss as one
+    more layer of the first / last virtual stage. Each rank's share splits evenly into its ``vpp`` chunks.
+    """
+    for name, value in (("num_layers", num_layers), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    chunks_per_rank = vpp or 1
+    extra_first, extra_last = int(account_for_embedding_in_pipeline_split), int(account_for_loss_in_pipeline_split)
+    if first_stage_layers is not None or last_stage_layers is not None:
+        if extra_first or extra_last:
+            raise ValueError(
+                "--decoder-first/last-pipeline-num-layers cannot be combined with --account-for-embedding-in-"
+                "pipeline-split or --account-for-loss-in-pipeline-split; use one way of balancing the stages"
+            )
+        per_rank = _uneven_layers_per_rank(num_layers, pp, first_stage_layers, last_stage_layers)
+    else:
+        slots = num_layers + extra_first + extra_last
+        if slots % pp != 0:
+            counted = f"num_layers + embedding/loss ({slots})" if extra_first or extra_last else f"num_layers ({slots})"
+            raise ValueError(
+                f"{counted} is not divisible by the pipeline size ({pp}); change --num-layers or "
+                "--pipeline-model-parallel-size, or set --decoder-first/last-pipeline-num-layers"
+            )
+        per_rank = [slots // pp] * pp
+    for rank, count in enumerate(per_rank):
+        if count % chunks_per_rank != 0:
+            raise ValueError(
+                f"pipeline stage {rank} has {count} layers, not divisible into {chunks_per_rank} virtual stages; "
+                "change --num-layers-per-virtual-pipeline-stage or the layer split"
+            )
+    per_virtual = [per_rank[rank] // chunks_per_rank for _ in range(chunks_per_rank) for rank in range(pp)]
+    per_virtual[0] -= extra_first
+    per_virtual[-1] -= extra_last
+    return per_virtual
+
+
+def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
+    if pp == 1:
+        raise ValueError("--decoder-first/last-pipeline-num-layers need a pipeline size > 1; unset them")
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"--decoder-{name}-pipeline-num-layers must be a positive integer, got {value!r}")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+        raise ValueError(
+            f"--num-layers ({num_layers}) does not match --decoder-first-pipeline-num-layers ({first}) + "
+            f"--decoder-last-pipeline-num-layers ({last}) on {pp} pipeline stages"
+        )
+    if middle_stages and middle_layers % middle_stages != 0:
+        raise ValueError(
+            f"the {middle_layers} layers left after the first/last stages do not divide evenly over the other "
+            f"{middle_stages} pipeline stages; adjust --num-layers or the first/last stage sizes"
+        )
+    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    return per_rank
+
+
+def pipeline_chunks(per_virtual_stage: List[int], pp: int) -> List[PipelineChunk]:
+    """The chunks of :func:`layers_per_virtual_stage`'s split, ordered by pipeline rank, then chunk."""
+    offsets = [sum(per_virtual_stage[:index]) for index in range(len(per_virtual_stage))]
+    last = len(per_virtual_stage) - 1
+    chunks = [
+        PipelineChunk(
+            pipeline_rank=index % pp,
+            virtual_rank=index // pp,
+            first_layer=offsets[index],
+            num_layers=count,
+            has_embedding=index == 0,
+            has_output=index == last,
+        )
+        for index, count in enumerate(per_virtual_stage)
+    ]
+    return sorted(chunks, key=lambda chunk: (chunk.pipeline_rank, chunk.virtual_rank))
+
+
+def parallel_layout(
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    etp: Optional[int],
+    order: str,
+    num_layers: int,
+    vpp: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+) -> ParallelLayout:
+    """The rank groups and layer placement ``initialize_model_parallel`` and the model would create, checked the
+    same way (``etp=None`` means ``etp = tp``)."""
+    etp = tp if etp is None else etp
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
+    for name, value in [("world_size", world_size)] + list(sizes.items()):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for product_name, product in (("tp x pp x cp", tp * pp * cp), ("etp x ep x pp", etp * ep * pp)):
+        if world_size % product != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by {product_name} = {product}; change the parallel sizes "
+                "or the number of ranks"
+            )
+    if vpp is not None and (pp < 2 or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"virtual pipeline size {vpp!r} needs a pipeline size > 1 (got {pp}) and must be >= 1")
+    dp, expert_dp = world_size // (tp * pp * cp), world_size // (etp * ep * pp)
+    sizes.update(dp=dp, expert_dp=expert_dp)
+
+    decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order)
+    _check_expert_layout_matches_pipeline(order, pp, dp, expert_dp, decoder.get_ranks("pp"), expert.get_ranks("pp"))
+    pipelines = decoder.get_ranks("pp")
+    groups = {
+        "tensor-parallel": decoder.get_ranks("tp"),
+        "pipeline-parallel": pipelines,
+        "data-parallel": decoder.get_ranks("dp"),
+        "context-parallel": decoder.get_ranks("cp"),
+        "data-parallel with context": decoder.get_ranks("dp-cp"),
+        "expert-model-parallel": expert.get_ranks("ep"),
+        "expert-tensor-parallel": expert.get_ranks("tp"),
+        "expert-data-parallel": expert.get_ranks("dp"),
+        # The word embedding's first-stage and last-stage copies (tied weights all-reduce over this group).
+        "embedding": [default_embedding_ranks(ranks) for ranks in pipelines],
+    }
+    per_virtual_stage = layers_per_virtual_stage(
+        num_layers, pp, vpp, first_stage_layers, last_stage_layers,
+        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+    )
+    return ParallelLayout(world_size, sizes, order, groups, pipeline_chunks(per_virtual_stage, pp))
+
+
+def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int, int]]:
+    """(parameters of the whole stage, parameters on one of its tensor-parallel ranks) for each pipeline rank, for
+    the GPT model of Megatron-LM's ``model_args`` built from the local layer spec (a tied output layer's copy on
+    the last stage counts, as it is a parameter there)."""
+    if getattr(model_args, "num_experts", None) is not None:
+        raise ValueError("parameter counts per stage cover dense GPT layers; MoE layers (--num-experts) are not built")
+    tp = layout.sizes["tp"]
+    layer_split, layer_replicated = _layer_parameters(model_args)
+    hidden = model_args.hidden_size
+    vocab = required_arg(model_args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
+    norm = hidden * (1 if model_args.normalization == "RMSNorm" else 2)
+    positions = 0
+    if model_args.position_embedding_type == "learned_absolute":
+        positions = hidden * required_arg(model_args, "max_position_embeddings", "pass --max-position-embeddings")
+
+    counts = [[0, 0] for _ in range(layout.sizes["pp"])]  # [split over TP, replicated] per pipeline rank
+    for chunk in layout.chunks:
+        stage = counts[chunk.pipeline_rank]
+        stage[0] += chunk.num_layers * layer_split
+        stage[1] += chunk.num_layers * layer_replicated
+        if chunk.has_embedding:
+            stage[0] += vocab * hidden
+            stage[1] += positions
+        if chunk.has_output:
+            stage[1] += norm
+            # A tied output layer reuses the embedding on the same chunk; another chunk keeps a copy.
+            if model_args.untie_embeddings_and_output_weights or not chunk.has_embedding:
+                stage[0] += vocab * hidden
+    return [(split + replicated, split // tp + replicated) for split, replicated in counts]
+
+
+def _layer_parameters(args) -> Tuple[int, int]:
+    """(parameters split over TP, parameters every TP rank holds in full) of one transformer layer."""
+    hidden = args.hidden_size
+    kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
+    ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
+    norm_size = 1 if args.normalization == "RMSNorm" else 2
+    bias = args.add_bias_linear
+    qkv_width = kv_channels * (args.num_attention_heads + 2 * num_query_groups(args))
+    fc1_width = ffn * (2 if args.swiglu else 1)
+    # Column-parallel layers (QKV, fc1) split weight and bias; row-parallel ones (proj, fc2) split only the weight.
+    split = hidden * qkv_width + (qkv_width if bias or args.add_qkv_bias else 0)
+    split += kv_channels * args.num_attention_heads * hidden
+    split += hidden * fc1_width + (fc1_width if bias else 0)
+    split += ffn * hidden
+    replicated = 2 * hidden * norm_size + (2 * hidden if bias else 0)
+    if args.qk_layernorm:
+        replicated += 2 * kv_channels * norm_size
+    return split, replicated
+
+
+def describe_parallel_layout(
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    etp: Optional[int],
+    order: str,
+    num_layers: int,
+    vpp: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    *,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+    model_args=None,
+) -> str:
+    """A readable report of :func:`parallel_layout`: rank groups, each stage's ranks and layers, and with
+    ``model_args`` (Megatron-LM's args) the parameters per stage."""
+    layout = parallel_layout(
+        world_size, tp, pp, cp, ep, etp, order, num_layers, vpp, first_stage_layers, last_stage_layers,
+        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+    )
+    sizes = layout.sizes
+    lines = [
+        f"Parallel layout: {world_size} ranks = TP {tp} x CP {cp} x DP {sizes['dp']} x PP {pp}, order {order}",
+        f"Expert layout: ETP {sizes['etp']} x EP {ep} x expert-DP {sizes['expert_dp']} x PP {pp}",
+        "Rank groups (global ranks):",
+    ]
+    width = max(len(kind) for kind in layout.groups)
+    for kind, groups in layout.groups.items():
+        lines.append(f"  {kind:<{width}}  {_format_groups(groups)}")
+
+    stage_parameters = stage_parameter_counts(model_args, layout) if model_args is not None else None
+    virtual = f", {vpp} virtual stages per rank" if vpp else ""
+    lines.append(f"Pipeline stages ({num_layers} layers{virtual}; layer i is decoder.layers.<i>):")
+    for rank in range(pp):
+        chunks = [chunk for chunk in layout.chunks if chunk.pipeline_rank == rank]
+        lines.append(f"  stage {rank} on ranks {_format_ranks(layout.stage_ranks(rank))}")
+        for chunk in chunks:
+            label = f"chunk {chunk.virtual_rank}: " if vpp else ""
+            lines.append(f"    {label}{_describe_chunk(chunk)}")
+        if stage_parameters is not None:
+            total, per_rank = stage_parameters[rank]
+            lines.append(f"    parameters: {total:,} in the stage, {per_rank:,} per tensor-parallel rank")
+    return "\n".join(lines)
+
+
+def describe_parallel_layout_for_args(args) -> str:
+    """:func:`describe_parallel_layout` for Megatron-LM's parsed and validated args (as ``--dry-run`` uses it)."""
+    return describe_parallel_layout(
+        args.world_size,
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        getattr(args, "context_parallel_size", 1),
+        getattr(args, "expert_model_parallel_size", 1),
+        getattr(args, "expert_tensor_parallel_size", None),
+        # Megatron-LM's --use-tp-pp-dp-mapping swaps the pp and dp axes.
+        "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+        args.num_layers,
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
+        getattr(args, "decoder_first_pipeline_num_layers", None),
+        getattr(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding_in_pipeline_split=getattr(args, "account_for_embedding_in_pipeline_split", False),
+        account_for_loss_in_pipeline_split=getattr(args, "account_for_loss_in_pipeline_split", False),
+        model_args=args,
+    )
+
+
+def _describe_chunk(chunk: PipelineChunk) -> str:
+    layers = chunk.layers
+    if not layers:
+        text = "no layers"
+    elif len(layers) == 1:
+        text = f"layer {layers[0]}"
+    else:
+        text = f"layers {layers[0]}-{layers[-1]}"
+    extras = [
+        name
+        for name, present in (("embedding", chunk.has_embedding), ("final norm + output layer", chunk.has_output))
+        if present
+    ]
+    return text + (f" + {' + '.join(extras)}" if extras else "")
+
+
+def _format_ranks(ranks: List[int]) -> str:
+    return "[" + ", ".join(str(rank) for rank in ranks) + "]"
+
+
+def _format_groups(groups: List[List[int]]) -> str:
+    shown = " ".join(_format_ranks(group) for group in groups[:_GROUPS_SHOWN])
+    more = len(groups) - _GROUPS_SHOWN
+    return shown + (f" ... ({more} more)" if more > 0 else "")
