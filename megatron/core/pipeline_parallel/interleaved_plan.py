@@ -20,6 +20,12 @@ from the last rank back to the first). So, in slot ``s``:
 * a rank other than the last receives the output gradient of its backward pass ``s - W + 1``; the last rank
   receives the input gradient of the first rank's backward pass ``s - W - (p - 1)``, for the previous chunk.
 
+When few micro-batches cap some ranks' warm-up at ``T``, those ranks' backward passes start earlier than this
+clock says and a message may wait for its receiver's next call; it is still matched first-in first-out on its
+channel, and with two stages (where both directions share one channel) the cap never applies. The unit tests
+simulate every rank's calls with rendezvous semantics to check that no message is mismatched and no rank waits
+forever.
+
 Everything received is keyed by ``(microbatch_id, model_chunk_id)``, so buffered tensors are found by name.
 """
 
