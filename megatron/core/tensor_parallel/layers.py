@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import _EXPERT_PARALLEL_RNG_TRACKER_NAME, _MODEL_PARALLEL_RNG_TRACKER_NAME
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from megatron.core.utils import get_current_device, warn_once
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -263,7 +264,23 @@ def linear_with_grad_accumulation_and_async_allreduce(
 # ---- layers --------------------------------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(_TensorParallelModule):
+class _EmptyExtraState:
+    """An always-empty ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry
+    the same keys as Transformer Engine layers (whose extra state holds FP8 metadata). Checkpoints written without
+    the entry still load strictly."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore: the extra state is always empty."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(f"{prefix}_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
     """``Y = X A + b`` with ``A`` split by columns: rank r computes ``Y_r = X A_r + b_r``.
 
     The weight is ``[output_size / tp, input_size]`` (``partition_dim=0``). The input must be the same on every TP
@@ -373,8 +390,18 @@ class ColumnParallelLinear(_TensorParallelModule):
             f"tp_size={self.tp_size}, bias={self.bias is not None}, gather_output={self.gather_output}"
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Weight and bias split along the output axis (0) over the tensor-parallel group."""
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"weight": 0, "bias": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+        )
 
-class RowParallelLinear(_TensorParallelModule):
+
+class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
     """``Y = X A + b`` with ``A`` split by rows: rank r computes ``X_r A_r`` and the partial results are summed.
 
     The weight is ``[output_size, input_size / tp]`` (``partition_dim=1``). The input is this rank's
@@ -445,6 +472,12 @@ class RowParallelLinear(_TensorParallelModule):
             f"tp_size={self.tp_size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Weight split along the input axis (1) over the tensor-parallel group; the bias is replicated."""
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1}, sharded_offsets, tp_group=self.tp_group
+        )
+
 
 class VocabParallelEmbedding(_TensorParallelModule):
     """Embedding table split by vocabulary rows: rank r holds rows ``[r * V/tp, (r + 1) * V/tp)``.
@@ -491,3 +524,17 @@ class VocabParallelEmbedding(_TensorParallelModule):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The table split along the vocabulary axis (0); a checkpoint with a differently padded vocabulary still
+        loads (``allow_shape_mismatch``)."""
+        key = f"{prefix}weight"
+        return {
+            key: make_tp_sharded_tensor_for_checkpoint(
+                self.weight,
+                key,
+                allow_shape_mismatch=True,
+                prepend_offsets=sharded_offsets,
+                tp_group=self.tp_group,
+            )
+        }

@@ -1,15 +1,18 @@
 """The transformer MLP: column-parallel fc1, activation (optionally gated: SwiGLU), row-parallel fc2."""
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 
 @dataclass
@@ -88,3 +91,75 @@ class MLP(MegatronModule):
             output = tensor_parallel.checkpoint(lambda x: self._forward(x)[0], False, hidden_states)
             return output, self.linear_fc2.bias
         return self._forward(hidden_states)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """fc1 split by columns, fc2 by rows; a gated fc1 is stored as its two global halves ``[gate; up]``."""
+        sharded_state_dict = {}
+        for name, module in self.named_children():
+            module_state = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+            if name == "linear_fc1" and self.config.gated_linear_unit:
+                for key in (f"{prefix}{name}.weight", f"{prefix}{name}.bias"):
+                    if key in module_state:
+                        module_state[key] = apply_swiglu_sharded_factory(module_state[key], sharded_offsets)
+            sharded_state_dict.update(module_state)
+        return sharded_state_dict
+
+
+def apply_swiglu_sharded_factory(original_sh_ten: ShardedTensor, sharded_offsets: tuple = ()) -> ShardedTensorFactory:
+    """Store a gated fc1 weight or bias as the global ``[gate; up]`` rather than as tensor-parallel pieces.
+
+    TP rank r of t holds ``[gate_r; up_r]`` (fc1 is built with stride 2), which is not one contiguous piece of the
+    global tensor: it is pieces r and t + r of 2t along axis 0. The factory saves the two halves as those pieces and
+    concatenates them again on load, so the checkpoint reshards to any TP size. With a ``flattened_range`` (the
+    distributed optimizer's flat shard of the local tensor) the range is split where the gate half ends.
+    """
+    axis = len(sharded_offsets)
+    local_shape = tuple(original_sh_ten.local_shape)
+    tp_rank = original_sh_ten.global_offset[axis] // local_shape[0]
+    tp_size = original_sh_ten.axis_fragmentations[axis]
+    half_shape = (local_shape[0] // 2, *local_shape[1:])
+    half_numel = math.prod(half_shape)
+    gate_offset = (axis, tp_rank, 2 * tp_size)
+    up_offset = (axis, tp_size + tp_rank, 2 * tp_size)
+
+    @torch.no_grad()
+    def build(key, data, replica_id, flattened_range):
+        common = dict(replica_id=replica_id, prepend_axis_num=axis)
+        if flattened_range is None:
+            gate, up = torch.chunk(data, 2, dim=0)
+            return [
+                ShardedTensor.from_rank_offsets(key, gate, *sharded_offsets, gate_offset, **common),
+                ShardedTensor.from_rank_offsets(key, up, *sharded_offsets, up_offset, **common),
+            ]
+        start, stop = flattened_range.start, flattened_range.stop
+        pieces = []
+        if start < half_numel:
+            gate_stop = min(stop, half_numel)
+            pieces.append(
+                ShardedTensor.from_rank_offsets_flat(
+                    key, data[: gate_stop - start], half_shape, *sharded_offsets, gate_offset,
+                    flattened_range=slice(start, gate_stop), **common,
+                )
+            )
+        if stop > half_numel:
+            up_start = max(start, half_numel)
+            pieces.append(
+                ShardedTensor.from_rank_offsets_flat(
+                    key, data[up_start - start :], half_shape, *sharded_offsets, up_offset,
+                    flattened_range=slice(up_start - half_numel, stop - half_numel), **common,
+                )
+            )
+        return pieces
+
+    @torch.no_grad()
+    def merge(loaded_pieces):
+        return torch.cat(loaded_pieces)
+
+    return ShardedTensorFactory(
+        original_sh_ten.key,
+        original_sh_ten.data,
+        build,
+        merge,
+        original_sh_ten.replica_id,
+        flattened_range=original_sh_ten.flattened_range,
+    )

@@ -1,8 +1,11 @@
 """MegatronModule: the base class of every Megatron-Core model component."""
 
+from typing import Optional
+
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
 
 class MegatronModule(torch.nn.Module):
@@ -21,6 +24,24 @@ class MegatronModule(torch.nn.Module):
         for module in self.modules():
             if hasattr(module, "is_first_microbatch"):
                 module.is_first_microbatch = True
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """This module's state as pieces of the global checkpoint (see megatron.core.dist_checkpointing).
+
+        By default the module's own parameters, persistent buffers and extra state are replicated over the
+        tensor- and data-parallel ranks, and each child contributes its own ``sharded_state_dict`` (or, for a plain
+        torch module, its replicated state dict). ``sharded_offsets`` are the axes prepended to every tensor (a
+        block's layer axis); ``metadata`` is passed down unchanged. Keys of the returned dict are this module's
+        ``state_dict`` names, so a loaded result feeds straight into ``load_state_dict``.
+        """
+        own_state = {}
+        self._save_to_state_dict(own_state, "", keep_vars=True)
+        sharded_state_dict = make_sharded_tensors_for_checkpoint(own_state, prefix, sharded_offsets=sharded_offsets)
+        for name, module in self.named_children():
+            sharded_state_dict.update(
+                sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+            )
+        return sharded_state_dict
 
 
 # ---- mixed precision: Float16Module and its helpers ----------------------------------------------------------------

@@ -7,12 +7,14 @@ from typing import List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import layout_independent_init
 
 
@@ -278,3 +280,31 @@ class TransformerBlock(MegatronModule):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Every layer's tensors stacked under one key with a leading layer axis, indexed by the global layer number.
+
+        Local layer ``i`` of this stage is global layer ``layer_number - 1``, so
+        ``decoder.layers.self_attention.linear_qkv.weight`` has shape ``[num_layers, ...]`` whatever the pipeline
+        layout that wrote or reads it.
+        """
+        if sharded_offsets:
+            raise ValueError(
+                f"TransformerBlock.sharded_state_dict got sharded_offsets={sharded_offsets!r}; the block adds the "
+                "layer axis itself and must be called without offsets"
+            )
+        sharded_state_dict = {}
+        layers_prefix = f"{prefix}layers."
+        for local_index, layer in enumerate(self.layers):
+            global_index = layer.layer_number - 1
+            local_prefix = f"{layers_prefix}{local_index}."
+            layer_axis = ((0, global_index, self.config.num_layers),)
+            layer_state = layer.sharded_state_dict(prefix=local_prefix, sharded_offsets=layer_axis, metadata=metadata)
+            replace_prefix_for_sharding(layer_state, local_prefix, layers_prefix)
+            sharded_state_dict.update(layer_state)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                sharded_state_dict.update(
+                    sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+                )
+        return sharded_state_dict

@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -112,3 +113,16 @@ class TransformerLayer(MegatronModule):
         mlp_output_with_bias = self.mlp(normed)
         hidden_states = self.mlp_bda(self.training, fused)(mlp_output_with_bias, residual, self.hidden_dropout)
         return hidden_states, context
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The default sharded state, with checkpoint keys renamed by the spec's ``sharded_state_dict_keys_map``.
+
+        The local spec maps ``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_`` (and the pre-MLP
+        norm likewise into fc1), the names Transformer Engine's fused norm+linear layers use, so checkpoints of
+        either spec share keys. Only checkpoint keys change; the dict keys stay this module's state-dict names.
+        """
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        keys_map = self.submodules_config.sharded_state_dict_keys_map
+        if keys_map:
+            apply_prefix_mapping(sharded_state_dict, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
+        return sharded_state_dict

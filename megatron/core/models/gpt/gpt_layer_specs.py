@@ -79,6 +79,11 @@ def get_gpt_layer_local_spec(
             pre_mlp_layernorm=norm,
             mlp=get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
+            # Checkpoint keys of the separate norms are those of Transformer Engine's fused norm+linear layers.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
         ),
     )
 

@@ -156,3 +156,10 @@ class GPTModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
         return self.compute_language_model_loss(labels, logits)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """LanguageModule's sharded state without the output layer's (always empty) extra state, which Megatron's
+        GPT checkpoints do not store."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sharded_state_dict.pop(f"{prefix}output_layer._extra_state", None)
+        return sharded_state_dict

@@ -7,6 +7,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +59,40 @@ class LanguageModule(MegatronModule):
         if self.post_process:
             return self.output_layer.weight
         return None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The default sharded state, with the output layer's weight stored once when it is tied to the embedding.
+
+        On a last stage that does not also hold the embedding, the output weight is a copy of the first stage's
+        word embedding: it is saved under the embedding's key as a non-main replica (pipeline coordinate 1), so it
+        is never written but is loaded from the embedding. An untied output layer may load a checkpoint whose
+        (padded) vocabulary size differs, like the embedding.
+        """
+        if sharded_offsets:
+            raise ValueError(
+                f"{type(self).__name__}.sharded_state_dict got sharded_offsets={sharded_offsets!r}; a whole model "
+                "is called without offsets"
+            )
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        output_weight_key = f"{prefix}output_layer.weight"
+        if self.share_embeddings_and_output_weights:
+            self.tie_embeddings_and_output_weights_state_dict(sharded_state_dict, output_weight_key, embedding_key)
+        elif self.post_process:
+            sharded_state_dict[output_weight_key].allow_shape_mismatch = True
+        return sharded_state_dict
+
+    def tie_embeddings_and_output_weights_state_dict(
+        self, sharded_state_dict: dict, output_layer_weight_key: str, first_stage_word_emb_key: str
+    ) -> None:
+        """Point a last stage's copy of the tied weight at the first stage's embedding key (see above), in place."""
+        if not self.post_process or self.pre_process:
+            return  # no output layer here, or it uses the embedding weight itself (not in the state dict)
+        replica_id = (1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            self.shared_embedding_or_output_weight(),
+            first_stage_word_emb_key,
+            replica_id=replica_id,
+            allow_shape_mismatch=True,
+            tp_group=self.output_layer.tp_group,
+        )
