@@ -486,7 +486,15 @@ class _InterleavedRunner:
     """Carries out an :class:`InterleavedPlan` on this rank: compute, communicate, buffer, sync gradients."""
 
     def __init__(
-        self, plan, forward_step_func, data_iterators, model, config, tensor_shape, collect_non_loss_data, first_val_step
+        self,
+        plan,
+        forward_step_func,
+        data_iterators,
+        model,
+        config,
+        tensor_shape,
+        collect_non_loss_data,
+        first_val_step,
     ):
         self.plan = plan
         self.forward_step_func = forward_step_func

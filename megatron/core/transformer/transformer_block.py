@@ -25,7 +25,7 @@ class TransformerBlockSubmodules:
 
 
 def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
-    """Layers built by each virtual stage, in pipeline order (virtual stage ``c * pp + r`` is chunk ``c`` of rank ``r``).
+    """Layers built by each virtual stage, in pipeline order (virtual stage ``c * pp + r``: chunk ``c`` of rank ``r``).
 
     Without virtual stages there is one per pipeline rank. Layers are split evenly, except that
     ``num_layers_in_first/last_pipeline_stage`` fix the first/last rank's share (the rest split evenly over the

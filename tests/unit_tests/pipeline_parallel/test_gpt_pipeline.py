@@ -54,7 +54,9 @@ def _run_layouts(names):
         result = {
             "tied_at_init": gpt.tied_weights_match(chunks),
             "layer_numbers": [[layer.layer_number for layer in c.decoder.layers] for c in chunks],
-            "layer_keys": [sorted({k.split(".")[2] for k in c.state_dict() if k.startswith("decoder.layers.")}) for c in chunks],
+            "layer_keys": [
+                sorted({k.split(".")[2] for k in c.state_dict() if k.startswith("decoder.layers.")}) for c in chunks
+            ],
         }
         gpt.copy_weights(full, chunks)
         batches = gpt.microbatches(num_microbatches)

@@ -1,4 +1,4 @@
-"""The interleaved schedule's plan, checked without communication: table, warm-up, and that every send meets its receive.
+"""The interleaved schedule's plan, checked without communication: table, warm-up, every send meeting its receive.
 
 The ring simulation below runs every rank's sequence of calls with rendezvous semantics and first-in first-out
 matching per pair of ranks, and checks that every message lands where its receiver expects it, that every tensor
@@ -29,7 +29,9 @@ def _plans(pp, vp, m, group=None, forward_only=False):
 def test_schedule_table_groups_microbatches_per_chunk():
     assert get_schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
     # A last, larger-than-pipeline group takes the remaining micro-batches.
-    assert get_schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    assert get_schedule_table(5, 2, 3) == [
+        (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)
+    ]
     assert exported_table is get_schedule_table
 
 
@@ -147,7 +149,8 @@ def _simulate(plans, overlap: bool) -> None:
             if position_in_channel >= len(queue):
                 done = False
                 continue
-            assert queue[position_in_channel] == message, f"rank {rank}: {op} {message} met {queue[position_in_channel]}"
+            met = queue[position_in_channel]
+            assert met == message, f"rank {rank}: {op} {message} met {met}"
             if op == "recv":
                 arrived[rank].add(message)
         return done
@@ -196,7 +199,10 @@ PLAN_ERRORS = [
     (dict(pp=1, vp=2, m=4), r"needs pipeline_model_parallel_size > 1 \(got 1\)"),
     (dict(pp=2, vp=None, m=4), "needs virtual_pipeline_model_parallel_size to be set"),
     (dict(pp=2, vp=3, m=4, chunks=2), "got 2 model chunks but virtual_pipeline_model_parallel_size is 3"),
-    (dict(pp=4, vp=2, m=2), r"microbatch_group_size_per_vp_stage \(4\) must lie between .* \(4\) and num_microbatches \(2\)"),
+    (
+        dict(pp=4, vp=2, m=2),
+        r"microbatch_group_size_per_vp_stage \(4\) must lie between .* \(4\) and num_microbatches \(2\)",
+    ),
     (dict(pp=4, vp=2, m=6), r"num_microbatches \(6\) leaves a last group of 2 micro-batches"),
     (dict(pp=2, vp=2, m=7, group=3), r"num_microbatches \(7\) leaves a last group of 1 micro-batches"),
 ]

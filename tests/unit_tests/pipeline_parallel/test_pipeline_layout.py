@@ -29,9 +29,8 @@ def _layout(config):
             for rank in range(pp):
                 parallel_state.set_pipeline_model_parallel_rank(rank)
                 vp_stage = chunk if vp else None
-                stages.append(
-                    (rank, vp_stage, get_transformer_layer_offset(config, vp_stage), get_num_layers_to_build(config, vp_stage))
-                )
+                first = get_transformer_layer_offset(config, vp_stage)
+                stages.append((rank, vp_stage, first, get_num_layers_to_build(config, vp_stage)))
     finally:
         parallel_state.set_pipeline_model_parallel_rank(None)
     return stages
@@ -65,12 +64,10 @@ def test_uneven_stages_with_virtual_chunks():
 
 
 def test_embedding_and_loss_count_as_layers():
-    assert _slices(_config(6, 4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)) == [
-        (0, 1), (1, 2), (3, 2), (5, 1)
-    ]
+    both = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    assert _slices(_config(6, 4, **both)) == [(0, 1), (1, 2), (3, 2), (5, 1)]
     assert _slices(_config(7, 4, account_for_embedding_in_pipeline_split=True)) == [(0, 1), (1, 2), (3, 2), (5, 2)]
-    both_virtual = _config(6, 2, 2, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
-    assert _slices(both_virtual) == [(0, 1), (1, 2), (3, 2), (5, 1)]
+    assert _slices(_config(6, 2, 2, **both)) == [(0, 1), (1, 2), (3, 2), (5, 1)]
 
 
 @pytest.mark.parametrize(
@@ -97,7 +94,7 @@ ERRORS = [
         dict(num_layers=5, pp=4, account_for_loss_in_pipeline_split=True),
         r"num_layers \+ embedding/loss \(6\) is not divisible by pipeline_model_parallel_size \(4\)",
     ),
-    (dict(num_layers=6, pp=2, vp=2), r"pipeline stage 0 has 3 layers, not divisible by virtual_pipeline_model_parallel"),
+    (dict(num_layers=6, pp=2, vp=2), r"pipeline stage 0 has 3 layers, not divisible by virtual_pipeline_model"),
     (
         dict(num_layers=4, pp=2, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1),
         r"num_layers \(4\) does not match num_layers_in_first_pipeline_stage \(1\) \+ num_layers_in_last",

@@ -210,7 +210,8 @@ def test_interleaved_trace_is_the_documented_order(runs):
 
 
 def test_deallocated_outputs_keep_one_element(runs):
-    for name, deallocated in (("1f1b_pp2_unbatched_dealloc", True), ("vpp2_pp2_m6_dealloc", True), ("vpp2_pp2_m4", False)):
+    cases = (("1f1b_pp2_unbatched_dealloc", True), ("vpp2_pp2_m6_dealloc", True), ("vpp2_pp2_m4", False))
+    for name, deallocated in cases:
         for result in runs[name]:
             if not result["sent_storage_bytes"]:
                 continue  # the last stage sends nothing (1F1B)
