@@ -207,7 +207,8 @@ def main() -> None:
             if worker.exitcode != 0:
                 raise SystemExit(f"a pipeline rank of the p={pp} run exited with code {worker.exitcode}")
 
-    print(f"t_f = {args.forward_ms} ms, t_b = {args.backward_ms} ms per micro-batch and stage; median of {args.repeats}")
+    print(f"t_f = {args.forward_ms} ms, t_b = {args.backward_ms} ms per micro-batch and stage", end="")
+    print(f"; median of {args.repeats} runs")
     print(
         f"{'schedule':<12} {'p':>2} {'v':>2} {'m':>3} {'formula':>8} {'logical':>8} {'rel.diff':>8} "
         f"{'wall':>7} {'worst stage':>11} {'rel.diff':>8} {'excess ms/mb':>12}"
