@@ -240,6 +240,11 @@ def _check_step(num_microbatches, config) -> None:
             f"{config.num_microbatches_with_partial_activation_checkpoints} is not supported; leave it None "
             "(recompute_granularity / recompute_num_layers apply to every micro-batch)"
         )
+    if config.defer_embedding_wgrad_compute:
+        raise ValueError(
+            "defer_embedding_wgrad_compute=True needs deferred output-layer weight-gradient GEMMs, which are not "
+            "available; set it to False"
+        )
 
 
 def _finalize(config, model_chunks: list, total_num_tokens: torch.Tensor, forward_only: bool) -> None:

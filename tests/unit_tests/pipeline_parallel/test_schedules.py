@@ -387,9 +387,12 @@ def test_loss_func_must_return_two_or_three_values():
         )
 
 
-def test_partial_activation_checkpointing_is_rejected():
+def test_unsupported_step_options_are_rejected():
     model, config = _single_stage(num_microbatches_with_partial_activation_checkpoints=1)
     with pytest.raises(ValueError, match="num_microbatches_with_partial_activation_checkpoints=1 is not supported"):
+        _call(forward_backward_no_pipelining, model)
+    model, config = _single_stage(defer_embedding_wgrad_compute=True)
+    with pytest.raises(ValueError, match="defer_embedding_wgrad_compute=True needs deferred output-layer"):
         _call(forward_backward_no_pipelining, model)
     model, config = _single_stage()
     with pytest.raises(ValueError, match="checkpoint_activations_microbatch .* is not supported"):
