@@ -1,0 +1,208 @@
+"""Command-line flags generated from config dataclass fields, and the config builders that read them back.
+
+A Megatron-Core config dataclass documents each field with a string literal right after it. Where a flag is the
+mechanical image of a field (``num_layers`` -> ``--num-layers``, same type, same meaning), ``add_field_argument``
+builds it from the field: its name, type, default and help text, so nothing is copied by hand. Megatron-LM's
+flags differ from the field in a few ways (``--norm-epsilon`` for ``layernorm_epsilon``, a ``None`` default where
+the field has ``0``), which the caller states as overrides.
+
+The ``*_from_args`` builders go the other way: they fill a config dataclass from the parsed arguments by matching
+field names, plus the renames listed next to each builder (as Megatron-LM's training code does).
+"""
+
+import argparse
+import ast
+import dataclasses
+import enum
+import functools
+import inspect
+import re
+import textwrap
+import typing
+from typing import Any, Dict, Optional
+
+import torch.nn.functional as F
+
+from megatron.core.activations import squared_relu
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_NOT_GIVEN = object()
+
+
+@functools.lru_cache(maxsize=None)
+def config_field_docs(config_class: type) -> Dict[str, str]:
+    """The docstring of every field of a dataclass (the string literal after it), inherited fields included."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(config_class.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        class_node = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
+        body = class_node.body
+        for statement, following in zip(body, body[1:]):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                text = " ".join(inspect.cleandoc(following.value.value).split())
+                # Field docs may name their flag, e.g. "(`--mock-data`)": the flag's own help needs no such pointer.
+                docs[statement.target.id] = re.sub(r"\s*\(`--[^)]*\)", "", text)
+    return docs
+
+
+def _field(config_class: type, name: str) -> dataclasses.Field:
+    for candidate in dataclasses.fields(config_class):
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"{config_class.__name__} has no field {name!r}")
+
+
+def _value_type(config_class: type, name: str):
+    """The field's type with Optional[...] removed."""
+    annotation = typing.get_type_hints(config_class)[name]
+    if typing.get_origin(annotation) is typing.Union:
+        members = [member for member in typing.get_args(annotation) if member is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation
+
+
+def _lower_first(text: str) -> str:
+    """``Fuse x`` -> ``fuse x``, leaving acronyms (``SDPA``) alone."""
+    if len(text) > 1 and text[0].isupper() and text[1].islower():
+        return text[0].lower() + text[1:]
+    return text
+
+
+def enum_by_name(enum_class: type):
+    """An argparse ``type`` turning a member name (``flash``) into the enum member, naming the choices on error."""
+
+    def convert(text):
+        if isinstance(text, enum_class):
+            return text
+        try:
+            return enum_class[text]
+        except KeyError:
+            names = ", ".join(member.name for member in enum_class)
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {names})") from None
+
+    convert.__name__ = enum_class.__name__
+    return convert
+
+
+def add_field_argument(
+    group,
+    config_class: type,
+    name: str,
+    *,
+    flags: Optional[list] = None,
+    dest: Optional[str] = None,
+    default: Any = _NOT_GIVEN,
+    help_suffix: str = "",
+    **argparse_kwargs,
+) -> argparse.Action:
+    """Add the flag for ``config_class.<name>`` to ``group`` (an argparse parser or argument group).
+
+    By default the flag is ``--<name with dashes>``, the dest is the field name, the default is the field's
+    default and the help is the field's docstring. A bool field becomes a switch: ``--<name>`` (store_true) when
+    its default is False, ``--no-<name>`` (store_false) when it is True. An Enum field takes a member name. Any
+    of these can be overridden; ``argparse_kwargs`` go to ``add_argument`` unchanged.
+    """
+    field = _field(config_class, name)
+    docs = config_field_docs(config_class)
+    if name not in docs:
+        raise ValueError(f"{config_class.__name__}.{name} has no docstring to use as --help text; document the field")
+    if default is _NOT_GIVEN:
+        default = field.default
+    value_type = _value_type(config_class, name)
+    kwargs: Dict[str, Any] = {"dest": dest or name, "default": default, "help": docs[name] + help_suffix}
+    dashed = name.replace("_", "-")
+    if value_type is bool:
+        kwargs["action"] = "store_false" if default is True else "store_true"
+        flags = flags or [f"--no-{dashed}" if default is True else f"--{dashed}"]
+        if default is True:
+            kwargs["help"] = "Turn off (on by default): " + _lower_first(kwargs["help"])
+    elif isinstance(value_type, type) and issubclass(value_type, enum.Enum):
+        kwargs["type"] = enum_by_name(value_type)
+        kwargs["metavar"] = "{" + ",".join(member.name for member in value_type) + "}"
+    elif value_type in (int, float, str):
+        kwargs["type"] = value_type
+    elif typing.get_origin(value_type) is list and len(typing.get_args(value_type)) == 1:
+        kwargs["type"] = typing.get_args(value_type)[0]
+        kwargs["nargs"] = "+"
+    elif "type" not in argparse_kwargs:
+        raise TypeError(
+            f"cannot derive a command-line type for {config_class.__name__}.{name} ({value_type}); pass type=..."
+        )
+    kwargs.update(argparse_kwargs)
+    return group.add_argument(*(flags or [f"--{dashed}"]), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config builders: dataclass field <- argument. A field not listed takes the argument of the same name, if any.
+# ---------------------------------------------------------------------------------------------------------------
+
+TRANSFORMER_CONFIG_RENAMES = {
+    "layernorm_epsilon": "norm_epsilon",
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+}
+"""TransformerConfig fields whose Megatron-LM flag has another name (field -> argument dest)."""
+
+DDP_CONFIG_RENAMES = {
+    "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+    "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
+    "bucket_size": "ddp_bucket_size",
+    "pad_buckets_for_high_nccl_busbw": "ddp_pad_buckets_for_high_nccl_busbw",
+    "average_in_collective": "ddp_average_in_collective",
+}
+"""DistributedDataParallelConfig fields whose Megatron-LM flag has another name (field -> argument dest)."""
+
+
+def config_kwargs_from_args(config_class: type, args, renames: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Keyword arguments for ``config_class`` taken from ``args`` by field name (or by ``renames[field]``)."""
+    renames = renames or {}
+    kwargs = {}
+    for field in dataclasses.fields(config_class):
+        if not field.init:
+            continue
+        source = renames.get(field.name, field.name)
+        if hasattr(args, source):
+            kwargs[field.name] = getattr(args, source)
+    return kwargs
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """The TransformerConfig (or ``config_class``) described by validated arguments, as Megatron-LM builds it."""
+    config_class = config_class or TransformerConfig
+    kwargs = config_kwargs_from_args(config_class, args, TRANSFORMER_CONFIG_RENAMES)
+    kwargs["persist_layer_norm"] = not args.no_persist_layer_norm
+    kwargs["deallocate_pipeline_outputs"] = True
+    kwargs["pipeline_dtype"] = args.params_dtype
+    kwargs["batch_p2p_comm"] = not args.overlap_p2p_comm
+    kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    if args.swiglu:
+        kwargs["activation_func"] = F.silu
+        kwargs["gated_linear_unit"] = True
+        kwargs["bias_activation_fusion"] = args.bias_swiglu_fusion
+    else:
+        kwargs["bias_activation_fusion"] = args.bias_gelu_fusion
+    if args.squared_relu:
+        kwargs["activation_func"] = squared_relu
+    return config_class(**kwargs)
+
+
+def core_ddp_config_from_args(args) -> DistributedDataParallelConfig:
+    """The DistributedDataParallelConfig of Megatron-LM's ``get_model`` (``--ddp-*``, ``--overlap-*`` and the rest)."""
+    kwargs = config_kwargs_from_args(DistributedDataParallelConfig, args, DDP_CONFIG_RENAMES)
+    return DistributedDataParallelConfig(**kwargs)
+
+
+def core_optimizer_config_from_args(args) -> OptimizerConfig:
+    """The OptimizerConfig of Megatron-LM's ``get_megatron_optimizer_config``: every field read by name."""
+    return OptimizerConfig(**config_kwargs_from_args(OptimizerConfig, args))

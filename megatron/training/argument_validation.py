@@ -1,0 +1,620 @@
+"""``validate_args``: Megatron-LM's derived values and one clear error per inconsistent setting.
+
+Runs on every rank before any process group exists, so a bad command line fails at once (never as a hang). Each
+check is a small function over the argument namespace; each failure is a ``ValueError`` that names the flags, the
+values and the fix. Settings that cannot apply on this machine (fused kernels, the nccl backend without a GPU,
+Transformer Engine when it is not installed) are turned off with one warning instead.
+"""
+
+import importlib.util
+import os
+
+import torch
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.utils import cuda_available, warn_once
+
+SUPPORTED_CKPT_FORMATS = ("torch_dist",)
+LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+
+# Arguments that must be integers >= 1 (when set) and >= 0.
+_POSITIVE_INTS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers", "hidden_size", "ffn_hidden_size",
+    "num_attention_heads", "kv_channels", "num_query_groups", "seq_length", "max_position_embeddings",
+    "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "log_interval", "eval_interval",
+    "save_interval", "exit_interval", "exit_duration_in_mins", "tensorboard_log_interval",
+    "num_dataset_builder_threads", "make_vocab_size_divisible_by", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "microbatch_group_size_per_vp_stage", "recompute_num_layers",
+    "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+    "distributed_timeout_minutes", "vocab_size", "ddp_bucket_size",
+)
+_NON_NEGATIVE_INTS = (
+    "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers", "manual_gc_interval", "vocab_extra_ids",
+)
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
+
+# Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off.
+_FUSION_SWITCHES = {
+    "masked_softmax_fusion": "--no-masked-softmax-fusion",
+    "bias_gelu_fusion": "--no-bias-gelu-fusion",
+    "bias_swiglu_fusion": "--no-bias-swiglu-fusion",
+    "bias_dropout_fusion": "--no-bias-dropout-fusion",
+    "apply_rope_fusion": "--no-rope-fusion",
+    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
+    "cross_entropy_loss_fusion": "no --cross-entropy-loss-fusion",
+}
+
+# Which flags each tokenizer needs.
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+
+def validate_args(args, defaults={}):
+    """Check ``args`` (from ``parse_args``), fill in Megatron-LM's derived values and return ``args``.
+
+    ``defaults`` are a script's own defaults (``args_defaults`` of ``initialize_megatron``): each applies when the
+    command line left that argument at None. Derived: ``data_parallel_size``, ``global_batch_size``,
+    ``virtual_pipeline_model_parallel_size``, ``ffn_hidden_size``, ``kv_channels``, ``params_dtype``, the weight-decay
+    range, ``recompute_granularity`` for ``--recompute-activations``, the legacy ``--split`` and the run counters.
+    The padded vocabulary size is set later, when the tokenizer is built.
+    """
+    _apply_script_defaults(args, defaults)
+    _check_required(args)
+    _check_integer_ranges(args)
+    _validate_parallel_layout(args)
+    _validate_pipeline_split(args)
+    _validate_batch_size(args)
+    _validate_model_shape(args)
+    _validate_positions(args)
+    _validate_precision(args)
+    _validate_recompute(args)
+    _validate_training_length(args)
+    _validate_learning_rate(args)
+    _validate_weight_decay(args)
+    _validate_data_parallel(args)
+    _validate_data(args)
+    _validate_tokenizer(args)
+    _validate_checkpointing(args)
+    _validate_logging(args)
+    _turn_off_what_cannot_run_here(args)
+    _set_run_state(args)
+    _print_args("arguments", args)
+    return args
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _is_rank_0(args) -> bool:
+    return getattr(args, "rank", 0) == 0
+
+
+def _not_training(args) -> bool:
+    """Runs that never take an optimizer step: a layout report, or evaluation only."""
+    return args.dry_run or args.skip_train
+
+
+def _apply_script_defaults(args, defaults) -> None:
+    for key, value in defaults.items():
+        current = getattr(args, key, None)
+        if current is None:
+            setattr(args, key, value)
+        elif _is_rank_0(args):
+            print(f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}", flush=True)
+
+
+def _check_required(args) -> None:
+    missing = [_flag(name) for name in _REQUIRED if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"missing required arguments: {', '.join(missing)}; give each a value")
+
+
+def _check_integer_ranges(args) -> None:
+    for names, lowest in ((_POSITIVE_INTS, 1), (_NON_NEGATIVE_INTS, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
+                kind = "a positive integer" if lowest == 1 else "an integer >= 0"
+                raise ValueError(f"{_flag(name)} must be {kind}, got {value!r}")
+
+
+def _validate_parallel_layout(args) -> None:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    model_parallel_size = tp * pp * cp
+    if args.world_size % model_parallel_size != 0:
+        raise ValueError(
+            f"world size ({args.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model_parallel_size}; "
+            f"launch a multiple of {model_parallel_size} processes or change the parallel sizes"
+        )
+    args.data_parallel_size = args.world_size // model_parallel_size
+    if cp > 1:
+        raise ValueError(
+            f"--context-parallel-size {cp}: context parallelism is not implemented in this project yet; "
+            "use --context-parallel-size 1"
+        )
+    if args.expert_model_parallel_size > 1:
+        raise ValueError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} needs MoE layers, which this project "
+            "does not have yet; use --expert-model-parallel-size 1"
+        )
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    if args.sequence_parallel and tp == 1:
+        warn_once("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off")
+        args.sequence_parallel = False
+    if _is_rank_0(args):
+        print(
+            f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, context-parallel "
+            f"size: {cp}, tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp}",
+            flush=True,
+        )
+
+
+def _validate_pipeline_split(args) -> None:
+    pp = args.pipeline_model_parallel_size
+    layers_per_vstage = args.num_layers_per_virtual_pipeline_stage
+    vstages_per_rank = args.num_virtual_stages_per_pipeline_rank
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if layers_per_vstage is not None and vstages_per_rank is not None:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the "
+            "virtual pipeline size; give only one of them"
+        )
+    interleaved = layers_per_vstage is not None or vstages_per_rank is not None
+    if interleaved and pp == 1:
+        raise ValueError(
+            "the interleaved schedule (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1"
+        )
+    layers_per_rank = _uneven_layers_per_rank(args) if uneven else _even_layers_per_rank(args)
+    if layers_per_vstage is not None:
+        if uneven:
+            raise ValueError(
+                "with --decoder-first/last-pipeline-num-layers, set the virtual pipeline size with "
+                "--num-virtual-stages-per-pipeline-rank instead of --num-layers-per-virtual-pipeline-stage"
+            )
+        if layers_per_rank[0] % layers_per_vstage != 0:
+            raise ValueError(
+                f"each pipeline stage has {layers_per_rank[0]} layers, not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage ({layers_per_vstage}); change one of them"
+            )
+        vpp = layers_per_rank[0] // layers_per_vstage
+    else:
+        vpp = vstages_per_rank
+    if vpp == 1:
+        vpp = None
+    if vpp is not None:
+        if not args.overlap_p2p_comm and pp <= 2:
+            raise ValueError(
+                "the interleaved schedule with --no-overlap-p2p-communication needs --pipeline-model-parallel-size "
+                f"> 2 (got {pp}); drop --no-overlap-p2p-communication or use more pipeline stages"
+            )
+        for rank, count in enumerate(layers_per_rank):
+            if count % vpp != 0:
+                raise ValueError(
+                    f"pipeline stage {rank} has {count} layers, not divisible by its {vpp} virtual stages; change "
+                    "--num-layers, the first/last stage sizes or the virtual pipeline size"
+                )
+    else:
+        # Only the interleaved schedule overlaps pipeline communication or aligns parameter gathers.
+        args.overlap_p2p_comm = False
+        args.align_param_gather = False
+    args.virtual_pipeline_model_parallel_size = vpp
+
+
+def _even_layers_per_rank(args) -> list:
+    pp = args.pipeline_model_parallel_size
+    extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+    slots = args.num_layers + extra
+    if slots % pp != 0:
+        counted = f"--num-layers ({args.num_layers})" + (f" + embedding/loss ({extra})" if extra else "")
+        raise ValueError(
+            f"{counted} is not divisible by --pipeline-model-parallel-size ({pp}); change --num-layers or the "
+            "pipeline size, or give --decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers for an "
+            "uneven split"
+        )
+    return [slots // pp] * pp
+
+
+def _uneven_layers_per_rank(args) -> list:
+    pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if pp == 1:
+        raise ValueError(
+            "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers need "
+            "--pipeline-model-parallel-size > 1; drop them for a single stage"
+        )
+    if args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split:
+        raise ValueError(
+            "--decoder-first/last-pipeline-num-layers cannot be combined with --account-for-embedding-in-pipeline-"
+            "split or --account-for-loss-in-pipeline-split; balance the stages one way"
+        )
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    given = f"--decoder-first-pipeline-num-layers ({first}) and --decoder-last-pipeline-num-layers ({last})"
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+        raise ValueError(
+            f"{given} do not add up to --num-layers ({num_layers}) on {pp} pipeline stages; adjust them"
+        )
+    if middle_stages and middle_layers % middle_stages != 0:
+        raise ValueError(
+            f"after {given}, the remaining {middle_layers} layers do not divide evenly over the other "
+            f"{middle_stages} pipeline stages; adjust --num-layers, the first/last stage sizes or the pipeline size"
+        )
+    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    return per_rank
+
+
+def _validate_batch_size(args) -> None:
+    if args.rampup_batch_size is not None:
+        try:
+            values = [int(value) for value in args.rampup_batch_size]
+        except (TypeError, ValueError):
+            values = []
+        if len(values) != 3:
+            raise ValueError(
+                "--rampup-batch-size takes three integers, <start batch size> <increment> <ramp-up samples>, got "
+                f"{args.rampup_batch_size!r}"
+            )
+        args.rampup_batch_size = values
+    slice_size = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = slice_size
+        if _is_rank_0(args):
+            print(f"setting global batch size to {args.global_batch_size}", flush=True)
+    gbs = args.global_batch_size
+    if gbs < slice_size or (gbs % slice_size != 0 and not args.decrease_batch_size_if_needed):
+        raise ValueError(
+            f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({args.micro_batch_size}) x "
+            f"data-parallel size ({args.data_parallel_size}) = {slice_size}; use a multiple of {slice_size} or "
+            "change the micro-batch size or the number of processes"
+        )
+
+
+def _validate_model_shape(args) -> None:
+    tp = args.tensor_model_parallel_size
+    if args.swiglu and args.squared_relu:
+        raise ValueError("--swiglu and --squared-relu choose different MLP activations; give only one of them")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Two fc1 halves at 2/3 of 4h keep the parameter count of a 4h GELU MLP; a multiple of 64 stays
+            # friendly to tensor-parallel splits.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+            if args.ffn_hidden_size == 0:
+                raise ValueError(
+                    f"--swiglu with --hidden-size {args.hidden_size} gives an FFN size of 0 (2/3 of 4h rounded "
+                    "down to a multiple of 64); set --ffn-hidden-size"
+                )
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads != 0:
+            raise ValueError(
+                f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+                f"({args.num_attention_heads}); change one of them or set --kv-channels"
+            )
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    _check_divisible(args.num_attention_heads, "--num-attention-heads", tp, "--tensor-model-parallel-size")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if args.num_attention_heads % groups != 0:
+            raise ValueError(
+                f"--num-attention-heads ({args.num_attention_heads}) must be a multiple of --num-query-groups "
+                f"({groups}): each key/value head serves the same number of query heads"
+            )
+        _check_divisible(groups, "--num-query-groups", tp, "--tensor-model-parallel-size")
+    _check_divisible(args.ffn_hidden_size, "--ffn-hidden-size", tp, "--tensor-model-parallel-size")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
+    if not args.add_bias_linear:
+        args.bias_gelu_fusion = False
+    else:
+        args.add_qkv_bias = True  # --add-qkv-bias only matters when the other biases are off
+
+
+def _check_divisible(value, flag, divisor, divisor_flag) -> None:
+    if value % divisor != 0:
+        raise ValueError(
+            f"{flag} ({value}) must be divisible by {divisor_flag} ({divisor}) so each rank holds an equal share; "
+            f"change {flag} or {divisor_flag}"
+        )
+
+
+def _validate_positions(args) -> None:
+    kind = args.position_embedding_type
+    if args.max_position_embeddings is None:
+        if kind == "learned_absolute":
+            raise ValueError(
+                "--max-position-embeddings is required with --position-embedding-type learned_absolute (it sizes "
+                f"the learned position table); give at least --seq-length ({args.seq_length})"
+            )
+        args.max_position_embeddings = args.seq_length
+    if kind == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length ({args.seq_length}) is larger than --max-position-embeddings "
+            f"({args.max_position_embeddings}), the size of the learned position table; raise "
+            "--max-position-embeddings or use --position-embedding-type rope"
+        )
+    if kind != "rope":
+        args.apply_rope_fusion = False
+        if args.use_rope_scaling:
+            raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+
+
+def _validate_precision(args) -> None:
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are both set; choose one")
+    args.params_dtype = torch.float
+    if args.fp16:
+        args.params_dtype = torch.half
+        if not args.loss_scale:
+            # With dynamic loss scaling, NaN/Inf gradients are the scaler's signal to back off, not an error.
+            args.check_for_nan_in_loss_and_grad = False
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise ValueError("--fp16-lm-cross-entropy needs --fp16")
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        raise ValueError("--fp32-residual-connection needs --fp16 or --bf16 (in fp32 the residual already is fp32)")
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+
+
+def _validate_recompute(args) -> None:
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    granularity = args.recompute_granularity
+    if granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        raise ValueError(
+            "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers N"
+        )
+    if granularity != "full" and (args.recompute_method is not None or args.recompute_num_layers is not None):
+        raise ValueError(
+            "--recompute-method and --recompute-num-layers apply to --recompute-granularity full only; add it or "
+            "drop them"
+        )
+    if args.recompute_modules is not None and granularity != "selective":
+        raise ValueError("--recompute-modules applies to --recompute-granularity selective only; add it or drop them")
+    if args.distribute_saved_activations:
+        if args.tensor_model_parallel_size == 1 or granularity != "full":
+            raise ValueError(
+                "--distribute-saved-activations needs --tensor-model-parallel-size > 1 and "
+                "--recompute-granularity full"
+            )
+        if args.sequence_parallel:
+            raise ValueError(
+                "--distribute-saved-activations cannot be combined with --sequence-parallel (the activations are "
+                "already split); drop one of them"
+            )
+
+
+def _validate_training_length(args) -> None:
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError("give the training length once: --train-iters or --train-samples, not both")
+    if args.train_iters is not None:
+        for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "rampup_batch_size"):
+            if getattr(args, name):
+                raise ValueError(
+                    f"{_flag(name)} counts samples, but --train-iters counts iterations; use the *-iters flag, or "
+                    "--train-samples for sample-based training"
+                )
+    if args.train_samples is not None:
+        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
+            if getattr(args, name):
+                raise ValueError(
+                    f"{_flag(name)} counts iterations, but --train-samples counts samples; use the *-samples flag, "
+                    "or --train-iters for iteration-based training"
+                )
+    if args.train_iters is None and args.train_samples is None and not _not_training(args):
+        raise ValueError("give the training length: --train-iters N or --train-samples N (or --skip-train)")
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        if args.lr_warmup_iters or args.lr_warmup_samples:
+            raise ValueError(
+                "give the warm-up once: --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both"
+            )
+
+
+def _validate_learning_rate(args) -> None:
+    if args.lr is None:
+        if not _not_training(args):
+            raise ValueError("--lr (the peak learning rate) is required for training")
+    elif args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr}); lower --min-lr")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        raise ValueError(
+            "--lr-decay-style WSD needs the length of its annealing phase: --lr-wsd-decay-iters or "
+            "--lr-wsd-decay-samples"
+        )
+
+
+def _validate_weight_decay(args) -> None:
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ValueError(
+                "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine; with "
+                "constant weight decay use --weight-decay"
+            )
+        args.start_weight_decay = args.weight_decay
+        args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ValueError(
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+            "--end-weight-decay"
+        )
+
+
+def _validate_data_parallel(args) -> None:
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    if args.num_distributed_optimizer_instances != 1:
+        raise ValueError(
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} is not supported; "
+            "use 1"
+        )
+    if args.data_parallel_sharding_strategy != "no_shard":
+        raise ValueError(
+            f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (Megatron FSDP) is not "
+            "supported; use no_shard, with --use-distributed-optimizer for sharded optimizer state"
+        )
+
+
+def _validate_data(args) -> None:
+    per_split = {"train": args.train_data_path, "valid": args.valid_data_path, "test": args.test_data_path}
+    if args.data_path is not None and args.data_args_path is not None:
+        raise ValueError("--data-path and --data-args-path both give the data; keep one of them")
+    if any(path is not None for path in per_split.values()) and args.per_split_data_args_path is not None:
+        raise ValueError(
+            "--train/valid/test-data-path and --per-split-data-args-path both give the data; keep one of them"
+        )
+    sources = []
+    if args.mock_data:
+        sources.append("--mock-data")
+    if args.data_path is not None or args.data_args_path is not None:
+        sources.append("--data-path")
+    if any(path is not None for path in per_split.values()) or args.per_split_data_args_path is not None:
+        sources.append("--train/valid/test-data-path")
+    if len(sources) > 1:
+        raise ValueError(f"give one source of data, got {' and '.join(sources)}; keep one of them")
+    if not sources and not args.dry_run:
+        raise ValueError(
+            "no data: give --data-path PREFIX (a .bin/.idx pair made by tools/preprocess_data.py), "
+            "--train-data-path/--valid-data-path/--test-data-path, or --mock-data for synthetic data"
+        )
+    if args.data_path is not None and args.split is None:
+        if _is_rank_0(args):
+            print(
+                f'WARNING: Please specify --split when using --data-path. Using legacy default value of '
+                f'"{LEGACY_DEFAULT_SPLIT}"', flush=True,
+            )
+        args.split = LEGACY_DEFAULT_SPLIT
+    if args.split is not None and "--train/valid/test-data-path" in sources:
+        raise ValueError("--split does not apply to --train/valid/test-data-path (each split has its own data); drop it")
+    for path_flag, path in (("--data-args-path", args.data_args_path),
+                            ("--per-split-data-args-path", args.per_split_data_args_path)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{path_flag} {path}: file not found")
+    _check_dataset_prefixes("--data-path", args.data_path)
+    for split, paths in per_split.items():
+        _check_dataset_prefixes(f"--{split}-data-path", paths)
+
+
+def _check_dataset_prefixes(flag: str, paths) -> None:
+    try:
+        blend = get_blend_from_list(paths)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
+    if blend is None:
+        return
+    missing = [prefix for prefix in blend[0] if "://" not in prefix and not IndexedDataset.exists(prefix)]
+    if missing:
+        raise ValueError(
+            f"{flag}: no dataset at {', '.join(missing)} ({{prefix}}.bin and {{prefix}}.idx must both exist); check "
+            "the path, or build the files with tools/preprocess_data.py"
+        )
+
+
+def _validate_tokenizer(args) -> None:
+    if args.tokenizer_type is None:
+        raise ValueError(
+            "--tokenizer-type is required, e.g. GPT2BPETokenizer with --vocab-file and --merge-file, "
+            "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer with --vocab-size"
+        )
+    missing = [_flag(name) for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
+
+
+def _validate_checkpointing(args) -> None:
+    if args.ckpt_format not in SUPPORTED_CKPT_FORMATS:
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format} is not supported; this project reads and writes "
+            f"{', '.join(SUPPORTED_CKPT_FORMATS)}"
+        )
+    if args.save is not None and args.save_interval is None:
+        raise ValueError("--save needs --save-interval N (iterations between two saves)")
+    if args.use_checkpoint_args and args.load is None:
+        raise ValueError("--use-checkpoint-args needs --load (the checkpoint to take the arguments from)")
+    if args.ckpt_fully_parallel_save_deprecated:
+        warn_once("--ckpt-fully-parallel-save is deprecated and has no effect (fully parallel save is the default)")
+
+
+def _validate_logging(args) -> None:
+    if args.wandb_project:
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name (the name of this run)")
+        if not args.wandb_save_dir and args.save is None:
+            raise ValueError("--wandb-project needs --wandb-save-dir or --save (W&B files go to <save>/wandb)")
+    if args.peak_flops is not None and args.peak_flops <= 0:
+        raise ValueError(f"--peak-flops must be a positive number of TFLOP/s, got {args.peak_flops}")
+
+
+def _turn_off_what_cannot_run_here(args) -> None:
+    """GPU-only and fused-kernel settings are accepted everywhere; where they cannot apply, turn them off and say
+    so once (the PyTorch code that runs instead computes the same results)."""
+    notes = []
+    if args.distributed_backend == "nccl" and not cuda_available():
+        args.distributed_backend = "gloo"
+        notes.append("--distributed-backend nccl needs CUDA GPUs: using gloo")
+    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        args.transformer_impl = "local"
+        notes.append("--transformer-impl transformer_engine: Transformer Engine is not installed, using local")
+    switched_off = []
+    for dest, flag in _FUSION_SWITCHES.items():
+        if getattr(args, dest):
+            setattr(args, dest, False)
+            switched_off.append((dest, flag))
+    if not args.no_persist_layer_norm:
+        args.no_persist_layer_norm = True
+        switched_off.append(("persist_layer_norm", "--no-persist-layer-norm"))
+    if switched_off:
+        names = ", ".join(dest for dest, _ in switched_off)
+        flags = " ".join(flag for _, flag in switched_off)
+        notes.append(
+            f"no fused kernel in this build for {names}: running the PyTorch implementation (same results); pass "
+            f"{flags} to silence this"
+        )
+    if notes:
+        warn_once("; ".join(notes))
+
+
+def _set_run_state(args) -> None:
+    args.consumed_train_samples = 0
+    args.skipped_train_samples = 0
+    args.consumed_valid_samples = 0
+    # Set by data loaders that produce varying sequence lengths; a fixed length needs no shape exchange.
+    args.variable_seq_lengths = False
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+
+
+def _print_args(title: str, args) -> None:
+    """Print every argument on rank 0, in Megatron-LM's layout."""
+    if not _is_rank_0(args):
+        return
+    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]
+    print(f"------------------------ {title} ------------------------", flush=True)
+    for line in sorted(lines, key=str.lower):
+        print(line, flush=True)
+    print(f"-------------------- end of {title} ---------------------", flush=True)
