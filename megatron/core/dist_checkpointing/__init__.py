@@ -1,7 +1,33 @@
 """Distributed checkpointing: every rank saves and loads only its pieces of the global state, in any parallel layout.
 
-See ``mapping.py`` for how local state maps onto the global checkpoint.
+``mapping.py`` says how local state maps onto the global checkpoint; ``serialization.py`` saves and loads it in
+Megatron-LM's ``torch_dist`` format (PyTorch DCP files, ``common.pt``, ``metadata.json``).
 """
 
 from .core import CheckpointingException, check_is_distributed_checkpoint
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from .serialization import (
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    save,
+)
+from .validation import StrictHandling
+
+__all__ = [
+    "CheckpointingException",
+    "LocalNonpersistentObject",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "StrictHandling",
+    "check_is_distributed_checkpoint",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "save",
+]

@@ -32,15 +32,16 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     if not config_path.exists():
         return None
+    expected = 'JSON like {"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
     try:
         with open(config_path) as f:
             fields = json.load(f)
-        return CheckpointingConfig(**fields)
-    except (ValueError, TypeError) as error:
-        raise CheckpointingException(
-            f"{config_path} is not a valid checkpoint metadata file ({error}); expected JSON like "
-            '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
-        ) from error
+    except ValueError as error:
+        raise CheckpointingException(f"{config_path} is not valid JSON ({error}); expected {expected}") from error
+    if not isinstance(fields, dict) or not isinstance(fields.get("sharded_backend"), str):
+        raise CheckpointingException(f"{config_path} names no sharded_backend; expected {expected}")
+    known = {name: fields[name] for name in CheckpointingConfig.__dataclass_fields__ if name in fields}
+    return CheckpointingConfig(**known)
 
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:

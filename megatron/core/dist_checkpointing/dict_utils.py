@@ -89,7 +89,7 @@ def dict_list_map_outplace(f: Callable, x: Nested) -> Nested:
 
 def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
     """Merge ``x2`` into ``x1`` in place: dicts by key, lists by position (``x2`` may be an ``{index: value}`` dict
-    for a list); a leaf present in both takes ``x2``'s value."""
+    for a list); anywhere else ``x2``'s value replaces ``x1``'s."""
     if isinstance(x1, dict) and isinstance(x2, dict):
         for k, v2 in x2.items():
             x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
@@ -97,12 +97,10 @@ def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
     if isinstance(x1, list) and isinstance(x2, (list, dict)):
         items = x2.items() if isinstance(x2, dict) else enumerate(x2)
         for i, v2 in items:
-            if i >= len(x1):
-                raise ValueError(f"cannot merge index {i} at {key} into a list of length {len(x1)}")
+            if not isinstance(i, int) or i >= len(x1):
+                raise ValueError(f"cannot merge index {i!r} at {key} into a list of length {len(x1)}")
             x1[i] = merge(x1[i], v2, key + (i,))
         return x1
-    if isinstance(x1, (dict, list)) or isinstance(x2, (dict, list)):
-        raise ValueError(f"cannot merge a {type(x2).__name__} into a {type(x1).__name__} at {key}")
     return x2
 
 

@@ -53,7 +53,7 @@ class ShardedTensor(ShardedBase):
     ``local_shape`` is ``data``'s shape (without the prepended axes); ``global_shape`` and ``global_offset`` have
     ``prepend_axis_num`` extra leading axes that exist only globally (e.g. the layer axis of stacked layers): the
     piece sits at integer index ``global_offset[i]`` on those. ``axis_fragmentations`` is how many pieces each axis
-    is cut into. With ``flattened_range`` set, ``data`` is a 1-D slice of the flattened local piece (the distributed
+    is cut into (None for uneven pieces). With ``flattened_range`` set, ``data`` is a 1-D slice of the flattened local piece (the distributed
     optimizer's flat shards). ``allow_shape_mismatch`` lets a load read a checkpoint whose global shape differs
     (e.g. padded vocabularies); the caller then handles the difference.
     """
@@ -87,12 +87,13 @@ class ShardedTensor(ShardedBase):
         for axis, (offset, size, global_size) in enumerate(
             zip(self.global_offset[self.prepend_axis_num :], self.local_shape, self.global_shape[self.prepend_axis_num :])
         ):
-            if size != 0 and offset % size != 0:
+            if self.has_regular_grid and size != 0 and offset % size != 0:
                 raise CheckpointingException(
                     f"ShardedTensor {self.key!r}: global_offset {offset} on axis {axis + self.prepend_axis_num} is not "
-                    f"a multiple of the local size {size}; pieces must form a regular grid"
+                    f"a multiple of the local size {size}; pieces on a regular grid (axis_fragmentations set) must "
+                    "tile it evenly -- pass axis_fragmentations=None for uneven pieces"
                 )
-            if offset + size > global_size and not self.allow_shape_mismatch:
+            if offset + size > global_size:
                 raise CheckpointingException(
                     f"ShardedTensor {self.key!r}: the piece [{offset}, {offset + size}) on axis "
                     f"{axis + self.prepend_axis_num} lies outside the global shape {self.global_shape}"
@@ -123,6 +124,11 @@ class ShardedTensor(ShardedBase):
                 f"{stop - start} elements, got shape {tuple(self.data.shape)}"
             )
 
+    @property
+    def has_regular_grid(self) -> bool:
+        """True when the pieces of this tensor tile it evenly (``axis_fragmentations`` is set)."""
+        return self.axis_fragmentations is not None
+
     def global_slice(self) -> Tuple[Union[int, slice], ...]:
         """Index of this piece in the global tensor (ints on the prepended axes, slices on the others)."""
         prepended = self.global_offset[: self.prepend_axis_num]
@@ -138,13 +144,6 @@ class ShardedTensor(ShardedBase):
         for offset, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
             coordinates.append(offset // size if size else 0)
         return tuple(coordinates)
-
-    def max_allowed_chunks(self) -> Tuple[int, ...]:
-        """Number of pieces along every axis of the grid this piece belongs to."""
-        chunks = []
-        for axis_size, piece_size in zip(self.global_shape, (1,) * self.prepend_axis_num + tuple(self.local_shape)):
-            chunks.append(axis_size // piece_size if piece_size else 1)
-        return tuple(chunks)
 
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
@@ -343,20 +342,20 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     dict_list_map_inplace(build_if_factory, sharded_state_dict)
 
 
-def apply_factory_merges(loaded: StateDict, with_factories: ShardedStateDict, key: Tuple = ()) -> StateDict:
-    """Walk ``loaded`` alongside the state dict that held the factories and merge each factory's loaded pieces."""
-    if isinstance(with_factories, ShardedTensorFactory):
-        return with_factories.merge_fn(loaded)
-    if isinstance(with_factories, dict):
-        for k, v in with_factories.items():
-            if k not in loaded:
-                raise CheckpointingException(f"loaded state dict lacks {key + (k,)} needed by a factory merge")
-            loaded[k] = apply_factory_merges(loaded[k], v, key + (k,))
-    elif isinstance(with_factories, list):
-        if len(loaded) != len(with_factories):
+def apply_factory_merges(loaded: StateDict, factories: ShardedStateDict, key: Tuple = ()) -> StateDict:
+    """Replace, in ``loaded``, each factory's loaded sub-state-dict by ``merge_fn`` of it.
+
+    ``factories`` holds only the factories, at their places in the state dict (lists given as ``{index: value}``
+    dicts, as :func:`~.dict_utils.extract_matching_values` returns them with ``return_lists_as_dicts``).
+    """
+    if isinstance(factories, ShardedTensorFactory):
+        return factories.merge_fn(loaded)
+    children = factories.items() if isinstance(factories, dict) else enumerate(factories)
+    for k, sub_factories in children:
+        present = k in loaded if isinstance(loaded, dict) else isinstance(k, int) and 0 <= k < len(loaded)
+        if not present:
             raise CheckpointingException(
-                f"list at {key} has {len(loaded)} loaded items but {len(with_factories)} with factories"
+                f"the loaded state dict has nothing at {key + (k,)}, where a ShardedTensorFactory needs its pieces"
             )
-        for i, v in enumerate(with_factories):
-            loaded[i] = apply_factory_merges(loaded[i], v, key + (i,))
+        loaded[k] = apply_factory_merges(loaded[k], sub_factories, key + (k,))
     return loaded

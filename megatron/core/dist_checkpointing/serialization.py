@@ -1,0 +1,350 @@
+"""Save and load sharded state dicts: the entry points of ``megatron.core.dist_checkpointing``.
+
+A checkpoint directory holds the sharded data (``torch_dist``: DCP ``.distcp`` files and ``.metadata``), the
+non-sharded state in ``common.pt`` and, written last, ``metadata.json`` naming the backend. ``metadata.json`` is the
+completion marker: a directory without it is not a (complete) distributed checkpoint.
+
+Every function here that takes part in collectives is called on all ranks; an error on any rank is raised on every
+rank at the same point (see ``exchange.py``), so a bad request never leaves the other ranks hanging.
+"""
+
+import logging
+from pathlib import Path
+from typing import Callable, Optional, Tuple, Union
+
+from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, maybe_load_config, save_config
+from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
+from .mapping import (
+    CommonStateDict,
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from .strategies.async_utils import AsyncRequest
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from .strategies.torch import DCP_METADATA_FNAME
+from .validation import (
+    StrictHandling,
+    determine_missing_and_unexpected_keys,
+    mismatch_message,
+    parse_strict_flag,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadShardedStrategy:
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
+) -> Optional[AsyncRequest]:
+    """Collective: save ``sharded_state_dict`` into the existing directory ``checkpoint_dir``.
+
+    ShardedTensors and ShardedObjects are written by their main replicas (or spread over their holders with a
+    :class:`FullyParallelSaveStrategyWrapper`); ShardedTensorFactories are built first; LocalNonpersistentObjects are
+    dropped; every other value is the common state, saved by rank 0. With ``validate_access_integrity`` the ranks
+    check together that the pieces of every tensor are covered exactly once, and rank 0 warns about common-state
+    values that differ between ranks (after ``preprocess_common_before_consistancy_check``, which can drop values
+    expected to differ). With ``async_sharded_save`` the data is staged (copied) and the returned
+    :class:`AsyncRequest` does the writing; schedule it on an ``AsyncCallsQueue``. ``metadata.json`` is written only
+    after every rank's shards are on disk. The caller's ``sharded_state_dict`` is not modified.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    sharded_strategy = _resolve_strategy(sharded_strategy, StrategyAction.SAVE_SHARDED, ("torch_dist", 1))
+    common_strategy = _resolve_strategy(common_strategy, StrategyAction.SAVE_COMMON, ("torch", 1))
+    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(
+            f"async_sharded_save needs an AsyncSaveShardedStrategy, got {type(sharded_strategy).__name__}"
+        )
+    rank = get_rank()
+    local_error, shards, common_state_dict, compared_common = None, [], {}, None
+    try:
+        sharded_part, common_state_dict = _split_for_save(sharded_state_dict)
+        shards = list(nested_values(sharded_part))
+        for shard in shards:
+            _check_saveable(shard)
+        if validate_access_integrity:
+            compared_common = common_state_dict
+            if preprocess_common_before_consistancy_check is not None:
+                compared_common = preprocess_common_before_consistancy_check(common_state_dict)
+        if rank == 0:
+            _prepare_directory(checkpoint_dir)
+            common_strategy.save_common(common_state_dict, checkpoint_dir)
+    except Exception as error:
+        local_error = error
+    gathered = all_gather_objects(
+        (
+            None if local_error is None else describe_error(local_error),
+            [shard.without_data() for shard in shards] if validate_access_integrity else None,
+            compared_common,
+        )
+    )
+    raise_gathered_errors([entry[0] for entry in gathered], f"saving checkpoint {checkpoint_dir}")
+    if validate_access_integrity:
+        validate_sharding_integrity([entry[1] for entry in gathered])
+        if rank == 0:
+            _warn_about_common_differences([entry[2] for entry in gathered])
+
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
+
+    def write_config() -> None:
+        error = None
+        if rank == 0:
+            try:
+                save_config(config, checkpoint_dir)
+            except Exception as caught:
+                error = caught
+        gather_and_raise_errors(error, f"writing {checkpoint_dir / CONFIG_FNAME}")
+
+    if async_sharded_save:
+        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        request.add_finalize_fn(write_config)
+        return request
+    sharded_strategy.save(sharded_part, checkpoint_dir)
+    write_config()
+    return None
+
+
+def _resolve_strategy(strategy, action: StrategyAction, default: Tuple[str, int]):
+    if strategy is None:
+        return get_default_strategy(action, *default)
+    if isinstance(strategy, tuple):
+        return get_default_strategy(action, *strategy)
+    return strategy
+
+
+def _split_for_save(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, CommonStateDict]:
+    """(the sharded leaves with factories built, the common state) -- on a copy of the caller's structure."""
+    structure = dict_list_map_outplace(lambda leaf: leaf, sharded_state_dict)
+    apply_factories(structure)
+    sharded_part, rest = extract_matching_values(structure, lambda leaf: isinstance(leaf, ShardedBase))
+    _, common_state_dict = extract_matching_values(rest, lambda leaf: isinstance(leaf, LocalNonpersistentObject))
+    return sharded_part, common_state_dict
+
+
+def _check_saveable(shard: ShardedBase) -> None:
+    if not isinstance(shard, (ShardedTensor, ShardedObject)):
+        raise CheckpointingException(f"cannot save {type(shard).__name__} {shard.key!r}")
+    shard.validate_metadata_integrity()
+    if isinstance(shard, ShardedTensor) and shard.data is None:
+        raise CheckpointingException(f"ShardedTensor {shard.key!r} has no data to save")
+
+
+def _prepare_directory(checkpoint_dir: Path) -> None:
+    """Rank 0, before anyone writes: the directory must exist; completion markers of an older save in it are removed
+    first, so a save interrupted from here on never leaves a directory that looks complete."""
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(
+            f"checkpoint directory {checkpoint_dir} does not exist; create it before saving"
+        )
+    stale = [checkpoint_dir / CONFIG_FNAME, checkpoint_dir / DCP_METADATA_FNAME]
+    if any(path.exists() for path in stale):
+        logger.warning("overwriting the checkpoint in %s", checkpoint_dir)
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+
+def _warn_about_common_differences(common_state_dicts) -> None:
+    reference = common_state_dicts[0]
+    for rank, other in enumerate(common_state_dicts[1:], start=1):
+        only_rank0, only_other, mismatched = diff(reference, other)
+        if only_rank0 or only_other or mismatched:
+            logger.warning(
+                "the common state of rank %d differs from rank 0's, which is the one saved: only on rank 0 %s, "
+                "only on rank %d %s, different values %s",
+                rank, only_rank0, rank, only_other, mismatched,
+            )
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+):
+    """Collective: load the pieces ``sharded_state_dict`` describes from ``checkpoint_dir``, whatever layout
+    saved it.
+
+    Returns the checkpoint's common state with every ShardedTensor replaced by its tensor (its ``data`` filled in
+    place, or a new CPU tensor when ``data`` is None), every ShardedObject by its object, every factory by its merged
+    tensor and every LocalNonpersistentObject unwrapped. With a ``RETURN_*`` ``strict`` mode returns
+    ``(state_dict, missing_keys, unexpected_keys)``. The caller's ``sharded_state_dict`` is not modified.
+    """
+    strict = parse_strict_flag(strict)
+    checkpoint_dir = Path(checkpoint_dir)
+    check_keys = StrictHandling.requires_explicit_ckpt_mismatch_check(strict)
+    need_global_keys = StrictHandling.requires_global_app_metadata(strict)
+    local_error, shards, checkpoint_keys = None, [], set()
+    try:
+        sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+            checkpoint_dir, sharded_strategy, common_strategy
+        )
+        common_state_dict = common_strategy.load_common(checkpoint_dir)
+        structure = dict_list_map_outplace(lambda leaf: leaf, sharded_state_dict)
+        factories, _ = extract_matching_values(
+            structure, lambda leaf: isinstance(leaf, ShardedTensorFactory), return_lists_as_dicts=True
+        )
+        apply_factories(structure)
+        to_load, rest = extract_matching_values(
+            structure, lambda leaf: isinstance(leaf, ShardedBase), return_lists_as_dicts=True
+        )
+        nonpersistent, _ = extract_matching_values(
+            rest, lambda leaf: isinstance(leaf, LocalNonpersistentObject), return_lists_as_dicts=True
+        )
+        shards = list(nested_values(to_load))
+        if check_keys:
+            checkpoint_keys = {sh.key for sh in sharded_strategy.load_sharded_metadata(checkpoint_dir).values()}
+    except Exception as error:
+        local_error = error
+    local_keys = {shard.key for shard in shards}
+    gathered = all_gather_objects(
+        (
+            None if local_error is None else describe_error(local_error),
+            [shard.without_data() for shard in shards] if validate_access_integrity else None,
+            local_keys if need_global_keys else None,
+            local_keys - checkpoint_keys if check_keys else set(),
+        )
+    )
+    raise_gathered_errors([entry[0] for entry in gathered], f"loading checkpoint {checkpoint_dir}")
+    if validate_access_integrity:
+        validate_sharding_integrity([entry[1] for entry in gathered])
+
+    missing_keys, unexpected_keys = set(), set()
+    if check_keys:
+        global_keys = set().union(*(entry[2] for entry in gathered)) if need_global_keys else checkpoint_keys
+        missing_keys, unexpected_keys = determine_missing_and_unexpected_keys(checkpoint_keys, local_keys, global_keys)
+        unexpected_by_rank = {rank: entry[3] for rank, entry in enumerate(gathered)}
+        _report_mismatch(strict, missing_keys, unexpected_by_rank, checkpoint_dir)
+        if unexpected_keys:
+            _, to_load = extract_matching_values(
+                to_load, lambda leaf: leaf.key in unexpected_keys, return_lists_as_dicts=True
+            )
+        if strict == StrictHandling.IGNORE_ALL:
+            missing_keys, unexpected_keys = set(), set()
+
+    loaded = sharded_strategy.load(to_load, checkpoint_dir)
+    merge(common_state_dict, loaded)
+    state_dict = apply_factory_merges(common_state_dict, factories)
+    merge(state_dict, dict_list_map_outplace(lambda obj: obj.unwrap(), nonpersistent))
+    state_dict = _restore_lists(state_dict, sharded_state_dict)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return state_dict, missing_keys, unexpected_keys
+    return state_dict
+
+
+def _report_mismatch(strict: StrictHandling, missing_keys, unexpected_by_rank, checkpoint_dir: Path) -> None:
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.LOG_UNEXPECTED):
+        missing_keys = set()
+    message = mismatch_message(missing_keys, unexpected_by_rank)
+    if not message:
+        return
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        raise CheckpointingException(f"the request does not match the checkpoint {checkpoint_dir}: {message}")
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and get_rank() == 0:
+        logger.warning("loading %s, skipping mismatched keys: %s", checkpoint_dir, message)
+
+
+def _restore_lists(loaded, template):
+    """Lists of the request come back from the per-index merge as ``{index: value}`` dicts; make them lists."""
+    if isinstance(template, dict) and isinstance(loaded, dict):
+        for k, sub_template in template.items():
+            if k in loaded:
+                loaded[k] = _restore_lists(loaded[k], sub_template)
+        return loaded
+    if isinstance(template, list):
+        if isinstance(loaded, dict) and set(loaded) == set(range(len(loaded))):
+            loaded = [loaded[i] for i in range(len(loaded))]
+        if isinstance(loaded, list):
+            return [_restore_lists(v, t) for v, t in zip(loaded, template)] + loaded[len(template) :]
+    return loaded
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """The strategies to read ``checkpoint_dir`` with (the defaults for the backend its ``metadata.json`` names),
+    after checking that it is a complete distributed checkpoint they can read."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing (the save did not finish, "
+            "or the directory holds another format)"
+        )
+    if sharded_strategy is None:
+        sharded_strategy = (config.sharded_backend, config.sharded_backend_version)
+    if common_strategy is None:
+        common_strategy = (config.common_backend, config.common_backend_version)
+    sharded_strategy = _resolve_strategy(sharded_strategy, StrategyAction.LOAD_SHARDED, None)
+    common_strategy = _resolve_strategy(common_strategy, StrategyAction.LOAD_COMMON, None)
+    for strategy, backend, version in (
+        (sharded_strategy, config.sharded_backend, config.sharded_backend_version),
+        (common_strategy, config.common_backend, config.common_backend_version),
+    ):
+        strategy.check_backend_compatibility(backend)
+        strategy.check_version_compatibility(version)
+    return sharded_strategy, common_strategy
+
+
+def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """The common (non-sharded) state of a checkpoint; no collective."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[1].load_common(Path(checkpoint_dir))
+
+
+def load_tensors_metadata(
+    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+) -> ShardedStateDict:
+    """``{key: data-less ShardedTensor}`` for every stored tensor (global shape and dtype; offsets zero); no
+    collective. The keys are the ShardedTensor keys, not state dict keys."""
+    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return strategy.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(
+    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+) -> ShardedStateDict:
+    """:func:`load_tensors_metadata` plus ``{unique_key: data-less ShardedObject}`` for stored objects."""
+    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return strategy.load_sharded_metadata(Path(checkpoint_dir))
+
+
+def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """``{key: whole tensor}`` for every stored tensor, read by this rank alone (no collective)."""
+    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return strategy.load_local(strategy.load_tensors_metadata(Path(checkpoint_dir)), Path(checkpoint_dir))
