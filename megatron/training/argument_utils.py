@@ -16,14 +16,17 @@ import dataclasses
 import enum
 import functools
 import inspect
+import json
 import re
 import textwrap
 import typing
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn.functional as F
 
 from megatron.core.activations import squared_relu
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -151,6 +154,7 @@ TRANSFORMER_CONFIG_RENAMES = {
     "layernorm_zero_centered_gamma": "apply_layernorm_1p",
     "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    "num_moe_experts": "num_experts",
 }
 """TransformerConfig fields whose Megatron-LM flag has another name (field -> argument dest)."""
 
@@ -206,3 +210,55 @@ def core_ddp_config_from_args(args) -> DistributedDataParallelConfig:
 def core_optimizer_config_from_args(args) -> OptimizerConfig:
     """The OptimizerConfig of Megatron-LM's ``get_megatron_optimizer_config``: every field read by name."""
     return OptimizerConfig(**config_kwargs_from_args(OptimizerConfig, args))
+
+
+def get_blend_and_blend_per_split(args) -> Tuple[Optional[tuple], Optional[List[Optional[tuple]]]]:
+    """``(blend, blend_per_split)`` from ``--data-path`` / ``--data-args-path`` or the per-split paths / the
+    ``--per-split-data-args-path`` JSON file (keys ``train``, ``valid``, ``test``; each a list or a string of
+    prefixes, optionally with weights). Both are None for ``--mock-data``."""
+    if args.data_args_path is not None:
+        with open(args.data_args_path, encoding="utf-8") as stream:
+            return get_blend_from_list(stream.read().split()), None
+    if args.data_path is not None:
+        return get_blend_from_list(args.data_path), None
+    if args.per_split_data_args_path is not None:
+        path = args.per_split_data_args_path
+        with open(path, encoding="utf-8") as stream:
+            try:
+                per_split = json.load(stream)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--per-split-data-args-path {path}: not valid JSON: {error}") from None
+        missing = [split for split in ("train", "valid", "test") if split not in per_split]
+        if missing:
+            raise ValueError(f"--per-split-data-args-path {path}: no {', '.join(missing)} key; give all three")
+        lists = [per_split[split] for split in ("train", "valid", "test")]
+        return None, [get_blend_from_list(item.split() if isinstance(item, str) else item) for item in lists]
+    per_split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if any(paths is not None for paths in per_split_paths):
+        return None, [get_blend_from_list(paths) for paths in per_split_paths]
+    return None, None
+
+
+def core_gpt_dataset_config_from_args(args, tokenizer=None) -> GPTDatasetConfig:
+    """The GPTDatasetConfig of ``pretrain_gpt.py`` (``tokenizer`` defaults to the global one, ``get_tokenizer()``)."""
+    if tokenizer is None:
+        from megatron.training.global_vars import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )

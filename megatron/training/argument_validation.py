@@ -144,10 +144,13 @@ def _validate_parallel_layout(args) -> None:
             f"--context-parallel-size {cp}: context parallelism is not implemented in this project yet; "
             "use --context-parallel-size 1"
         )
-    if args.expert_model_parallel_size > 1:
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.num_experts is not None or args.expert_model_parallel_size > 1:
         raise ValueError(
-            f"--expert-model-parallel-size {args.expert_model_parallel_size} needs MoE layers, which this project "
-            "does not have yet; use --expert-model-parallel-size 1"
+            f"--num-experts {args.num_experts} / --expert-model-parallel-size {args.expert_model_parallel_size}: "
+            "MoE layers are not implemented in this project yet; drop --num-experts and use "
+            "--expert-model-parallel-size 1"
         )
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
@@ -510,7 +513,9 @@ def _validate_data(args) -> None:
             )
         args.split = LEGACY_DEFAULT_SPLIT
     if args.split is not None and "--train/valid/test-data-path" in sources:
-        raise ValueError("--split does not apply to --train/valid/test-data-path (each split has its own data); drop it")
+        raise ValueError(
+            "--split does not apply to --train/valid/test-data-path (each split has its own data); drop it"
+        )
     for path_flag, path in (("--data-args-path", args.data_args_path),
                             ("--per-split-data-args-path", args.per_split_data_args_path)):
         if path is not None and not os.path.isfile(path):

@@ -25,14 +25,23 @@ from megatron.core.optimizer.optimizer_config import SUPPORTED_OPTIMIZERS, Optim
 from megatron.core.optimizer_param_scheduler import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from megatron.core.tokenizers.build import TOKENIZER_TYPES
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.argument_utils import (  # noqa: F401  (the builders are part of this module's API)
+from megatron.training.argument_utils import (
     add_field_argument,
     core_ddp_config_from_args,
+    core_gpt_dataset_config_from_args,
     core_optimizer_config_from_args,
     core_transformer_config_from_args,
+    get_blend_and_blend_per_split,
 )
-from megatron.training.argument_validation import validate_args  # noqa: F401
+from megatron.training.argument_validation import validate_args
 from megatron.training.yaml_arguments import yaml_settings
+
+__all__ = [
+    "parse_args", "build_parser", "add_megatron_arguments", "validate_args",
+    # The config builders, importable from here as in Megatron-LM.
+    "core_transformer_config_from_args", "core_ddp_config_from_args", "core_optimizer_config_from_args",
+    "core_gpt_dataset_config_from_args", "get_blend_and_blend_per_split",
+]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -51,6 +60,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser = _add_validation_args(parser)
     parser = _add_data_args(parser)
     parser = _add_tokenizer_args(parser)
+    parser = _add_moe_args(parser)
     parser = _add_logging_args(parser)
     parser = _add_transformer_engine_args(parser)
     parser = _add_experimental_args(parser)
@@ -279,6 +289,8 @@ def _add_checkpointing_args(parser):
                        help="Do not load the RNG state from the checkpoint.")
     group.add_argument("--finetune", action="store_true",
                        help="Load only the model weights and start at iteration 0 (no optimizer or RNG state).")
+    group.add_argument("--pretrained-checkpoint", type=str, default=None,
+                       help="Directory of a pretrained checkpoint to finetune from (when --load has none).")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Take the model arguments from the checkpoint given by --load.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -339,6 +351,9 @@ def _add_distributed_args(parser):
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout of torch.distributed collectives, in minutes.")
     add_field_argument(group, DistributedDataParallelConfig, "overlap_grad_reduce")
+    group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce",
+                       help="With --overlap-grad-reduce and pipeline parallelism, let each stage launch its gradient "
+                       "reductions on its own instead of all stages together.")
     add_field_argument(group, DistributedDataParallelConfig, "bucket_size", flags=["--ddp-bucket-size"],
                        dest="ddp_bucket_size")
     add_field_argument(group, DistributedDataParallelConfig, "pad_buckets_for_high_nccl_busbw",
@@ -358,8 +373,6 @@ def _add_distributed_args(parser):
                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     add_field_argument(group, DistributedDataParallelConfig, "gradient_reduce_div_fusion")
     add_field_argument(group, ModelParallelConfig, "context_parallel_size")
-    add_field_argument(group, ModelParallelConfig, "expert_model_parallel_size")
-    add_field_argument(group, ModelParallelConfig, "expert_tensor_parallel_size")
     return parser
 
 
@@ -419,6 +432,14 @@ def _add_tokenizer_args(parser):
                        help="Special tokens reserved at the start of a TikTokenizer vocabulary.")
     group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
                        help="TikTokenizer special tokens (must include <unk>, <s> and </s>).")
+    return parser
+
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="moe")
+    add_field_argument(group, ModelParallelConfig, "expert_model_parallel_size")
+    add_field_argument(group, ModelParallelConfig, "expert_tensor_parallel_size")
+    add_field_argument(group, TransformerConfig, "num_moe_experts", flags=["--num-experts"], dest="num_experts")
     return parser
 
 
