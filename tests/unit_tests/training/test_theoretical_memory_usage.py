@@ -189,10 +189,12 @@ def test_missing_or_inconsistent_args_are_named(overrides, message):
 LLAMA3_8B_FLAGS = (
     "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
     "--num-query-groups 8 --seq-length 8192 --position-embedding-type rope --swiglu --normalization RMSNorm "
-    "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 --micro-batch-size 1 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --world-size 16 --use-distributed-optimizer "
     "--sequence-parallel --recompute-activations"
 ).split()
+# NullTokenizer adds an end-of-document id: 128255 + 1 = Llama-3's 128256, a multiple of 128 x TP already.
+NULL_TOKENIZER_FLAGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128255"]
 
 
 def load_tool():
@@ -204,53 +206,37 @@ def load_tool():
 
 
 def test_tool_prints_the_report_for_megatron_flags(capsys):
-    load_tool().main(LLAMA3_8B_FLAGS + ["--global-batch-size", "64"])
+    load_tool().main(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS + ["--global-batch-size", "64"])
     out = capsys.readouterr().out
-    args = llama3_8b()
-    activation = compute_activation_memory(args, num_microbatches=16) / NUM_BYTES_IN_MEGABYTE
-    assert f"weight and optimizer=17231.64 MB, activation={activation:.2f} MB" in out
+    activation = compute_activation_memory(llama3_8b(), num_microbatches=16) / NUM_BYTES_IN_MEGABYTE
+    assert f"Theoretical memory footprints: weight and optimizer=17231.64 MB, activation={activation:.2f} MB" in out
     assert "Parallel layout" not in out
 
 
-def test_tool_derives_megatron_defaults():
-    tool = load_tool()
-    args = tool.resolve_args(tool.build_parser().parse_args(
-        "--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 128 --micro-batch-size 1 "
-        "--vocab-size 50257 --swiglu --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-        "--num-layers-per-virtual-pipeline-stage 1 --world-size 8".split()
-    ))
-    assert args.ffn_hidden_size == 10880  # int(4h * 2/3 / 64) * 64
-    assert args.kv_channels == 128 and args.data_parallel_size == 2
-    assert args.padded_vocab_size == 50432  # next multiple of 128 x TP
-    assert args.virtual_pipeline_model_parallel_size == 2
-    assert args.recompute_granularity is None and args.max_position_embeddings == 128
+def test_tool_takes_the_world_size_flag_over_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = load_tool().resolve_args(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS)
+    assert (args.world_size, args.data_parallel_size, args.padded_vocab_size) == (16, 4, 128256)
+    without_flag = [flag for flag in LLAMA3_8B_FLAGS if flag not in ("--world-size", "16")]
+    assert load_tool().resolve_args(without_flag + NULL_TOKENIZER_FLAGS).data_parallel_size == 1
 
 
 def test_tool_shows_the_layout_when_asked(capsys):
-    load_tool().main(LLAMA3_8B_FLAGS + ["--show-layout"])
+    load_tool().main(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS + ["--show-layout"])
     out = capsys.readouterr().out
     assert "Parallel layout: 16 ranks = TP 2 x CP 1 x DP 4 x PP 2" in out
+    assert "parameters: 4,015,128,576 in the stage, 2,007,629,824 per tensor-parallel rank" in out
     assert out.index("Parallel layout") < out.index("Theoretical memory footprints")
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--world-size", "6"], "--world-size 6 is not divisible by tensor x pipeline x context parallel sizes"),
-        (["--global-batch-size", "6"],
-         r"--global-batch-size 6 is not divisible by --micro-batch-size x data-parallel size \(1 x 4\)"),
-        (["--num-layers-per-virtual-pipeline-stage", "5"],
-         "--num-layers 32 does not split into 2 stages of chunks of --num-layers-per-virtual-pipeline-stage 5"),
-        (["--decoder-first-pipeline-num-layers", "40", "--show-layout"],
-         r"--num-layers \(32\) does not match --decoder-first-pipeline-num-layers \(40\)"),
+        (["--world-size", "6"], r"world size \(6\) is not divisible by --tensor-model-parallel-size \(2\)"),
+        (["--global-batch-size", "6"], r"--global-batch-size \(6\) must be a multiple of --micro-batch-size"),
+        (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
     ],
 )
 def test_tool_rejects_inconsistent_flags(extra, message):
     with pytest.raises(SystemExit, match=message):
-        load_tool().main(LLAMA3_8B_FLAGS + extra)
-
-
-def test_tool_needs_head_dimension_when_hidden_does_not_split():
-    flags = [flag if flag != "4096" else "4100" for flag in LLAMA3_8B_FLAGS]
-    with pytest.raises(SystemExit, match="--hidden-size 4100 is not divisible by --num-attention-heads 32"):
-        load_tool().main(flags)
+        load_tool().main(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS + extra)
