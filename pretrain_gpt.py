@@ -4,7 +4,7 @@
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 \\
         --micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 3e-4 --data-path <prefix> ...
 
-Without --data-path (and without --mock-data) it trains on the built-in Shakespeare corpus with its tokenizer.
+examples/cpu/train_gpt_cpu.sh runs it on 4 CPU ranks with the built-in Shakespeare corpus and tokenizer.
 """
 
 from functools import partial

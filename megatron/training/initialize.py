@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import set_device_for_rank
 from megatron.training.arguments import parse_args, validate_args
@@ -26,16 +25,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
     validate_args(args, args_defaults)
-    set_global_variables(args)
+    set_global_variables(args)  # also the micro-batch calculator, tokenizer, timers and writers
     _initialize_distributed(args)
-    init_num_microbatches_calculator(
-        args.rank,
-        args.rampup_batch_size,
-        args.global_batch_size,
-        args.micro_batch_size,
-        args.data_parallel_size,
-        getattr(args, "decrease_batch_size_if_needed", False),
-    )
     _set_random_seed(args.seed, args.data_parallel_random_init)
     return args
 

@@ -360,7 +360,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             args.consumed_train_samples += batch_size
             args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
             report_memory_flag = training_log(
-                loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, optimizer.get_loss_scale(),
+                loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, float(optimizer.get_loss_scale()),
                 report_memory_flag, skipped_iter, grad_norm, num_zeros_in_grad, model, batch_size,
             )
             if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
@@ -539,11 +539,11 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
 
 
 def _print_dry_run_report(args) -> None:
-    from megatron.training.layout_report import describe_parallel_layout
+    from megatron.training.layout_report import describe_parallel_layout_for_args
     from megatron.training.theoretical_memory_usage import report_theoretical_memory
 
     if dist.get_rank() == 0:
-        print(describe_parallel_layout(args), flush=True)
+        print(describe_parallel_layout_for_args(args), flush=True)
         report_theoretical_memory(args, num_microbatches=get_num_microbatches(), verbose=True)
     dist.barrier()
     sys.stdout.flush()
