@@ -18,6 +18,15 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.optimizer import (
+    extract_common_step,
+    get_param_id_to_sharded_param_map,
+    is_sharded_state,
+    load_torch_optimizer_state,
+    make_sharded_optimizer_tensor,
+    mark_sharded_state,
+    saved_step_and_param_groups,
+)
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -29,6 +38,8 @@ from megatron.core.optimizer.optimizer import (
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
+# Megatron's name for storing each optimizer-state slice as part of its model parameter's checkpoint entry.
+_SHARDING_TYPE = "fully_sharded_model_space"
 
 
 class ShardRange(NamedTuple):
@@ -167,6 +178,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict) -> None:
+        if is_sharded_state(state_dict):
+            return self._load_sharded_state_dict(state_dict)
         _require_keys(state_dict, ("optimizer", "shard_fp32_from_float16_groups"), type(self).__name__)
         saved = state_dict["shard_fp32_from_float16_groups"]
         mine = [[entry for entry in entries if entry.owns_main] for entries in self.shard_groups]
@@ -184,6 +197,83 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for group, saved_group in zip(mine, saved):
                 for entry, saved_param in zip(group, saved_group):
                     entry.main_param.copy_(saved_param)
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Dict,
+        is_loading: bool = False,
+        sharding_type: Optional[str] = None,
+        metadata: Optional[dict] = None,
+    ) -> Dict:
+        """This rank's shard as pieces of the global checkpoint, in Megatron's ``fully_sharded_model_space`` layout.
+
+        For every parameter piece this rank steps, its fp32 main parameter and Adam's moments are stored as flat
+        slices (``flattened_range``) of the parameter's own checkpoint entry: ``optimizer.state.fp32_param.<key>``,
+        ``optimizer.state.exp_avg.<key>``, ... So they load into any data-parallel size, any tensor/pipeline layout,
+        and into the non-distributed optimizers, whose keys are the same. The step and the param groups are common.
+        ``sharding_type`` / ``metadata['distrib_optim_sharding_type']`` may only name this layout.
+        """
+        sharding_type = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", _SHARDING_TYPE)
+        if sharding_type != _SHARDING_TYPE:
+            raise ValueError(
+                f"DistributedOptimizer: sharding_type={sharding_type!r} is not supported; use {_SHARDING_TYPE!r} "
+                "(it reshards across data-parallel sizes and to the non-distributed optimizers)"
+            )
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        inner_state = self.optimizer.state_dict()
+        step = extract_common_step(inner_state)
+        param_groups = [
+            {name: value for name, value in group.items() if name != "params"} for group in inner_state["param_groups"]
+        ]
+        if step is not None:
+            for group in param_groups:
+                group["step"] = int(step)
+        entries = list(self._entries())
+        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, [e.model_param for e in entries])
+        param_state = {}
+        for index, entry in enumerate(entries):
+            if index not in id_to_sharded:
+                raise ValueError(
+                    f"DistributedOptimizer: a parameter of shape {tuple(entry.model_param.shape)} is not in the "
+                    "model's sharded state dict; build it from the same model chunks the optimizer steps"
+                )
+            model_sharded = id_to_sharded[index]
+            tensors = {"fp32_param": entry.main_param, **self.optimizer.state[entry.main_param]}
+            tensors.pop("step", None)
+            if is_loading and not entry.owns_main:
+                tensors.pop("fp32_param")  # a view of the fp32 model parameter, which the model load fills
+            placement = dict(
+                flattened_range=slice(entry.shard.param_start, entry.shard.param_end),
+                # Each data-parallel rank holds a different slice: all of them are main replicas.
+                replica_id=(*model_sharded.replica_id[:2], 0),
+            )
+            param_state[index] = {
+                name: make_sharded_optimizer_tensor(model_sharded, tensor, f"optimizer.state.{name}", **placement)
+                for name, tensor in tensors.items()
+            }
+        state = {
+            "optimizer": {"param_groups": param_groups},
+            "param_state": param_state,
+            "param_state_sharding_type": sharding_type,
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return mark_sharded_state(state)
+
+    def _load_sharded_state_dict(self, state_dict: Dict) -> None:
+        step, saved_groups = saved_step_and_param_groups(state_dict)
+        per_param_state = {}
+        with torch.no_grad():
+            for index, entry in enumerate(self._entries()):
+                loaded = dict(state_dict["param_state"][index])
+                fp32_param = loaded.pop("fp32_param", None)
+                if entry.owns_main:
+                    entry.main_param.copy_(fp32_param)
+                per_param_state[index] = loaded
+        load_torch_optimizer_state(self.optimizer, per_param_state, step, saved_groups)
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
 def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange) -> _ShardEntry:

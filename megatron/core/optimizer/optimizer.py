@@ -18,6 +18,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    is_sharded_state,
+    load_torch_optimizer_state,
+    make_sharded_optimizer_tensor,
+    mark_sharded_state,
+    saved_step_and_param_groups,
+    shard_torch_optimizer_state,
+)
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -340,6 +350,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict) -> None:
+        if is_sharded_state(state_dict):
+            return self._load_sharded_state_dict(state_dict)
         _require_keys(state_dict, ("optimizer", "fp32_from_fp16_params"), type(self).__name__)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
@@ -355,6 +367,57 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             for main_group, saved_group in zip(self.fp32_from_float16_groups, saved):
                 for main_param, saved_param in zip(main_group, saved_group):
                     main_param.copy_(saved_param)
+
+    def _model_params_in_optimizer_order(self) -> List[torch.Tensor]:
+        model_of_main = {
+            id(main): model
+            for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for model, main in zip(model_group, main_group)
+        }
+        return [model_of_main.get(id(param), param) for param in self.get_parameters()]
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, metadata=None) -> Dict:
+        """This optimizer's state as pieces of the global checkpoint, keyed by the model parameters' keys.
+
+        Adam's moments are stored as ``optimizer.state.<name>.<param key>`` and the fp32 main copies of fp16/bf16
+        parameters as ``optimizer.state.fp32_param.<param key>``, sharded like their parameters, so they reshard
+        with the model. ``model_sharded_state_dict`` holds the model chunks' sharded state dicts. With
+        ``is_loading`` empty state is created first so that every tensor to load into exists. ``metadata`` is
+        accepted for Megatron's signature.
+        """
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        model_params = self._model_params_in_optimizer_order()
+        optimizer_state = shard_torch_optimizer_state(
+            self.optimizer.state_dict(), model_sharded_state_dict, model_params
+        )
+        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+        fp32_params = {}
+        for index, (model_param, main_param) in enumerate(zip(model_params, self.get_parameters())):
+            if main_param is not model_param:
+                fp32_params[index] = make_sharded_optimizer_tensor(
+                    id_to_sharded[index], main_param, "optimizer.state.fp32_param"
+                )
+        state = {"optimizer": optimizer_state, "fp32_from_fp16_params": fp32_params}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return mark_sharded_state(state)
+
+    def _load_sharded_state_dict(self, state_dict: Dict) -> None:
+        step, saved_groups = saved_step_and_param_groups(state_dict)
+        per_param_state = _per_param_tensors(state_dict["optimizer"]["state"])
+        load_torch_optimizer_state(self.optimizer, per_param_state, step, saved_groups)
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        main_params = self.get_parameters()
+        with torch.no_grad():
+            for index, saved_param in state_dict.get("fp32_from_fp16_params", {}).items():
+                main_params[index].copy_(saved_param)
+
+
+def _per_param_tensors(loaded_state: Dict) -> Dict[int, Dict[str, torch.Tensor]]:
+    """The loaded per-parameter entries of a sharded optimizer state (everything but ``common_step``)."""
+    return {index: param_state for index, param_state in loaded_state.items() if index != "common_step"}
 
 
 def _release_main_grad_aliases(groups) -> None:
@@ -400,7 +463,22 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Dict) -> None:
+        if is_sharded_state(state_dict):
+            return self._load_sharded_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, metadata=None) -> Dict:
+        """The torch optimizer's state with each per-parameter tensor stored as ``optimizer.state.<name>.<param
+        key>``, sharded like its parameter (see Float16OptimizerWithFloat16Params.sharded_state_dict)."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        return mark_sharded_state(
+            shard_torch_optimizer_state(self.optimizer.state_dict(), model_sharded_state_dict, self.get_parameters())
+        )
+
+    def _load_sharded_state_dict(self, state_dict: Dict) -> None:
+        step, saved_groups = saved_step_and_param_groups(state_dict)
+        load_torch_optimizer_state(self.optimizer, _per_param_tensors(state_dict["state"]), step, saved_groups)
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -472,6 +550,10 @@ class ChainedOptimizer(MegatronOptimizer):
         return [opt.state_dict() for opt in self.chained_optimizers]
 
     def load_state_dict(self, state_dict: List[Dict]) -> None:
+        if is_sharded_state(state_dict):  # a single chained optimizer's sharded state (see sharded_state_dict)
+            state_dict = [state_dict]
+        elif isinstance(state_dict, dict):  # several sharded states, by optimizer index
+            state_dict = [state for _, state in sorted(state_dict.items())]
         if len(state_dict) != len(self.chained_optimizers):
             raise ValueError(
                 f"ChainedOptimizer: the state dict holds {len(state_dict)} optimizer states, this optimizer chains "
@@ -479,3 +561,15 @@ class ChainedOptimizer(MegatronOptimizer):
             )
         for opt, opt_state in zip(self.chained_optimizers, state_dict):
             opt.load_state_dict(opt_state)
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, **kwargs) -> Dict:
+        """Each chained optimizer's sharded state, by index, its keys prefixed ``chained_<index>.`` (a single
+        optimizer's state is returned as it is)."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        sharded_state_dict = {}
+        for index, opt in enumerate(self.chained_optimizers):
+            opt_state = opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            add_prefix_for_sharding(opt_state, f"chained_{index}.")
+            sharded_state_dict[index] = opt_state
+        return sharded_state_dict

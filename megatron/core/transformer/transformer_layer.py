@@ -124,5 +124,6 @@ class TransformerLayer(MegatronModule):
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         keys_map = self.submodules_config.sharded_state_dict_keys_map
         if keys_map:
-            apply_prefix_mapping(sharded_state_dict, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
+            prefixed_map = {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()}
+            apply_prefix_mapping(sharded_state_dict, prefixed_map)
         return sharded_state_dict
