@@ -582,7 +582,7 @@ def _turn_off_what_cannot_run_here(args) -> None:
     if args.distributed_backend == "nccl" and not cuda_available():
         args.distributed_backend = "gloo"
         notes.append("--distributed-backend nccl needs CUDA GPUs: using gloo")
-    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    if args.transformer_impl == "transformer_engine" and not _transformer_engine_installed():
         args.transformer_impl = "local"
         notes.append("--transformer-impl transformer_engine: Transformer Engine is not installed, using local")
     switched_off = []
@@ -602,6 +602,10 @@ def _turn_off_what_cannot_run_here(args) -> None:
         )
     if notes:
         warn_once("; ".join(notes))
+
+
+def _transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _set_run_state(args) -> None:

@@ -20,6 +20,7 @@ from megatron.core.utils import get_current_device
 
 _MAX_LOG_LEVEL = 2
 LOG_OPTIONS = ("max", "minmax", "all")
+_clock = time.perf_counter  # seconds; a module attribute so tests can drive the clock
 
 
 def _synchronize_device() -> None:
@@ -59,7 +60,7 @@ class Timer:
         self._elapsed = 0.0
         self._active_time = 0.0
         self._started = False
-        self._start_time = time.perf_counter()
+        self._start_time = _clock()
         self._barrier_group = None
 
     def set_barrier_group(self, barrier_group) -> None:
@@ -74,7 +75,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} has already been started; stop it first")
         self._barrier(barrier)
         _synchronize_device()
-        self._start_time = time.perf_counter()
+        self._start_time = _clock()
         self._started = True
 
     def stop(self, barrier: bool = False) -> None:
@@ -82,7 +83,7 @@ class Timer:
             raise RuntimeError(f"timer {self.name!r} is not started; start it first")
         self._barrier(barrier)
         _synchronize_device()
-        elapsed = time.perf_counter() - self._start_time
+        elapsed = _clock() - self._start_time
         self._elapsed += elapsed
         self._active_time += elapsed
         self._started = False

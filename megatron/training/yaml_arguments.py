@@ -193,8 +193,8 @@ class _SettingsReader:
         self._origin[dest] = where
 
     def _unknown(self, where: str, name: str, known) -> str:
-        close = difflib.get_close_matches(name, known, n=3)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
         return (
             f"{self.yaml_path}: unknown setting {where}{hint} (keys are argument names such as micro_batch_size, "
             f"or the {' and '.join(SECTIONS)} sections)"

@@ -1,0 +1,128 @@
+"""global_vars: set/get/unset of the run's globals, the tokenizer and padded vocabulary, the micro-batch calculator,
+and the TensorBoard / W&B writers (with stand-in modules: neither package is a test dependency)."""
+
+import sys
+import types
+
+import pytest
+
+from megatron.training import global_vars
+from megatron.training.global_vars import (
+    get_args,
+    get_num_microbatches,
+    get_tensorboard_writer,
+    get_timers,
+    get_tokenizer,
+    get_wandb_writer,
+    set_global_variables,
+    unset_global_variables,
+)
+from megatron.training.timers import DummyTimer, Timer, Timers
+from tests.unit_tests.training.test_arguments import validated
+
+
+@pytest.fixture(autouse=True)
+def clean_globals():
+    unset_global_variables()
+    yield
+    unset_global_variables()
+
+
+def on_rank(args, rank, world_size):
+    args.rank, args.world_size = rank, world_size
+    return args
+
+
+def test_getters_before_initialization_say_what_to_call():
+    with pytest.raises(RuntimeError, match=r"args is not initialized; call set_global_variables\(args\)"):
+        get_args()
+    with pytest.raises(RuntimeError, match="tokenizer is not initialized"):
+        get_tokenizer()
+    with pytest.raises(RuntimeError, match="timers is not initialized"):
+        get_timers()
+    assert (get_tensorboard_writer(), get_wandb_writer()) == (None, None)
+
+
+def test_set_global_variables_sets_everything():
+    args = validated("--global-batch-size", 8, "--timing-log-level", 1, "--timing-log-option", "max")
+    set_global_variables(args)
+    assert get_args() is args
+    assert get_tokenizer().vocab_size == 101  # NullTokenizer adds its end-of-document token
+    assert args.padded_vocab_size == 128  # padded to a multiple of --make-vocab-size-divisible-by x TP
+    assert get_num_microbatches() == 4  # 8 / (micro-batch 2 x data-parallel 1)
+    timers = get_timers()
+    assert isinstance(timers, Timers)
+    assert isinstance(timers("step", log_level=1), Timer) and isinstance(timers("inner", log_level=2), DummyTimer)
+    assert (get_tensorboard_writer(), get_wandb_writer()) == (None, None)
+
+
+def test_set_twice_needs_an_unset_in_between():
+    args = validated()
+    set_global_variables(args)
+    with pytest.raises(RuntimeError, match=r"already set; call unset_global_variables\(\) first"):
+        set_global_variables(args)
+    unset_global_variables()
+    with pytest.raises(RuntimeError, match="args is not initialized"):
+        get_args()
+    with pytest.raises(RuntimeError, match="num microbatches calculator is not initialized"):
+        get_num_microbatches()
+    set_global_variables(args, build_tokenizer=False)
+    with pytest.raises(RuntimeError, match="tokenizer is not initialized"):
+        get_tokenizer()
+
+
+def test_none_is_rejected():
+    with pytest.raises(ValueError, match="set_global_variables needs the validated arguments, got None"):
+        set_global_variables(None)
+
+
+def fake_module(monkeypatch, name, **attributes):
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+class FakeSummaryWriter:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_tensorboard_writer_on_the_last_rank_only(monkeypatch, tmp_path):
+    fake_module(monkeypatch, "torch.utils.tensorboard", SummaryWriter=FakeSummaryWriter)
+    args = validated("--tensorboard-dir", tmp_path, "--tensorboard-queue-size", 7, world_size=2)
+    set_global_variables(on_rank(args, 0, 2))
+    assert get_tensorboard_writer() is None
+    unset_global_variables()
+    set_global_variables(on_rank(args, 1, 2))
+    assert get_tensorboard_writer().kwargs == {"log_dir": str(tmp_path), "max_queue": 7}
+
+
+def test_wandb_writer_on_the_last_rank(monkeypatch, tmp_path):
+    calls = []
+    wandb = fake_module(monkeypatch, "wandb", init=lambda **kwargs: calls.append(kwargs))
+    args = validated("--wandb-project", "proj", "--wandb-exp-name", "run1", "--wandb-entity", "team", "--save",
+                     tmp_path, "--save-interval", 5)
+    set_global_variables(args)
+    assert get_wandb_writer() is wandb
+    (kwargs,) = calls
+    assert (kwargs["project"], kwargs["name"], kwargs["entity"]) == ("proj", "run1", "team")
+    assert kwargs["dir"] == str(tmp_path / "wandb") and (tmp_path / "wandb").is_dir()
+    assert kwargs["config"]["wandb_project"] == "proj"
+
+
+@pytest.mark.parametrize("module, flags, message", [
+    ("torch.utils.tensorboard", ("--tensorboard-dir", "/tmp/tb"), "the tensorboard package is not installed"),
+    ("wandb", ("--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "/tmp/w"),
+     "the wandb package is not installed"),
+])
+def test_missing_logging_package_warns_and_logs_nothing(monkeypatch, module, flags, message):
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
+    with pytest.warns(UserWarning, match=message):
+        set_global_variables(validated(*flags))
+    assert (get_tensorboard_writer(), get_wandb_writer()) == (None, None)
+
+
+def test_microbatch_getters_are_re_exported():
+    assert global_vars.get_num_microbatches is get_num_microbatches
+    assert {"get_current_global_batch_size", "update_num_microbatches"} <= set(global_vars.__all__)
