@@ -92,8 +92,12 @@ def validate_args(args, defaults={}):
     return args
 
 
+_FLAG_NAMES = {"microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage"}
+
+
 def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+    """The flag that sets ``dest`` (its dashed name, but for the few Megatron-LM spells differently)."""
+    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _is_rank_0(args) -> bool:

@@ -411,6 +411,15 @@ def test_validation_error(extra, options, message):
         validated(*extra, **options)
 
 
+def test_range_and_required_checks_name_real_flags():
+    flags = {option for action in build_parser()._actions for option in action.option_strings}
+    checked = argument_validation._POSITIVE_INTS + argument_validation._NON_NEGATIVE_INTS
+    named = [argument_validation._flag(name) for name in checked + argument_validation._REQUIRED]
+    assert [flag for flag in named if flag not in flags] == []
+    with pytest.raises(ValueError, match="--microbatch-group-size-per-virtual-pipeline-stage must be a positive"):
+        validated("--microbatch-group-size-per-virtual-pipeline-stage", 0)
+
+
 # ---- what cannot run on this machine ------------------------------------------------------------------------------
 
 
