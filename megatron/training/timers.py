@@ -28,6 +28,11 @@ def _synchronize_device() -> None:
         torch.accelerator.synchronize()
 
 
+def _collective_device() -> torch.device:
+    """gloo gathers CPU tensors; other backends (nccl) gather on this rank's accelerator."""
+    return torch.device("cpu") if dist.get_backend() == "gloo" else get_current_device()
+
+
 class DummyTimer:
     """What ``Timers`` hands out for a level it does not record: start and stop do nothing."""
 
@@ -156,7 +161,7 @@ class Timers:
         )
         if not dist.is_initialized():
             return local.unsqueeze(0)
-        local = local.to(get_current_device())
+        local = local.to(_collective_device())
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         return torch.stack(gathered).cpu()
