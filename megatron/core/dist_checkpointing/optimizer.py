@@ -134,10 +134,17 @@ def shard_torch_optimizer_state(
     id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
     optim_state_to_sharding_state(torch_state_dict, id_to_sharded, exclude_keys=("step",))
     torch_state_dict["state"]["common_step"] = step
-    torch_state_dict["param_groups"] = [
-        {name: value for name, value in group.items() if name != "params"} for group in torch_state_dict["param_groups"]
-    ]
+    torch_state_dict["param_groups"] = common_param_groups(torch_state_dict["param_groups"])
     return torch_state_dict
+
+
+def common_param_groups(param_groups: List[dict]) -> List[dict]:
+    """The groups' hyperparameters as stored in the common state: without the rank-local parameter indices, and
+    ordered by Megatron's group key where the groups have one, so that every rank holds the same list."""
+    groups = [{name: value for name, value in group.items() if name != "params"} for group in param_groups]
+    if all(all(field is not None for field in _group_key(group)) for group in groups):
+        groups.sort(key=_group_key)
+    return groups
 
 
 def saved_step_and_param_groups(loaded: dict) -> Tuple[Optional[object], List[dict]]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.optimizer import (
+    common_param_groups,
     extract_common_step,
     get_param_id_to_sharded_param_map,
     is_sharded_state,
@@ -223,9 +224,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.init_state_fn(self.optimizer, self.config)
         inner_state = self.optimizer.state_dict()
         step = extract_common_step(inner_state)
-        param_groups = [
-            {name: value for name, value in group.items() if name != "params"} for group in inner_state["param_groups"]
-        ]
+        param_groups = common_param_groups(inner_state["param_groups"])
         if step is not None:
             for group in param_groups:
                 group["step"] = int(step)

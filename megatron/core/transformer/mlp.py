@@ -127,33 +127,29 @@ def apply_swiglu_sharded_factory(original_sh_ten: ShardedTensor, sharded_offsets
         common = dict(replica_id=replica_id, prepend_axis_num=axis)
         if flattened_range is None:
             gate, up = torch.chunk(data, 2, dim=0)
-            return [
-                ShardedTensor.from_rank_offsets(key, gate, *sharded_offsets, gate_offset, **common),
-                ShardedTensor.from_rank_offsets(key, up, *sharded_offsets, up_offset, **common),
-            ]
+            return {
+                "gate": ShardedTensor.from_rank_offsets(key, gate, *sharded_offsets, gate_offset, **common),
+                "up": ShardedTensor.from_rank_offsets(key, up, *sharded_offsets, up_offset, **common),
+            }
         start, stop = flattened_range.start, flattened_range.stop
-        pieces = []
+        pieces = {}
         if start < half_numel:
             gate_stop = min(stop, half_numel)
-            pieces.append(
-                ShardedTensor.from_rank_offsets_flat(
-                    key, data[: gate_stop - start], half_shape, *sharded_offsets, gate_offset,
-                    flattened_range=slice(start, gate_stop), **common,
-                )
+            pieces["gate"] = ShardedTensor.from_rank_offsets_flat(
+                key, data[: gate_stop - start], half_shape, *sharded_offsets, gate_offset,
+                flattened_range=slice(start, gate_stop), **common,
             )
         if stop > half_numel:
             up_start = max(start, half_numel)
-            pieces.append(
-                ShardedTensor.from_rank_offsets_flat(
-                    key, data[up_start - start :], half_shape, *sharded_offsets, up_offset,
-                    flattened_range=slice(up_start - half_numel, stop - half_numel), **common,
-                )
+            pieces["up"] = ShardedTensor.from_rank_offsets_flat(
+                key, data[up_start - start :], half_shape, *sharded_offsets, up_offset,
+                flattened_range=slice(up_start - half_numel, stop - half_numel), **common,
             )
         return pieces
 
     @torch.no_grad()
     def merge(loaded_pieces):
-        return torch.cat(loaded_pieces)
+        return torch.cat([loaded_pieces[half] for half in ("gate", "up") if half in loaded_pieces])
 
     return ShardedTensorFactory(
         original_sh_ten.key,

@@ -152,7 +152,7 @@ def full_weights(chunks) -> Dict[str, torch.Tensor]:
         for name, param in model.named_parameters():
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 continue
-            weights[global_name(name, model)] = gather_tensor_parallel(param.detach().float(), param)
+            weights[global_name(name, model)] = gather_tensor_parallel(param.detach().float().clone(), param)
     return weights
 
 

@@ -126,7 +126,7 @@ def _layout_pieces(names):
         for item in nested_values(state_dict["optimizer"]):
             if not isinstance(item, (ShardedTensor, ShardedTensorFactory)):
                 continue
-            for piece in item.build() if isinstance(item, ShardedTensorFactory) else [item]:
+            for piece in nested_values(item.build()) if isinstance(item, ShardedTensorFactory) else [item]:
                 flat = piece.flattened_range
                 optimizer_pieces.append(
                     (piece.key, piece.global_shape, piece.global_offset, piece.local_shape,
@@ -166,7 +166,8 @@ def assert_main_replicas_tile(pieces):
             index = _piece_index(offset, local_shape) if kind == "tensor" else tuple(offset)
             if main:
                 count[index] += 1
-        assert bool((count == 1).all()), f"{key}: main replicas cover elements {sorted(set(count.flatten().tolist()))} times"
+        coverage = sorted(set(count.flatten().tolist()))
+        assert coverage == [1], f"{key}: main replicas cover elements {coverage} times"
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -224,20 +225,25 @@ def _fc1_piece(tp_rank, tp_size, rows=8, columns=3, layer=(0, 1, 4)):
 
 def test_swiglu_factory_stores_gate_and_up_halves_as_pieces_of_the_global_tensor():
     factory = apply_swiglu_sharded_factory(_fc1_piece(tp_rank=1, tp_size=2), sharded_offsets=((0, 1, 4),))
-    gate, up = factory.build()
+    pieces = factory.build()
+    gate, up = pieces["gate"], pieces["up"]
     assert (gate.global_shape, gate.global_offset) == ((4, 16, 3), (1, 4, 0))  # piece 1 of 4: gate rows of rank 1
     assert (up.global_shape, up.global_offset) == ((4, 16, 3), (1, 12, 0))  # piece 3 of 4: up rows of rank 1
-    assert torch.equal(factory.merge_fn([gate.data, up.data]), factory.data)
+    assert torch.equal(factory.merge_fn({"gate": gate.data, "up": up.data}), factory.data)
 
 
 def test_swiglu_factory_splits_a_flat_slice_where_the_gate_half_ends():
     piece = _fc1_piece(tp_rank=0, tp_size=2)
     factory = apply_swiglu_sharded_factory(piece, sharded_offsets=((0, 1, 4),))
     flat = piece.data.flatten()[5:20]  # the gate half holds flat elements [0, 12)
-    gate, up = type(factory)(factory.key, flat, factory.build_fn, factory.merge_fn, (0, 0, 0), slice(5, 20)).build()
+    flat_factory = type(factory)(factory.key, flat, factory.build_fn, factory.merge_fn, (0, 0, 0), slice(5, 20))
+    pieces = flat_factory.build()
+    gate, up = pieces["gate"], pieces["up"]
     assert (gate.flattened_range, gate.global_offset) == (slice(5, 12), (1, 0, 0))
     assert (up.flattened_range, up.global_offset) == (slice(0, 8), (1, 8, 0))
-    assert torch.equal(torch.cat([gate.data, up.data]), flat)
+    assert torch.equal(factory.merge_fn({"gate": gate.data, "up": up.data}), flat)
+    only_up = type(factory)(factory.key, flat[7:], factory.build_fn, factory.merge_fn, (0, 0, 0), slice(12, 20))
+    assert list(only_up.build()) == ["up"]
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
