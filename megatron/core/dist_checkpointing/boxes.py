@@ -40,7 +40,9 @@ class Box:
         return tuple(o - p for o, p in zip(self.offset, origin))
 
 
-def flat_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+def flat_range_boxes(
+    shape: Tuple[int, ...], start: int, stop: int
+) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
     """Split elements ``[start, stop)`` of a C-ordered array of ``shape`` into boxes contiguous in flat order.
 
     Returns ``(offset, box_shape, flat_start)`` triples in flat order. Each step takes the largest box that starts

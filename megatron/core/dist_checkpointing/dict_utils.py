@@ -12,8 +12,9 @@ def extract_matching_values(
 ) -> Tuple[Nested, Nested]:
     """Split ``x`` into (leaves matching ``predicate``, the rest), both keeping ``x``'s nesting.
 
-    A sub-container with nothing on one side is left out of that side (empty ones stay with the rest). Lists keep their order; with ``return_lists_as_dicts`` they
-    become ``{index: value}`` dicts so the two halves can be merged back by index.
+    A sub-container with nothing on one side is left out of that side (empty ones stay with the rest). Lists keep
+    their order; with ``return_lists_as_dicts`` they become ``{index: value}`` dicts so the two halves can be merged
+    back by index.
     """
     if isinstance(x, dict):
         items = x.items()

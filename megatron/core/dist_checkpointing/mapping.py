@@ -53,9 +53,10 @@ class ShardedTensor(ShardedBase):
     ``local_shape`` is ``data``'s shape (without the prepended axes); ``global_shape`` and ``global_offset`` have
     ``prepend_axis_num`` extra leading axes that exist only globally (e.g. the layer axis of stacked layers): the
     piece sits at integer index ``global_offset[i]`` on those. ``axis_fragmentations`` is how many pieces each axis
-    is cut into (None for uneven pieces). With ``flattened_range`` set, ``data`` is a 1-D slice of the flattened local piece (the distributed
-    optimizer's flat shards). ``allow_shape_mismatch`` lets a load read a checkpoint whose global shape differs
-    (e.g. padded vocabularies); the caller then handles the difference.
+    is cut into (None for uneven pieces). With ``flattened_range`` set, ``data`` is a 1-D slice of the flattened
+    local piece (the distributed optimizer's flat shards). ``allow_shape_mismatch`` lets a load read a checkpoint
+    whose global shape differs (e.g. padded vocabularies): the part of the piece inside the stored tensor is read,
+    the rest is zeroed.
     """
 
     key: str
@@ -84,8 +85,9 @@ class ShardedTensor(ShardedBase):
                 f"ShardedTensor {self.key!r}: local_shape {self.local_shape} plus prepend_axis_num="
                 f"{self.prepend_axis_num} must have as many axes as global_shape {self.global_shape}"
             )
+        unprepended = slice(self.prepend_axis_num, None)
         for axis, (offset, size, global_size) in enumerate(
-            zip(self.global_offset[self.prepend_axis_num :], self.local_shape, self.global_shape[self.prepend_axis_num :])
+            zip(self.global_offset[unprepended], self.local_shape, self.global_shape[unprepended])
         ):
             if self.has_regular_grid and size != 0 and offset % size != 0:
                 raise CheckpointingException(

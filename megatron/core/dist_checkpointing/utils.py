@@ -26,7 +26,9 @@ def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) 
     )
 
 
-def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
+def extract_sharded_tensors_or_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> Tuple[ShardedStateDict, StateDict]:
     """(the ShardedTensor, ShardedTensorFactory and LocalNonpersistentObject leaves, everything else)."""
     return extract_matching_values(
         sharded_state_dict,

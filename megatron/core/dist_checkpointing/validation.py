@@ -39,7 +39,9 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_global_app_metadata(val: "StrictHandling") -> bool:
-        return val in (StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.LOG_ALL)
+        return val in (
+            StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.LOG_ALL
+        )
 
     @staticmethod
     def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
@@ -116,7 +118,7 @@ def _check_no_overlap(key: str, pieces: List[Tuple[Box, int, ShardedTensor]]) ->
     """Sweep along axis 0 so that only pieces sharing an axis-0 interval are compared (e.g. the same layer)."""
     if not pieces or not pieces[0][0].shape:
         if len(pieces) > 1:
-            (_, rank_a, a), (_, rank_b, b) = pieces[0], pieces[1]
+            rank_a, rank_b = pieces[0][1], pieces[1][1]
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: the scalar has main replicas on ranks {rank_a} and {rank_b}; exactly one "
                 "copy may have replica_id 0"

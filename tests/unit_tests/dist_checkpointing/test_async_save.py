@@ -22,7 +22,9 @@ def _state(rank, world_size):
     return {
         "split": ShardedTensor.from_rank_offsets("split", full[4 * rank : 4 * rank + 4].clone(), (0, rank, world_size)),
         "replicated": ShardedTensor.from_rank_offsets("replicated", full[0].clone(), replica_id=rank),
-        "flat": ShardedTensor.from_rank_offsets_flat("flat", flat[flat_range].clone(), (4, 6), flattened_range=flat_range),
+        "flat": ShardedTensor.from_rank_offsets_flat(
+            "flat", flat[flat_range].clone(), (4, 6), flattened_range=flat_range
+        ),
         "object": ShardedObject("object", {"rank": rank}, (world_size,), (rank,)),
         "step": 11,
     }
@@ -43,7 +45,9 @@ def _layout(checkpoint_dir):
         key: [(tuple(c.offsets), tuple(c.sizes)) for c in getattr(entry, "chunks", [])]
         for key, entry in metadata.state_dict_metadata.items()
     }
-    files = {index.fqn + str(tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+    files = {
+        (index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()
+    }
     return chunks, files
 
 
@@ -92,7 +96,8 @@ def test_training_continues_while_the_write_runs_and_the_save_keeps_the_staged_v
     release.set()
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert order == [("latest", True)]  # the "latest" marker runs after metadata.json exists
-    assert torch.equal(load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 64))}, tmp_path)["w"], torch.ones(64, 64))
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 64))}, tmp_path)
+    assert torch.equal(loaded["w"], torch.ones(64, 64))
 
 
 def _async_save_with_failing_writer_on_rank_one(checkpoint_dir):
@@ -106,7 +111,8 @@ def _async_save_with_failing_writer_on_rank_one(checkpoint_dir):
     if rank == 1:
         FileSystemWriter.write_data = failing_write
     try:
-        request = save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, 2))}, checkpoint_dir, async_sharded_save=True)
+        state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, 2))}
+        request = save(state, checkpoint_dir, async_sharded_save=True)
         request.add_finalize_fn(lambda: finalized.append("latest"))
         queue = AsyncCallsQueue()
         queue.schedule_async_request(request)
@@ -143,7 +149,8 @@ def _raising_async_call_on_rank_zero():
 
 def test_an_exception_escaping_an_async_call_is_raised_on_every_rank():
     for message in run_distributed(2, _raising_async_call_on_rank_zero):
-        assert "asynchronous checkpoint write (call 0) failed on rank(s) 0" in message and "background failure" in message
+        assert "asynchronous checkpoint write (call 0) failed on rank(s) 0" in message
+        assert "background failure" in message
 
 
 def test_a_scheduled_request_is_frozen():

@@ -92,7 +92,10 @@ def test_from_rank_offsets_flat_rejects_inconsistent_ranges(data, shape, kwargs,
         ({"global_offset": (1, 0)}, "not a multiple of the local size 2"),
         ({"global_offset": (4, 0)}, "lies outside the global shape"),
         ({"dtype": torch.float16}, "data dtype torch.float32 differs from dtype torch.float16"),
-        ({"local_shape": (3, 2), "global_shape": (6, 2), "global_offset": (3, 0)}, r"data shape \(2, 2\) differs from local_shape \(3, 2\)"),
+        (
+            {"local_shape": (3, 2), "global_shape": (6, 2), "global_offset": (3, 0)},
+            r"data shape \(2, 2\) differs from local_shape \(3, 2\)",
+        ),
     ],
 )
 def test_inconsistent_fields_are_rejected(fields, match):

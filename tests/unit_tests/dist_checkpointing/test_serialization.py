@@ -123,7 +123,8 @@ def test_metadata_helpers(tmp_path):
 def test_bf16_and_scalar_tensors(tmp_path):
     values = torch.randn(3, 5).to(torch.bfloat16)
     scalar = torch.tensor(2.5)
-    save({"v": ShardedTensor.from_rank_offsets("v", values), "s": ShardedTensor.from_rank_offsets("s", scalar)}, tmp_path)
+    state = {"v": ShardedTensor.from_rank_offsets("v", values), "s": ShardedTensor.from_rank_offsets("s", scalar)}
+    save(state, tmp_path)
     loaded = load(
         {"v": ShardedTensor.from_rank_offsets("v", torch.zeros(3, 5, dtype=torch.bfloat16)),
          "s": ShardedTensor.from_rank_offsets("s", torch.tensor(0.0))},

@@ -19,7 +19,8 @@ from megatron.core.dist_checkpointing.validation import parse_strict_flag
 
 
 def _piece(key, rows, offset, parts, replica_id=0, total_cols=2):
-    return ShardedTensor.from_rank_offsets(key, torch.zeros(rows, total_cols), (0, offset, parts), replica_id=replica_id)
+    data = torch.zeros(rows, total_cols)
+    return ShardedTensor.from_rank_offsets(key, data, (0, offset, parts), replica_id=replica_id)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,8 @@ def test_bad_sharding_is_refused_before_anything_is_written(tmp_path, state, mat
 
 
 def test_validation_can_be_skipped(tmp_path):
-    save({"a": _piece("w", 4, 0, 1, replica_id=1), "b": _piece("w", 4, 0, 1)}, tmp_path, validate_access_integrity=False)
+    state = {"a": _piece("w", 4, 0, 1, replica_id=1), "b": _piece("w", 4, 0, 1)}
+    save(state, tmp_path, validate_access_integrity=False)
 
 
 def test_save_into_a_missing_directory(tmp_path):
@@ -95,7 +97,10 @@ def test_directory_errors(tmp_path, checkpoint):
         ("{not json", "is not valid JSON"),
         ('{"sharded_backend_version": 1}', "names no sharded_backend"),
         ('{"sharded_backend": "zarr", "sharded_backend_version": 1}', "no load_sharded strategy for backend 'zarr'"),
-        ('{"sharded_backend": "torch_dist", "sharded_backend_version": 2}', "no load_sharded strategy for backend .torch_dist. version 2; megatron-lite provides torch_dist v1"),
+        (
+            '{"sharded_backend": "torch_dist", "sharded_backend_version": 2}',
+            "no load_sharded strategy for backend 'torch_dist' version 2; megatron-lite provides torch_dist v1",
+        ),
     ],
 )
 def test_bad_metadata_json(checkpoint, content, match):
@@ -105,7 +110,8 @@ def test_bad_metadata_json(checkpoint, content, match):
 
 
 def test_megatron_metadata_json_with_only_the_sharded_fields_loads(checkpoint):
-    (checkpoint / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    (checkpoint / "metadata.json").write_text(json.dumps(config))
     assert load({"a": _piece("a", 4, 0, 1)}, checkpoint)["a"].shape == (4, 2)
 
 
@@ -199,5 +205,5 @@ def test_ignore_all_skips_silently(checkpoint, caplog):
 
 
 def test_unknown_strict_flag():
-    with pytest.raises(ValueError, match="strict='lenient' is not a strictness mode; choose one of 'assume_ok_unexpected'"):
+    with pytest.raises(ValueError, match="strict='lenient' is not a strictness mode; choose one of 'assume_ok_"):
         parse_strict_flag("lenient")

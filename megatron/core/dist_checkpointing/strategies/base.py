@@ -4,6 +4,7 @@
 the default for the backend, which :func:`get_default_strategy` looks up.
 """
 
+import importlib
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
@@ -30,7 +31,8 @@ def register_default_strategy(action: StrategyAction, backend: str, version: int
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int):
     """The registered strategy doing ``action`` for ``backend`` at format ``version``."""
-    from . import common, torch  # noqa: F401  (importing registers them)
+    for module in ("common", "torch"):  # importing the built-in backends registers them
+        importlib.import_module(f"{__package__}.{module}")
 
     try:
         return _DEFAULT_STRATEGIES[(action, backend, version)]

@@ -49,7 +49,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     ``parallelization_group`` (None: all ranks) instead of by replica 0 alone. With ``do_cache_distribution`` the
     choice made at the first save is reused (the state dict structure must then stay the same)."""
 
-    def __init__(self, strategy: AsyncSaveShardedStrategy, parallelization_group=None, do_cache_distribution: bool = False):
+    def __init__(
+        self, strategy: AsyncSaveShardedStrategy, parallelization_group=None, do_cache_distribution: bool = False
+    ):
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
