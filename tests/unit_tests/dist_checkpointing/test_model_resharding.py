@@ -174,3 +174,38 @@ def test_bf16_model_and_fp32_main_params_move_from_the_distributed_to_the_mixed_
     assert fp32_keys and all(original[key].dtype == torch.float32 for key in fp32_keys)
     for key in original:
         assert torch.equal(original[key], resaved[key]), f"{key} differs after the move"
+
+
+def _chained_optimizer(chunks):
+    """Two FP32 optimizers, one for the transformer layers and one for everything else, chained."""
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, init_optimizer_state
+
+    config = OptimizerConfig(lr=1e-2)
+    named = list(chunks[0].named_parameters())
+    parts = [[p for n, p in named if ".layers." in n], [p for n, p in named if ".layers." not in n]]
+    return ChainedOptimizer(
+        [FP32Optimizer(torch.optim.Adam(params, lr=1e-2), config, init_optimizer_state) for params in parts]
+    )
+
+
+def _chained_round_trip(root):
+    chunks, _ = helpers.build_chunks(1, 1, seed=1)
+    optimizer = _chained_optimizer(chunks)
+    helpers.train(chunks, optimizer, [0])
+    _save(chunks, optimizer, root)
+    saved = [{k: v.clone() for k, v in state.items()} for state in optimizer.chained_optimizers[0].state.values()]
+    chunks, _ = helpers.build_chunks(1, 1, seed=2)
+    optimizer = _chained_optimizer(chunks)
+    _weights_and_state(chunks, optimizer, root)
+    loaded = list(optimizer.chained_optimizers[0].state.values())
+    same = len(saved) == len(loaded) and all(
+        torch.equal(a[name], b[name]) for a, b in zip(saved, loaded) for name in ("exp_avg", "exp_avg_sq", "step")
+    )
+    return same, sorted(dist_checkpointing.load_tensors_metadata(root))
+
+
+def test_chained_optimizers_store_their_states_under_their_index(tmp_path):
+    same_state, keys = run_distributed(1, _chained_round_trip, tmp_path)[0]
+    assert same_state
+    assert "chained_0.optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys
+    assert "chained_1.optimizer.state.exp_avg_sq.embedding.word_embeddings.weight" in keys

@@ -310,3 +310,12 @@ def test_a_step_that_differs_between_parameters_is_rejected():
 def test_extra_state_offsets_must_cover_the_leading_axes():
     with pytest.raises(ValueError, match=r"must cover the leading axes 0, 1, ... in turn, got axes \[1\]"):
         make_sharded_object_for_checkpoint(None, "k", sharded_offsets=((1, 0, 2),), replica_id=0)
+
+
+def test_optimizer_state_of_a_parameter_missing_from_the_model_state_is_rejected():
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig, init_optimizer_state
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer = FP32Optimizer(torch.optim.Adam(layer.parameters()), OptimizerConfig(lr=0.1), init_optimizer_state)
+    with pytest.raises(ValueError, match="optimizer parameter 0 has state but no entry in the model's sharded state"):
+        optimizer.sharded_state_dict({}, is_loading=True)
