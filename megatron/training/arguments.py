@@ -295,6 +295,8 @@ def _add_checkpointing_args(parser):
                        help="Take the model arguments from the checkpoint given by --load.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
                        help="With --load, exit when no checkpoint is found instead of starting from scratch.")
+    group.add_argument("--ckpt-step", type=int, default=None,
+                       help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
                        help="Checkpoint format; this project reads and writes torch_dist.")
     group.add_argument("--async-save", action="store_true", default=None,

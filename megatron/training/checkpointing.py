@@ -99,3 +99,223 @@ def find_checkpoint_to_load(
         )
     maybe_load_config(checkpoint_dir)  # raises on a corrupt metadata.json
     return checkpoint_dir, iteration, release
+
+
+# ---- saving and loading a training job ---------------------------------------------------------------------------
+# The functions below use the training globals (arguments, model chunks, optimizer, scheduler); everything above is
+# plain path handling that tools can use without them.
+
+_ASYNC_CALLS = None
+
+
+def _async_calls():
+    global _ASYNC_CALLS
+    if _ASYNC_CALLS is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _ASYNC_CALLS = AsyncCallsQueue()
+    return _ASYNC_CALLS
+
+
+def maybe_finalize_async_saves(blocking: bool = False) -> None:
+    """Finish asynchronous saves whose writes are done on every rank (a collective; call it on every rank)."""
+    if _ASYNC_CALLS is not None:
+        _ASYNC_CALLS.maybe_finalize_async_calls(blocking=blocking)
+
+
+def finalize_async_saves() -> None:
+    """Wait for every pending asynchronous save and mark it complete (call before the job exits)."""
+    maybe_finalize_async_saves(blocking=True)
+
+
+def _rng_state_sharded_object():
+    """This rank's RNG states, one object per (pipeline, tensor) rank, replicated over data-parallel ranks."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    return ShardedObject(
+        "rng_state",
+        [state],
+        (pp_size, tp_size),
+        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def _restore_rng_state(states) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron.core import tensor_parallel
+
+    state = states[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state["cuda_rng_state"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _model_key(index: int, num_chunks: int) -> str:
+    return "model" if num_chunks == 1 else f"model{index}"
+
+
+def _sharded_state_dict(model, optimizer, opt_param_scheduler, *, with_optimizer, with_rng, is_loading, args=None,
+                        iteration=None, flops=None):
+    """Megatron's checkpoint content: model chunk(s), optimizer, scheduler, RNG, iteration and arguments.
+
+    The wrappers (DDP, Float16Module) hand through to the model's own sharded_state_dict; DDP first completes a
+    pending distributed-optimizer parameter gather, so the weights read are this step's.
+    """
+    state_dict = {_model_key(i, len(model)): chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    if with_optimizer:
+        state_dict["optimizer"] = optimizer.sharded_state_dict(dict(state_dict), is_loading=is_loading)
+    if with_rng:
+        state_dict["rng_state"] = _rng_state_sharded_object()
+    if not is_loading:  # the plain values below are the checkpoint's common state (rank 0 writes them)
+        state_dict.update(
+            args=args,
+            checkpoint_version=3.0,
+            iteration=iteration,
+            num_floating_point_operations_so_far=flops,
+        )
+        if with_optimizer and opt_param_scheduler is not None:
+            state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    return state_dict
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None, non_persistent_ckpt=False):
+    """Save to ``<save>/iter_<iteration>`` and, once every rank's data is durable, point the tracker at it.
+
+    With ``--async-save`` the tensors are staged now and written in the background; the tracker moves only when
+    :func:`maybe_finalize_async_saves` sees every rank finished. A crash at any moment leaves the previous
+    checkpoint "latest".
+    """
+    import torch.distributed as dist
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import get_args
+    from megatron.training.utils import print_rank_0
+
+    args = get_args()
+    checkpoint_dir = get_checkpoint_name(args.save, iteration)
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save} in torch_dist format")
+    state_dict = _sharded_state_dict(
+        model, optimizer, opt_param_scheduler,
+        with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng, is_loading=False,
+        args=args, iteration=iteration, flops=num_floating_point_operations_so_far,
+    )
+    strategy = get_default_save_sharded_strategy()
+    if args.ckpt_fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    save_dir = args.save
+    if dist.get_rank() == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    dist.barrier()
+
+    def mark_latest():
+        if dist.get_rank() == 0:
+            write_tracker_atomically(save_dir, iteration)
+        dist.barrier()
+
+    request = dist_checkpointing.save(
+        state_dict, checkpoint_dir, strategy, async_sharded_save=args.async_save,
+        # The arguments legitimately differ per rank (rank, local_rank); rank 0's copy is the one saved.
+        preprocess_common_before_consistancy_check=lambda common: {k: v for k, v in common.items() if k != "args"},
+    )
+    if args.async_save:
+        request.add_finalize_fn(mark_latest)
+        _async_calls().schedule_async_request(request)
+    else:
+        dist.barrier()
+        mark_latest()
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save}")
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+    """Resume model (and unless told otherwise optimizer, scheduler and RNG) from ``--load``; returns
+    (iteration, floating-point operations so far). A missing checkpoint starts fresh, or exits with
+    ``--exit-on-missing-checkpoint``; an incomplete or corrupt one raises, naming the directory."""
+    import torch.distributed as dist
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+    from megatron.training.global_vars import get_args
+    from megatron.training.utils import print_rank_0
+
+    args = get_args()
+    load_dir = getattr(args, load_arg)
+    finetune = args.finetune
+    found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
+    if found is None and args.pretrained_checkpoint is not None:
+        found = find_checkpoint_to_load(args.pretrained_checkpoint)
+        finetune = True
+    if found is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointingException(
+                f"--exit-on-missing-checkpoint: no checkpoint in {load_dir} "
+                f"({get_checkpoint_tracker_filename(load_dir)} not found)"
+            )
+        print_rank_0(f"WARNING: could not find a checkpoint in {load_dir}; training from scratch")
+        return 0, 0
+    checkpoint_dir, iteration, release = found
+    common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    saved_args = common.get("args")
+    same_layout = saved_args is not None and (
+        saved_args.tensor_model_parallel_size == args.tensor_model_parallel_size
+        and saved_args.pipeline_model_parallel_size == args.pipeline_model_parallel_size
+    )
+    load_optimizer = not (args.no_load_optim or finetune or release) and "opt_param_scheduler" in common
+    load_rng = not (args.no_load_rng or finetune or release) and same_layout
+    if not (args.no_load_rng or finetune or release) and not same_layout:
+        print_rank_0("  the checkpoint's tensor/pipeline layout differs from this run's: RNG state not restored")
+    print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
+    sharded = _sharded_state_dict(model, optimizer, opt_param_scheduler,
+                                  with_optimizer=load_optimizer, with_rng=load_rng, is_loading=True)
+    state_dict = dist_checkpointing.load(sharded, checkpoint_dir, strict="assume_ok_unexpected" if strict else
+                                         "log_all")
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(state_dict[_model_key(i, len(model))], strict=strict)
+    if load_optimizer:
+        optimizer.load_state_dict(state_dict["optimizer"])
+        if opt_param_scheduler is not None:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif args.fp16 or args.bf16:
+        optimizer.reload_model_params()  # fp32 main parameters follow the loaded weights
+    if load_rng:
+        _restore_rng_state(state_dict["rng_state"])
+    if finetune or release:
+        iteration = 0
+    elif saved_args is not None:
+        args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
+        args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
+        update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
+    dist.barrier()
+    print_rank_0(
+        f"  successfully loaded checkpoint from {load_dir} [ t {parallel_state.get_tensor_model_parallel_rank()}, "
+        f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
+    )
+    return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0

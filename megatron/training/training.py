@@ -250,7 +250,10 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     flags = torch.tensor([int(args.do_train), int(args.do_valid), int(args.do_test)], device=get_current_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(f) for f in flags.tolist())
-    return tuple(_iterator(loader, args.dataloader_type) for loader in loaders)
+    # Starting a DataLoader iterator draws from the global generator; keep it out of the training stream so a
+    # resumed run (RNG restored from the checkpoint) continues exactly like an uninterrupted one.
+    with torch.random.fork_rng(devices=[]):
+        return tuple(_iterator(loader, args.dataloader_type) for loader in loaders)
 
 
 def _iterator(loader, dataloader_type: str):
