@@ -41,6 +41,7 @@ from megatron.training.utils import (
 
 logger = logging.getLogger(__name__)
 _TRAIN_START_TIME = time.time()
+_EXIT_SIGNAL_HANDLER: Optional[DistributedSignalHandler] = None
 
 
 def pretrain(
@@ -55,6 +56,7 @@ def pretrain(
     """Megatron-LM's entry point: initialise, build everything, train, evaluate, save."""
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     args = get_args()
+    _install_exit_signal_handler(args)
     if getattr(args, "dry_run", False):
         _print_dry_run_report(args)
         return
@@ -348,34 +350,42 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     iteration = args.iteration
     total_loss_dict: Dict[str, torch.Tensor] = {}
     report_memory_flag = True
-    signal_handler = DistributedSignalHandler().__enter__() if args.exit_signal_handler else None
+    signal_handler = _install_exit_signal_handler(args)
     timers("interval-time", log_level=0).start(barrier=True)
     print_rank_0(f"[before the start of training step] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}")
-    try:
-        while iteration < args.train_iters:
-            update_num_microbatches(args.consumed_train_samples, consistency_check=True)
-            loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
-            )
-            iteration += 1
-            args.iteration = iteration
-            batch_size = parallel_state.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
-            args.consumed_train_samples += batch_size
-            args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
-            report_memory_flag = training_log(
-                loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, float(optimizer.get_loss_scale()),
-                report_memory_flag, skipped_iter, grad_norm, num_zeros_in_grad, model, batch_size,
-            )
-            if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                           iteration, process_non_loss_data_func, config, verbose=False)
-            checkpointing.maybe_finalize_async_saves()
-            if _should_exit(iteration, model, optimizer, opt_param_scheduler, signal_handler):
-                break
-    finally:
-        if signal_handler is not None:
-            signal_handler.__exit__(None, None, None)
+    while iteration < args.train_iters:
+        update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
+        )
+        iteration += 1
+        args.iteration = iteration
+        batch_size = parallel_state.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+        args.consumed_train_samples += batch_size
+        args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+        report_memory_flag = training_log(
+            loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, float(optimizer.get_loss_scale()),
+            report_memory_flag, skipped_iter, grad_norm, num_zeros_in_grad, model, batch_size,
+        )
+        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                       iteration, process_non_loss_data_func, config, verbose=False)
+        checkpointing.maybe_finalize_async_saves()
+        if _should_exit(iteration, model, optimizer, opt_param_scheduler, signal_handler):
+            # As in Megatron-LM, an exit condition ends the job here, once its checkpoint is written: no second
+            # end-of-training save and no final evaluation eat into a scheduler's grace period.
+            checkpointing.finalize_async_saves()
+            sys.exit(0)
     return iteration, args.num_floating_point_operations_so_far
+
+
+def _install_exit_signal_handler(args) -> Optional[DistributedSignalHandler]:
+    """With --exit-signal-handler, catch SIGTERM from start-up on, as Megatron-LM does: a signal that arrives while
+    the job still builds its model and data is honoured at the first iteration boundary instead of killing the rank."""
+    global _EXIT_SIGNAL_HANDLER
+    if args.exit_signal_handler and _EXIT_SIGNAL_HANDLER is None:
+        _EXIT_SIGNAL_HANDLER = DistributedSignalHandler().__enter__()
+    return _EXIT_SIGNAL_HANDLER
 
 
 def _should_exit(iteration, model, optimizer, opt_param_scheduler, signal_handler) -> bool:
