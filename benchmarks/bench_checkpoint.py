@@ -10,7 +10,8 @@ right after the save); load MB/s = bytes one rank reads / time.
 The stall is measured at DP=1 on a simulated training loop (``--matmul``-sized matmuls per step): a synchronous
 save blocks for its whole duration; an async save blocks while it stages (copies) the tensors, then slows the
 steps that overlap the background write, then blocks for finalisation. Stall = blocking time + the extra time of
-the overlapped steps over the median step time without a save.
+the overlapped steps over the median step time without a save; for both background workers (forked process, the
+default, and thread).
 
     python benchmarks/bench_checkpoint.py [--state-mb 512 --repeats 2 --matmul 768]
 
@@ -117,23 +118,25 @@ def _stall(args, root: Path) -> dict:
     save(state, sync_dir)
     sync_stall = time.perf_counter() - start
 
-    async_dir = _fresh_dir(root, "stall_async")
-    queue = AsyncCallsQueue()
-    start = time.perf_counter()
-    queue.schedule_async_request(save(state, async_dir, async_sharded_save=True))
-    staging = time.perf_counter() - start
-    overlapped, finalize = [], 0.0
-    while queue.get_num_unfinalized_calls():
-        overlapped.append(step())
+    result = {"state_mb": _state_bytes(state) / 2**20, "step_s": baseline, "sync_stall_s": sync_stall}
+    for worker in ("process", "thread"):
+        async_dir = _fresh_dir(root, f"stall_async_{worker}")
+        queue = AsyncCallsQueue(worker=worker)
         start = time.perf_counter()
-        queue.maybe_finalize_async_calls()
-        finalize += time.perf_counter() - start
-    slowdown = max(0.0, sum(overlapped) - baseline * len(overlapped))
-    return {
-        "state_mb": _state_bytes(state) / 2**20, "step_s": baseline, "sync_stall_s": sync_stall,
-        "async_staging_s": staging, "async_overlapped_steps": len(overlapped), "async_slowdown_s": slowdown,
-        "async_finalize_s": finalize, "async_stall_s": staging + slowdown + finalize,
-    }
+        queue.schedule_async_request(save(state, async_dir, async_sharded_save=True))
+        staging = time.perf_counter() - start
+        overlapped, finalize = [], 0.0
+        while queue.get_num_unfinalized_calls():
+            overlapped.append(step())
+            start = time.perf_counter()
+            queue.maybe_finalize_async_calls()
+            finalize += time.perf_counter() - start
+        slowdown = max(0.0, sum(overlapped) - baseline * len(overlapped))
+        result[f"async_{worker}"] = {
+            "staging_s": staging, "overlapped_steps": len(overlapped), "slowdown_s": slowdown,
+            "finalize_s": finalize, "stall_s": staging + slowdown + finalize,
+        }
+    return result
 
 
 def _worker(rank: int, world_size: int, port: int, args, root: str, out_path: str) -> None:
@@ -170,11 +173,14 @@ def _tables(throughput, stall) -> str:
     lines += [
         "",
         f"training stall, {stall['state_mb']:.0f} MB state, step {stall['step_s'] * 1e3:.1f} ms:",
-        f"  sync save:  {stall['sync_stall_s']:.2f} s blocked",
-        f"  async save: {stall['async_stall_s']:.2f} s = staging {stall['async_staging_s']:.2f} s + slowdown of "
-        f"{stall['async_overlapped_steps']} overlapped steps {stall['async_slowdown_s']:.2f} s + finalize "
-        f"{stall['async_finalize_s']:.2f} s",
+        f"  sync save:            {stall['sync_stall_s']:.2f} s blocked",
     ]
+    for worker in ("process", "thread"):
+        row = stall[f"async_{worker}"]
+        lines.append(
+            f"  async save ({worker + ')':8} {row['stall_s']:.2f} s = staging {row['staging_s']:.2f} s + slowdown of "
+            f"{row['overlapped_steps']} overlapped steps {row['slowdown_s']:.2f} s + finalize {row['finalize_s']:.2f} s"
+        )
     return "\n".join(lines)
 
 

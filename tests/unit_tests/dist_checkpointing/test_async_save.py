@@ -1,7 +1,9 @@
 """Asynchronous save: staged copies, a background write that does not block, finalisation only when all ranks are
 done, the same checkpoint as a synchronous save, and failures reported everywhere."""
 
-import threading
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -69,34 +71,46 @@ def test_async_save_writes_the_same_checkpoint_as_sync_save(tmp_path):
         assert torch.equal(loaded["replicated"], full[0]) and loaded["object"] == {"rank": 1}
 
 
-def test_training_continues_while_the_write_runs_and_the_save_keeps_the_staged_values(tmp_path, monkeypatch):
-    release, writing = threading.Event(), threading.Event()
+def _wait_for(path, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_training_continues_while_the_write_runs_and_the_save_keeps_the_staged_values(tmp_path, monkeypatch, worker):
+    # Files, not events, coordinate with the writer: with worker="process" it runs in a forked child.
+    writing, release = tmp_path / "writing", tmp_path / "release"
+    checkpoint_dir = tmp_path / "checkpoint"
+    checkpoint_dir.mkdir()
     original = torch_strategy._StagedDataPlanner.resolve_data
 
     def blocked_resolve(self, item):
-        writing.set()
-        assert release.wait(timeout=60)
+        writing.touch()
+        _wait_for(release)
         return original(self, item)
 
     monkeypatch.setattr(torch_strategy._StagedDataPlanner, "resolve_data", blocked_resolve)
     weights = torch.ones(64, 64)
     order = []
-    request = save({"w": ShardedTensor.from_rank_offsets("w", weights)}, tmp_path, async_sharded_save=True)
-    request.add_finalize_fn(lambda: order.append(("latest", (tmp_path / "metadata.json").exists())))
-    queue = AsyncCallsQueue()
+    request = save({"w": ShardedTensor.from_rank_offsets("w", weights)}, checkpoint_dir, async_sharded_save=True)
+    request.add_finalize_fn(lambda: order.append(("latest", (checkpoint_dir / "metadata.json").exists())))
+    queue = AsyncCallsQueue(worker=worker)
     queue.schedule_async_request(request)
-    assert writing.wait(timeout=60)
+    _wait_for(writing)
 
     # The "training step" runs and updates the weights in place while the writer is stuck mid-write.
     weights.add_(1.0)
     weights.copy_(weights @ torch.eye(64))
     assert queue.maybe_finalize_async_calls(no_dist=True) == []
-    assert queue.get_num_unfinalized_calls() == 1 and not (tmp_path / "metadata.json").exists()
+    assert queue.get_num_unfinalized_calls() == 1 and not (checkpoint_dir / "metadata.json").exists()
 
-    release.set()
+    release.touch()
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert order == [("latest", True)]  # the "latest" marker runs after metadata.json exists
-    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 64))}, tmp_path)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 64))}, checkpoint_dir)
     assert torch.equal(loaded["w"], torch.ones(64, 64))
 
 
@@ -151,6 +165,22 @@ def test_an_exception_escaping_an_async_call_is_raised_on_every_rank():
     for message in run_distributed(2, _raising_async_call_on_rank_zero):
         assert "asynchronous checkpoint write (call 0) failed on rank(s) 0" in message
         assert "background failure" in message
+
+
+def test_unknown_worker():
+    with pytest.raises(ValueError, match="worker='fiber' must be 'process' or 'thread'"):
+        AsyncCallsQueue(worker="fiber")
+
+
+def _kill_myself(_):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_writer_process_that_dies_is_reported():
+    queue = AsyncCallsQueue(worker="process")
+    queue.schedule_async_request(AsyncRequest(_kill_myself, (None,), [lambda: None]))
+    with pytest.raises(CheckpointingException, match=r"background writer process \d+ died \(wait status 9\)"):
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
 
 
 def test_a_scheduled_request_is_frozen():

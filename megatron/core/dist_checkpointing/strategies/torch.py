@@ -16,7 +16,7 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -103,31 +103,34 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, copy_data: bool) -> AsyncRequest:
         rank = get_rank()
-        writes = _RankWrites()
+        items: List[WriteItem] = []
         data: Dict[MetadataIndex, object] = {}
+        planning_error = None
         try:
             for shard in nested_values(sharded_state_dict):
                 if is_main_replica(shard.replica_id):
-                    _add_write_items(shard, writes.items, data, copy_data)
+                    _add_write_items(shard, items, data, copy_data)
         except Exception as error:  # reported to every rank at finalisation, never raised on this rank alone
-            writes.error = describe_error(error)
+            planning_error = describe_error(error)
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True)
         writer.set_up_storage_writer(rank == 0, rank=rank)
 
-        def write() -> None:
-            if writes.error is not None:
-                return
+        def write() -> Tuple[List[WriteResult], Optional[str]]:
+            """Runs in the background worker: returns (write results, error message), never raises."""
+            if planning_error is not None:
+                return [], planning_error
             try:
-                plan = SavePlan(writes.items, storage_data=_StoragePrefix(f"__{rank}_"))
-                plan = writer.prepare_local_plan(plan)
-                writes.results = writer.write_data(plan, _StagedDataPlanner(data)).wait()
+                plan = writer.prepare_local_plan(SavePlan(items, storage_data=_StoragePrefix(f"__{rank}_")))
+                return writer.write_data(plan, _StagedDataPlanner(data)).wait(), None
             except Exception as error:
-                writes.error = describe_error(error)
-            finally:
-                data.clear()  # drop the staged copies as soon as they are on disk
+                return [], describe_error(error)
+
+        request = AsyncRequest(write, (), [])
 
         def finalize() -> None:
-            all_writes = all_gather_objects(writes)
+            results, write_error = request.async_fn_result
+            data.clear()  # drop the staged copies
+            all_writes = all_gather_objects(_RankWrites(items, results, write_error))
             raise_gathered_errors([w.error for w in all_writes], f"writing the shards of {checkpoint_dir}")
             error = None
             if rank == 0:
@@ -137,7 +140,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     error = caught
             gather_and_raise_errors(error, f"writing {checkpoint_dir / DCP_METADATA_FNAME}")
 
-        return AsyncRequest(write, (), [finalize])
+        request.add_finalize_fn(finalize)
+        return request
 
 
 def _add_write_items(shard, items: List[WriteItem], data: Dict[MetadataIndex, object], copy_data: bool) -> None:
