@@ -66,3 +66,24 @@ def test_nested_function_is_rejected():
 
     with pytest.raises(TypeError, match="module-level function"):
         run_distributed(1, inner)
+
+
+def test_a_failed_process_group_start_is_retried_on_a_fresh_port(monkeypatch):
+    """A port taken between choosing it and binding it makes init_process_group fail before the test runs:
+    the harness starts the job again instead of reporting a failure."""
+    import socket
+
+    from tests.unit_tests import test_utilities
+
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    taken_port = blocker.getsockname()[1]
+    ports = iter([taken_port])
+    real_free_port = test_utilities._free_port
+    monkeypatch.setattr(test_utilities, "_free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        results = run_distributed(2, _all_reduce_rank, timeout=20)
+    finally:
+        blocker.close()
+    assert [r[0] for r in results] == [0, 1]

@@ -58,13 +58,17 @@ def _worker_main(conn) -> None:
             return
         rank, world_size, port, path, name, args, timeout = job
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
-            )
+            try:
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"tcp://127.0.0.1:{port}",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(seconds=timeout),
+                )
+            except BaseException:
+                conn.send(("init_error", traceback.format_exc()))
+                continue
             result = _load_function(path, name)(*args)
             conn.send(("ok", result))
         except BaseException:  # report everything, including assertion failures and SystemExit
@@ -115,7 +119,7 @@ class _Pool:
                 process.kill()
         self.workers = []
 
-    def run(self, world_size: int, fn, args, timeout: float):
+    def run(self, world_size: int, fn, args, timeout: float, retries_left: int = 2):
         self._ensure(world_size)
         path, name = fn.__code__.co_filename, fn.__name__
         if fn.__qualname__ != name:
@@ -143,12 +147,19 @@ class _Pool:
                 except (EOFError, ConnectionError):
                     self.workers[rank][0].join(timeout=1)
                     status, payload = "error", f"worker process died (exit code {self.workers[rank][0].exitcode})"
-                (results if status == "ok" else errors)[rank] = payload
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = (status, payload)
         hung = [r for r in range(world_size) if r not in results and r not in errors]
         if errors or hung:
             self.replace(list(errors) + hung)
+            if retries_left and any(status == "init_error" for status, _ in errors.values()):
+                # Joining the process group failed before the test ran (a port taken in the meantime, a peer's
+                # connection refused): nothing of the test has happened yet, so run it again on a fresh port.
+                return self.run(world_size, fn, args, timeout, retries_left - 1)
             message = []
-            for i, (rank, error) in enumerate(errors.items()):  # in arrival order: the first is the cause
+            for i, (rank, (_, error)) in enumerate(errors.items()):  # in arrival order: the first is the cause
                 message.append(f"--- rank {rank} failed{' first' if i == 0 else ''} ---\n{error}")
             if hung and not errors:
                 message.append(f"ranks {hung} did not finish within {timeout:.0f} s (hang?)")
