@@ -66,6 +66,12 @@ def pretrain(
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider
     )
+    if len(model) > 1:
+        # The interleaved schedule takes one iterator per model chunk. Only the first stage's first chunk and the
+        # last stage's last chunk read batches, never both on one rank (it needs PP > 1), so they share this one.
+        train_iterator, valid_iterator, test_iterator = (
+            [iterator] * len(model) for iterator in (train_iterator, valid_iterator, test_iterator)
+        )
     iteration = args.iteration
     if not args.skip_train and args.train_iters > 0:
         iteration, _ = train(
