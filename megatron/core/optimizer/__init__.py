@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.core.extensions.fused_adam import find_fused_adam
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -106,6 +107,16 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[Dict]) ->
     devices = {param.device.type for group in param_groups for param in group["params"]}
     fused = devices <= set(_FUSED_OPTIMIZER_DEVICES) or None
     if config.optimizer == "adam":
+        extension_adam = find_fused_adam() if devices == {"cuda"} else None
+        if extension_adam is not None:  # Transformer Engine's or apex's multi-tensor kernel
+            return extension_adam(
+                param_groups,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                adam_w_mode=config.decoupled_weight_decay,
+            )
         adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return adam(
             param_groups,
