@@ -8,6 +8,7 @@ import logging
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,18 @@ def set_device_for_rank(local_rank: int) -> None:
 def default_backend() -> str:
     """``nccl`` when CUDA is available, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_memory_mb() -> Optional[dict]:
+    """Allocated, peak-allocated and reserved accelerator memory in MB (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    mb = 1024 * 1024
+    return {
+        "allocated": torch.cuda.memory_allocated() / mb,
+        "max allocated": torch.cuda.max_memory_allocated() / mb,
+        "reserved": torch.cuda.memory_reserved() / mb,
+    }
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -137,12 +137,13 @@ def _rng_state_sharded_object():
 
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import cuda_available
 
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda_rng_state": tensor_parallel.random.get_device_rng_state() if cuda_available() else None,
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -163,13 +164,14 @@ def _restore_rng_state(states) -> None:
     import torch
 
     from megatron.core import tensor_parallel
+    from megatron.core.utils import cuda_available
 
     state = states[0]
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and state["cuda_rng_state"] is not None:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if cuda_available() and state["cuda_rng_state"] is not None:
+        tensor_parallel.random.set_device_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 

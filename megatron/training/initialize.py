@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.utils import set_device_for_rank
+from megatron.core.utils import cuda_available, set_device_for_rank
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
 
@@ -33,7 +33,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
 
 def _initialize_distributed(args) -> None:
     """torchrun's environment -> process group (nccl on GPUs, gloo on CPUs) -> model-parallel groups."""
-    if torch.cuda.device_count() > 0:
+    if cuda_available():
         set_device_for_rank(args.local_rank)
     else:
         # One rank per core slice: without this every rank starts one thread per core and they fight.

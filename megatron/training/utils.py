@@ -11,7 +11,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import Float16Module, param_is_not_shared
-from megatron.core.utils import get_current_device, print_rank_0  # noqa: F401  (re-exported, as Megatron does)
+from megatron.core.utils import device_memory_mb, get_current_device, print_rank_0  # noqa: F401  (re-exported)
 
 ALL_MODULE_WRAPPER_CLASSNAMES = (DistributedDataParallel, Float16Module)
 
@@ -57,14 +57,11 @@ def calc_params_l2_norm(model: List[torch.nn.Module]) -> float:
 
 
 def report_memory(name: str) -> str:
-    """A one-line memory report: allocated and reserved MB on a GPU, resident set size on a CPU."""
-    if torch.cuda.is_available():
-        mb = 1024 * 1024
-        return (
-            f"[Rank {dist.get_rank()}] (after {name}) memory (MB) | allocated: {torch.cuda.memory_allocated() / mb:.1f} "
-            f"| max allocated: {torch.cuda.max_memory_allocated() / mb:.1f} "
-            f"| reserved: {torch.cuda.memory_reserved() / mb:.1f}"
-        )
+    """A one-line memory report: accelerator MB on a GPU, peak resident set size on a CPU."""
+    stats = device_memory_mb()
+    if stats is not None:
+        fields = " | ".join(f"{key}: {value:.1f}" for key, value in stats.items())
+        return f"[Rank {dist.get_rank()}] (after {name}) memory (MB) | {fields}"
     import resource
 
     max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
