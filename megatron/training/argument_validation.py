@@ -8,11 +8,14 @@ Transformer Engine when it is not installed) are turned off with one warning ins
 
 import importlib.util
 import os
+import re
+from typing import List
 
 import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.transformer.transformer_block import layers_per_virtual_stage
 from megatron.core.utils import cuda_available, warn_once
 
 SUPPORTED_CKPT_FORMATS = ("torch_dist",)
@@ -185,19 +188,22 @@ def _validate_pipeline_split(args) -> None:
             "the interleaved schedule (--num-layers-per-virtual-pipeline-stage / "
             "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1"
         )
-    layers_per_rank = _uneven_layers_per_rank(args) if uneven else _even_layers_per_rank(args)
+    _check_layer_split(args, vpp=None)
     if layers_per_vstage is not None:
         if uneven:
             raise ValueError(
                 "with --decoder-first/last-pipeline-num-layers, set the virtual pipeline size with "
                 "--num-virtual-stages-per-pipeline-rank instead of --num-layers-per-virtual-pipeline-stage"
             )
-        if layers_per_rank[0] % layers_per_vstage != 0:
+        # Every stage holds the same share here (uneven splits were refused above), embedding/loss slots included.
+        extras = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+        layers_per_stage = (args.num_layers + extras) // pp
+        if layers_per_stage % layers_per_vstage != 0:
             raise ValueError(
-                f"each pipeline stage has {layers_per_rank[0]} layers, not divisible by "
+                f"each pipeline stage has {layers_per_stage} layers, not divisible by "
                 f"--num-layers-per-virtual-pipeline-stage ({layers_per_vstage}); change one of them"
             )
-        vpp = layers_per_rank[0] // layers_per_vstage
+        vpp = layers_per_stage // layers_per_vstage
     else:
         vpp = vstages_per_rank
     if vpp == 1:
@@ -208,12 +214,7 @@ def _validate_pipeline_split(args) -> None:
                 "the interleaved schedule with --no-overlap-p2p-communication needs --pipeline-model-parallel-size "
                 f"> 2 (got {pp}); drop --no-overlap-p2p-communication or use more pipeline stages"
             )
-        for rank, count in enumerate(layers_per_rank):
-            if count % vpp != 0:
-                raise ValueError(
-                    f"pipeline stage {rank} has {count} layers, not divisible by its {vpp} virtual stages; change "
-                    "--num-layers, the first/last stage sizes or the virtual pipeline size"
-                )
+        _check_layer_split(args, vpp)
     else:
         # Only the interleaved schedule overlaps pipeline communication or aligns parameter gathers.
         args.overlap_p2p_comm = False
@@ -221,51 +222,49 @@ def _validate_pipeline_split(args) -> None:
     args.virtual_pipeline_model_parallel_size = vpp
 
 
-def _even_layers_per_rank(args) -> list:
-    pp = args.pipeline_model_parallel_size
-    extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
-    slots = args.num_layers + extra
-    if slots % pp != 0:
-        counted = f"--num-layers ({args.num_layers})" + (f" + embedding/loss ({extra})" if extra else "")
-        raise ValueError(
-            f"{counted} is not divisible by --pipeline-model-parallel-size ({pp}); change --num-layers or the "
-            "pipeline size, or give --decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers for an "
-            "uneven split"
-        )
-    return [slots // pp] * pp
+def _check_layer_split(args, vpp) -> None:
+    """The model's layers split over the pipeline stages and ``vpp`` virtual stages per rank (None: one)."""
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        vpp_flag = "the virtual pipeline size from --num-layers-per-virtual-pipeline-stage"
+    else:
+        vpp_flag = "--num-virtual-stages-per-pipeline-rank"
+    layers_per_virtual_stage_naming_flags(
+        vpp_flag,
+        num_layers=args.num_layers,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+    )
 
 
-def _uneven_layers_per_rank(args) -> list:
-    pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if pp == 1:
-        raise ValueError(
-            "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers need "
-            "--pipeline-model-parallel-size > 1; drop them for a single stage"
-        )
-    if args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split:
-        raise ValueError(
-            "--decoder-first/last-pipeline-num-layers cannot be combined with --account-for-embedding-in-pipeline-"
-            "split or --account-for-loss-in-pipeline-split; balance the stages one way"
-        )
-    middle_stages = pp - (first is not None) - (last is not None)
-    middle_layers = num_layers - (first or 0) - (last or 0)
-    given = f"--decoder-first-pipeline-num-layers ({first}) and --decoder-last-pipeline-num-layers ({last})"
-    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
-        raise ValueError(
-            f"{given} do not add up to --num-layers ({num_layers}) on {pp} pipeline stages; adjust them"
-        )
-    if middle_stages and middle_layers % middle_stages != 0:
-        raise ValueError(
-            f"after {given}, the remaining {middle_layers} layers do not divide evenly over the other "
-            f"{middle_stages} pipeline stages; adjust --num-layers, the first/last stage sizes or the pipeline size"
-        )
-    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
-    if first is not None:
-        per_rank[0] = first
-    if last is not None:
-        per_rank[-1] = last
-    return per_rank
+# The TransformerConfig fields that layers_per_virtual_stage's errors name -> the flags that set them (the virtual
+# pipeline size is named by the flag that gave it).
+_SPLIT_FIELD_FLAGS = {
+    "num_layers": "--num-layers",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
+    "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
+    "num_layers_in_first/last_pipeline_stage": "--decoder-first/last-pipeline-num-layers",
+    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+}
+
+
+def layers_per_virtual_stage_naming_flags(vpp_flag: str, **split) -> List[int]:
+    """:func:`megatron.core.transformer.transformer_block.layers_per_virtual_stage` of the keyword arguments
+    ``split``, its errors naming the command-line flags instead of the config fields (``vpp_flag`` for the virtual
+    pipeline size), so that a message names what the user typed."""
+    try:
+        return layers_per_virtual_stage(**split)
+    except ValueError as error:
+        flags = dict(_SPLIT_FIELD_FLAGS, virtual_pipeline_model_parallel_size=vpp_flag)
+        # Whole names only (\b): num_layers must not match inside num_layers_in_first_pipeline_stage.
+        names = "|".join(re.escape(name) for name in flags)
+        message = re.sub(rf"\b({names})\b", lambda match: flags[match.group(1)], str(error))
+        raise ValueError(message) from None
 
 
 def _validate_batch_size(args) -> None:

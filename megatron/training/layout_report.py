@@ -2,9 +2,10 @@
 stage and virtual chunk, and the parameters each stage holds. ``--dry-run`` prints this before any training.
 
 Rank groups come from :class:`megatron.core.parallel_state.RankGenerator`, the same enumeration
-``initialize_model_parallel`` uses. Layers per stage follow ``transformer_block.get_num_layers_to_build`` and
-``get_transformer_layer_offset`` (which ask the process groups for the pipeline rank; this module takes the rank
-as a number). Parameter counts are exact for the GPT model built from the local layer spec, biases included.
+``initialize_model_parallel`` uses. Layers per stage come from ``transformer_block.layers_per_virtual_stage``, the
+split ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` use (they ask the process groups for the
+pipeline rank; this module takes the rank as a number). Parameter counts are exact for the GPT model built from the
+local layer spec, biases included.
 """
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from megatron.core.parallel_state import (
     _check_expert_layout_matches_pipeline,
     default_embedding_ranks,
 )
+from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
 from megatron.training.flops import num_query_groups, required_arg
 
 # How many groups of one kind to list before summarising the rest.
@@ -63,69 +65,18 @@ def layers_per_virtual_stage(
     account_for_loss_in_pipeline_split: bool = False,
 ) -> List[int]:
     """Layer counts of the virtual stages in pipeline order (virtual stage ``c * pp + r`` is chunk ``c`` of
-    pipeline rank ``r``), as Megatron-Core splits them.
-
-    Layers split evenly over pipeline ranks, except that ``first/last_stage_layers`` fix the first/last rank's share
-    (the rest split evenly), and ``account_for_embedding/loss_in_pipeline_split`` count the embedding / loss as one
-    more layer of the first / last virtual stage. Each rank's share splits evenly into its ``vpp`` chunks.
-    """
-    for name, value in (("num_layers", num_layers), ("pipeline_model_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    chunks_per_rank = vpp or 1
-    extra_first, extra_last = int(account_for_embedding_in_pipeline_split), int(account_for_loss_in_pipeline_split)
-    if first_stage_layers is not None or last_stage_layers is not None:
-        if extra_first or extra_last:
-            raise ValueError(
-                "--decoder-first/last-pipeline-num-layers cannot be combined with --account-for-embedding-in-"
-                "pipeline-split or --account-for-loss-in-pipeline-split; use one way of balancing the stages"
-            )
-        per_rank = _uneven_layers_per_rank(num_layers, pp, first_stage_layers, last_stage_layers)
-    else:
-        slots = num_layers + extra_first + extra_last
-        if slots % pp != 0:
-            counted = f"num_layers + embedding/loss ({slots})" if extra_first or extra_last else f"num_layers ({slots})"
-            raise ValueError(
-                f"{counted} is not divisible by the pipeline size ({pp}); change --num-layers or "
-                "--pipeline-model-parallel-size, or set --decoder-first/last-pipeline-num-layers"
-            )
-        per_rank = [slots // pp] * pp
-    for rank, count in enumerate(per_rank):
-        if count % chunks_per_rank != 0:
-            raise ValueError(
-                f"pipeline stage {rank} has {count} layers, not divisible into {chunks_per_rank} virtual stages; "
-                "change --num-layers-per-virtual-pipeline-stage or the layer split"
-            )
-    per_virtual = [per_rank[rank] // chunks_per_rank for _ in range(chunks_per_rank) for rank in range(pp)]
-    per_virtual[0] -= extra_first
-    per_virtual[-1] -= extra_last
-    return per_virtual
-
-
-def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
-    if pp == 1:
-        raise ValueError("--decoder-first/last-pipeline-num-layers need a pipeline size > 1; unset them")
-    for name, value in (("first", first), ("last", last)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"--decoder-{name}-pipeline-num-layers must be a positive integer, got {value!r}")
-    middle_stages = pp - (first is not None) - (last is not None)
-    middle_layers = num_layers - (first or 0) - (last or 0)
-    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
-        raise ValueError(
-            f"--num-layers ({num_layers}) does not match --decoder-first-pipeline-num-layers ({first}) + "
-            f"--decoder-last-pipeline-num-layers ({last}) on {pp} pipeline stages"
-        )
-    if middle_stages and middle_layers % middle_stages != 0:
-        raise ValueError(
-            f"the {middle_layers} layers left after the first/last stages do not divide evenly over the other "
-            f"{middle_stages} pipeline stages; adjust --num-layers or the first/last stage sizes"
-        )
-    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
-    if first is not None:
-        per_rank[0] = first
-    if last is not None:
-        per_rank[-1] = last
-    return per_rank
+    pipeline rank ``r``): ``transformer_block.layers_per_virtual_stage`` under this module's argument names, its
+    errors naming the command-line flags (``vpp`` is ``--num-virtual-stages-per-pipeline-rank``)."""
+    return layers_per_virtual_stage_naming_flags(
+        "--num-virtual-stages-per-pipeline-rank",
+        num_layers=num_layers,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
+        account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split,
+    )
 
 
 def pipeline_chunks(per_virtual_stage: List[int], pp: int) -> List[PipelineChunk]:

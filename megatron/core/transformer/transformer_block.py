@@ -24,42 +24,57 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
+def layers_per_virtual_stage(
+    num_layers: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    num_layers_in_first_pipeline_stage: Optional[int] = None,
+    num_layers_in_last_pipeline_stage: Optional[int] = None,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+) -> List[int]:
     """Layers built by each virtual stage, in pipeline order (virtual stage ``c * pp + r``: chunk ``c`` of rank ``r``).
 
-    Without virtual stages there is one per pipeline rank. Layers are split evenly, except that
-    ``num_layers_in_first/last_pipeline_stage`` fix the first/last rank's share (the rest split evenly over the
-    other ranks), and ``account_for_embedding/loss_in_pipeline_split`` count the embedding / the loss as one more
-    layer of the first / last virtual stage.
+    The one definition of the pipeline layer split (``validate_args`` and the layout report use it too); the
+    arguments are the :class:`TransformerConfig` fields of the same names. Without virtual stages there is one per
+    pipeline rank. Layers are split evenly, except that ``num_layers_in_first/last_pipeline_stage`` fix the
+    first/last rank's share (the rest split evenly over the other ranks), and
+    ``account_for_embedding/loss_in_pipeline_split`` count the embedding / the loss as one more layer of the first /
+    last virtual stage. Each rank's share splits evenly into its virtual stages. A bad split raises a ``ValueError``
+    naming the fields.
     """
-    pp = config.pipeline_model_parallel_size
-    vp = config.virtual_pipeline_model_parallel_size or 1
-    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
-    extra_first = int(config.account_for_embedding_in_pipeline_split)
-    extra_last = int(config.account_for_loss_in_pipeline_split)
+    pp = pipeline_model_parallel_size
+    for name, value in (("num_layers", num_layers), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    vp = virtual_pipeline_model_parallel_size or 1
+    first, last = num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage
+    extra_first = int(account_for_embedding_in_pipeline_split)
+    extra_last = int(account_for_loss_in_pipeline_split)
     if first is not None or last is not None:
         if extra_first or extra_last:
             raise ValueError(
                 "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding_in_pipeline_"
                 "split or account_for_loss_in_pipeline_split; use one way of balancing the stages"
             )
-        per_rank = _uneven_layers_per_rank(config.num_layers, pp, first, last)
+        per_rank = _uneven_layers_per_rank(num_layers, pp, first, last)
     else:
-        slots = config.num_layers + extra_first + extra_last
-        counted = f"num_layers ({config.num_layers})"
-        if extra_first or extra_last:
-            counted = f"num_layers + embedding/loss ({slots})"
+        slots = num_layers + extra_first + extra_last
         if slots % pp != 0:
+            counted = f"num_layers ({num_layers})"
+            if extra_first or extra_last:
+                counted += f" + embedding/loss ({extra_first + extra_last}) = {slots}"
             raise ValueError(
-                f"{counted} is not divisible by pipeline_model_parallel_size ({pp}); change num_layers or the "
-                "pipeline size, or set num_layers_in_first/last_pipeline_stage for an uneven split"
+                f"{counted} is not divisible by pipeline_model_parallel_size ({pp}); change num_layers or "
+                "pipeline_model_parallel_size, or set num_layers_in_first/last_pipeline_stage for an uneven split"
             )
         per_rank = [slots // pp] * pp
     for rank, count in enumerate(per_rank):
         if count % vp != 0:
             raise ValueError(
                 f"pipeline stage {rank} has {count} layers, not divisible by virtual_pipeline_model_parallel_size "
-                f"({vp}); every stage's layers must split evenly into its model chunks"
+                f"({vp}); change num_layers, the stage sizes or virtual_pipeline_model_parallel_size so that every "
+                "stage's layers split evenly into its model chunks"
             )
     per_virtual = [per_rank[rank] // vp for _ in range(vp) for rank in range(pp)]
     # Each virtual stage has at least one slot, and the first and last differ unless there is only one (which then
@@ -82,7 +97,8 @@ def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last
     if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
         raise ValueError(
             f"num_layers ({num_layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
-            f"num_layers_in_last_pipeline_stage ({last}) on {pp} pipeline stages"
+            f"num_layers_in_last_pipeline_stage ({last}) on {pp} pipeline stages; make them add up to at most "
+            "num_layers (exactly num_layers when they are the only stages)"
         )
     if middle_stages and middle_layers % middle_stages != 0:
         raise ValueError(
@@ -96,6 +112,19 @@ def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last
     if last is not None:
         per_rank[-1] = last
     return per_rank
+
+
+def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
+    """:func:`layers_per_virtual_stage` for ``config``'s fields."""
+    return layers_per_virtual_stage(
+        config.num_layers,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+        config.account_for_embedding_in_pipeline_split,
+        config.account_for_loss_in_pipeline_split,
+    )
 
 
 def _virtual_stage_index(config: TransformerConfig, vp_stage: Optional[int]) -> int:

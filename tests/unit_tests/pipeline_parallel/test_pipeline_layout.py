@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.transformer.transformer_block import get_num_layers_to_build, get_transformer_layer_offset
+from megatron.core.transformer.transformer_block import (
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+    layers_per_virtual_stage,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -92,7 +96,7 @@ ERRORS = [
     (dict(num_layers=5, pp=2), r"num_layers \(5\) is not divisible by pipeline_model_parallel_size \(2\)"),
     (
         dict(num_layers=5, pp=4, account_for_loss_in_pipeline_split=True),
-        r"num_layers \+ embedding/loss \(6\) is not divisible by pipeline_model_parallel_size \(4\)",
+        r"num_layers \(5\) \+ embedding/loss \(1\) = 6 is not divisible by pipeline_model_parallel_size \(4\)",
     ),
     (dict(num_layers=6, pp=2, vp=2), r"pipeline stage 0 has 3 layers, not divisible by virtual_pipeline_model"),
     (
@@ -110,6 +114,24 @@ ERRORS = [
         "cannot be combined with account_for_embedding_in_pipeline_split",
     ),
 ]
+
+
+def test_the_split_needs_no_process_groups():
+    """The pure split (virtual stages in pipeline order) that the config-based functions above are built on."""
+    assert layers_per_virtual_stage(8, 2, 2) == [2, 2, 2, 2]
+    assert layers_per_virtual_stage(10, 3, 2, num_layers_in_first_pipeline_stage=2,
+                                    num_layers_in_last_pipeline_stage=2) == [1, 3, 1, 1, 3, 1]
+    assert layers_per_virtual_stage(6, 4, account_for_embedding_in_pipeline_split=True,
+                                    account_for_loss_in_pipeline_split=True) == [1, 2, 2, 1]
+
+
+@pytest.mark.parametrize("num_layers, pp, message", [
+    (0, 2, "num_layers must be a positive integer, got 0"),
+    (4, 0, "pipeline_model_parallel_size must be a positive integer, got 0"),
+])
+def test_the_split_needs_positive_sizes(num_layers, pp, message):
+    with pytest.raises(ValueError, match=message):
+        layers_per_virtual_stage(num_layers, pp)
 
 
 @pytest.mark.parametrize("fields,message", ERRORS)

@@ -3,6 +3,7 @@ validation error, the machine fallbacks, and the config builders."""
 
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from enum import Enum
@@ -311,15 +312,18 @@ ERRORS = [
     (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], dict(world_size=2),
      r"--num-layers \(5\) is not divisible by --pipeline-model-parallel-size \(2\)"),
     (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], dict(world_size=2),
-     r"--num-layers \(4\) \+ embedding/loss \(1\) is not divisible by --pipeline-model-parallel-size \(2\)"),
+     r"--num-layers \(4\) \+ embedding/loss \(1\) = 5 is not divisible by --pipeline-model-parallel-size \(2\)"),
     (["--decoder-first-pipeline-num-layers", "1"], {}, r"need --pipeline-model-parallel-size > 1"),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
       "--account-for-loss-in-pipeline-split"], dict(world_size=2), "cannot be combined with --account-for"),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-      "--decoder-last-pipeline-num-layers", "1"], dict(world_size=2), r"do not add up to --num-layers \(4\)"),
+      "--decoder-last-pipeline-num-layers", "1"], dict(world_size=2),
+     r"--num-layers \(4\) does not match --decoder-first-pipeline-num-layers \(1\) \+ "
+     r"--decoder-last-pipeline-num-layers \(1\) on 2 pipeline stages; make them add up to at most --num-layers"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
       "--decoder-last-pipeline-num-layers", "2"], dict(world_size=4),
-     "remaining 5 layers do not divide evenly over the other 2 pipeline stages"),
+     "the 5 layers left after --decoder-first/last-pipeline-num-layers do not divide evenly over the other 2 "
+     "pipeline stages"),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2",
       "--num-layers-per-virtual-pipeline-stage", "1"], dict(world_size=2),
      "set the virtual pipeline size with --num-virtual-stages-per-pipeline-rank"),
@@ -329,7 +333,7 @@ ERRORS = [
       "--no-overlap-p2p-communication"], dict(world_size=2), r"needs --pipeline-model-parallel-size > 2 \(got 2\)"),
     (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
       "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2),
-     "pipeline stage 0 has 3 layers, not divisible by its 2 virtual stages"),
+     r"pipeline stage 0 has 3 layers, not divisible by --num-virtual-stages-per-pipeline-rank \(2\)"),
     (["--train-samples", "100", "--rampup-batch-size", "16", "8"], dict(base=without("--train-iters")),
      "--rampup-batch-size takes three integers"),
     (["--global-batch-size", "5"], {},
@@ -418,6 +422,27 @@ def test_range_and_required_checks_name_real_flags():
     assert [flag for flag in named if flag not in flags] == []
     with pytest.raises(ValueError, match="--microbatch-group-size-per-virtual-pipeline-stage must be a positive"):
         validated("--microbatch-group-size-per-virtual-pipeline-stage", 0)
+
+
+@pytest.mark.parametrize("extra, world_size", [
+    (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], 2),
+    (["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split"], 2),
+    (["--decoder-last-pipeline-num-layers", "1"], 1),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+      "--account-for-embedding-in-pipeline-split"], 2),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"], 2),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "1"], 4),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2),
+])
+def test_pipeline_split_errors_name_flags_not_config_fields(extra, world_size):
+    """transformer_block's split errors name TransformerConfig fields; validate_args renames each to its flag."""
+    flags = {option for action in build_parser()._actions for option in action.option_strings}
+    renamed = [flag for flag in argument_validation._SPLIT_FIELD_FLAGS.values() if "/" not in flag]
+    assert [flag for flag in renamed if flag not in flags] == []
+    with pytest.raises(ValueError) as raised:
+        validated(*extra, world_size=world_size)
+    message = str(raised.value)
+    assert "--" in message and not re.search(r"\b[a-z]+(_[a-z]+)+\b", message), message
 
 
 # ---- what cannot run on this machine ------------------------------------------------------------------------------
