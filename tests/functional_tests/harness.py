@@ -61,9 +61,9 @@ def torchrun_command(args: Sequence[str], nproc: int) -> List[str]:
     ]
 
 
-def _subprocess_env() -> Dict[str, str]:
+def _subprocess_env(threads_per_rank: int) -> Dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
+    env.update(OMP_NUM_THREADS=str(threads_per_rank), PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
     return env
 
 
@@ -88,13 +88,14 @@ class RunResult:
 
 
 def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-                 expect_success: bool = True) -> RunResult:
+                 expect_success: bool = True, threads_per_rank: int = 1) -> RunResult:
     """Run pretrain_gpt.py on `nproc` CPU ranks and return its combined output.
 
     With `expect_success` a non-zero exit fails the test with the command and the end of the output; a run that
-    outlives `timeout` is killed (with its whole process group) and fails the same way, as a hang.
+    outlives `timeout` is killed (with its whole process group) and fails the same way, as a hang. Tests keep one
+    thread per rank (reproducible fp32 sums); benchmarks give each rank its share of the cores.
     """
-    process = PretrainProcess(args, nproc)
+    process = PretrainProcess(args, nproc, threads_per_rank)
     result = process.wait(timeout)
     if expect_success and result.returncode != 0:
         raise AssertionError(f"pretrain_gpt.py on {nproc} rank(s) failed\n{result.describe()}")
@@ -104,14 +105,15 @@ def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_T
 class PretrainProcess:
     """A running torchrun job in its own process group, its output read line by line as it arrives."""
 
-    def __init__(self, args: Sequence[str], nproc: int = 1):
+    def __init__(self, args: Sequence[str], nproc: int = 1, threads_per_rank: int = 1):
         self.nproc = nproc
         self.command = torchrun_command(args, nproc)
         self._lines: List[str] = []
         self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
         self._popen = subprocess.Popen(
-            self.command, cwd=REPO_ROOT, env=_subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,  # its own process group: one signal reaches torchrun and every rank
+            self.command, cwd=REPO_ROOT, env=_subprocess_env(threads_per_rank), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own process group: one signal reaches torchrun and every rank
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
