@@ -98,6 +98,15 @@ class PlainGPT(torch.nn.Module):
         self.positions = torch.nn.Embedding(SEQ, HIDDEN)
         self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
         self.norm = torch.nn.LayerNorm(HIDDEN)
+        # GPT-2's initialisation, as Megatron's: N(0, 0.02), the residual-branch outputs scaled by 1/sqrt(2 layers),
+        # zero biases. (PyTorch's N(0, 1) embeddings would saturate the tied softmax, whose underflowing gradients
+        # then run on the CPU's slow denormal path.)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.zeros_(param)
+            elif param.ndim > 1:
+                std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith(("out.weight", "down.weight")) else 0.02
+                torch.nn.init.normal_(param, std=std)
 
     def forward(self, tokens, labels):
         x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
