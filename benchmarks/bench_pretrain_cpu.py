@@ -2,9 +2,10 @@
 
 Every run trains the same GPT (4 layers, hidden 256, 8 heads, seq 256, tied 8192-token vocabulary, no dropout) on
 the built-in corpus with the same global batch (16 sequences of 256 tokens in micro-batches of 4: four per step on
-one data-parallel rank, two on each at DP2) and AdamW + cosine LR + clipping at 1.0. The plain loop below is single-process
-PyTorch written for this comparison (no megatron imports in the loop): it reads random windows of the same
-tokenized corpus, accumulates gradients over the same micro-batches, clips, steps AdamW and its LR schedule.
+one data-parallel rank, two on each at DP2) and AdamW + cosine LR + clipping at 1.0. The plain loop below is
+single-process PyTorch written for this comparison (no megatron imports in the loop): it reads random windows of
+the same tokenized corpus, accumulates gradients over the same micro-batches, clips, steps AdamW and its LR
+schedule.
 
 A run's step time comes from pretrain_gpt.py's log line: "elapsed time per iteration" over each logging interval
 after the first (start-up and warm-up excluded), i.e. everything in the training loop: data, forward, backward,

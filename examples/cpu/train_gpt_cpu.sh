@@ -23,7 +23,8 @@ NUM_RANKS=4
 CORES="$(python -c 'import os; print(os.cpu_count() or 1)')"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES > NUM_RANKS ? CORES / NUM_RANKS : 1 ))}"
 
-# The corpus (.bin/.idx, rebuilt into DATA_CACHE_DIR if a packaged copy lacks it) and its tokenizer ship with the package.
+# The tokenized corpus and its tokenizer ship with the package (the .bin/.idx are rebuilt into DATA_CACHE_DIR if
+# an installed copy lacks them).
 builtin() { python -c "import os; from megatron.training import builtin_data as b; print($1)"; }
 DATA_PREFIX="$(builtin 'b.ensure_preprocessed(os.environ["DATA_CACHE_DIR"])')"
 VOCAB_FILE="$(builtin 'b.vocab_file()')"
@@ -40,7 +41,7 @@ MODEL_PARALLEL_ARGS=(
     --distributed-backend gloo
 )
 
-# GPT-2-style: learned positions, LayerNorm, GELU, tied input/output embeddings; 7.4M parameters.
+# GPT-2-style: learned positions, LayerNorm, GELU, tied input/output embeddings; 5.3M parameters.
 GPT_MODEL_ARGS=(
     --num-layers 4
     --hidden-size 256

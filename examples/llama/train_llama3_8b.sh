@@ -13,7 +13,7 @@
 #   NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE  as in examples/gpt3/ (default: 1 node of 8 GPUs)
 set -euo pipefail
 
-TOKENIZER_MODEL="${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local Llama 3 Hugging Face tokenizer (a directory with tokenizer.json)}"
+TOKENIZER_MODEL="${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local Llama 3 tokenizer (a directory with tokenizer.json)}"
 DATA_PREFIX="${DATA_PREFIX:?set DATA_PREFIX to a corpus preprocessed with that tokenizer (path without .bin/.idx)}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/llama3_8b}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR:-$CHECKPOINT_DIR/tensorboard}"

@@ -2,7 +2,8 @@
 # Multi-node GPT training under SLURM: one `torchrun` per node (srun), which starts one rank per GPU and meets the
 # other nodes through a c10d rendezvous on the first node.
 #
-#   cd megatron-lite && DATA_PREFIX=/data/corpus_text_document VOCAB_FILE=... MERGE_FILE=... sbatch examples/slurm/sbatch_gpt.sh
+#   cd megatron-lite
+#   DATA_PREFIX=/data/corpus_text_document VOCAB_FILE=... MERGE_FILE=... sbatch examples/slurm/sbatch_gpt.sh
 #
 # The model is GPT-3 1.3B (see examples/gpt3/ for the other sizes) with TP=2 inside each node and data parallelism
 # across all of them. The job stops itself, after saving, EXIT_MARGIN_MINS before the time limit below; submit it

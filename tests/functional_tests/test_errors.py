@@ -30,7 +30,8 @@ def test_missing_data_prefix_is_named(tmp_path):
     data_flags = with_flag(builtin_data_flags(), "--data-path", str(missing))
     _fails_with(
         GOLDEN_FLAGS + CPU_FLAGS + data_flags,
-        rf"--data-path: no dataset at {re.escape(str(missing))} .*\.bin and .*\.idx must both exist.*preprocess_data\.py",
+        rf"--data-path: no dataset at {re.escape(str(missing))} "
+        r".*\.bin and .*\.idx must both exist.*preprocess_data\.py",
     )
 
 

@@ -67,7 +67,7 @@ def test_tiny_gpt_reproduces_its_golden_values(golden_run):
     assert_curves_close(_as_curve(observed["learning rate"]), _as_curve(golden["learning rate"]), LR_REL_TOL, what)
     for iteration, expected in _as_curve(golden["grad norm"]).items():
         actual = _as_curve(observed["grad norm"])[iteration]
-        assert abs(actual - expected) <= GRAD_NORM_ABS_TOL, f"grad norm at iteration {iteration}: {actual} vs {expected}"
+        assert abs(actual - expected) <= GRAD_NORM_ABS_TOL, f"grad norm, iteration {iteration}: {actual} vs {expected}"
     assert set(observed["validation lm loss"]) == set(golden["validation lm loss"])
     for where, expected in golden["validation lm loss"].items():
         assert observed["validation lm loss"][where] == pytest.approx(expected, rel=LOSS_REL_TOL), where
