@@ -30,7 +30,8 @@ TIME_LIMIT_MINS=240   # keep equal to --time above
 EXIT_MARGIN_MINS="${EXIT_MARGIN_MINS:-15}"
 
 # Rendezvous on the job's first node; the job id keeps concurrent jobs on shared nodes apart.
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # (no `| head`: SIGPIPE under pipefail)
+MASTER_ADDR="${NODES[0]}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 
