@@ -5,6 +5,7 @@ run, or one with a different data-parallel size, sees the same global sequence o
 shuffle). `MegatronPretrainingRandomSampler` ("cyclic") draws a fresh permutation each epoch, seeded by the epoch.
 """
 
+import signal
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -191,4 +192,14 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=cuda_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_sigterm_in_worker,
     )
+
+
+def ignore_sigterm_in_worker(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to their rank.
+
+    Schedulers and torchrun signal every process of a job; a worker that died of it would take its rank down
+    before the rank's signal handler (``--exit-signal-handler``) could save a checkpoint and exit cleanly.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -149,3 +149,23 @@ def test_data_loader_special_cases_and_errors():
         build_pretraining_data_loader(dataset, 0, dataloader_type="random", micro_batch_size=1)
     with pytest.raises(ValueError, match=r"num_workers must be >= 0, got -1"):
         build_pretraining_data_loader(dataset, 0, micro_batch_size=1, num_workers=-1)
+
+
+class _SigtermDisposition(torch.utils.data.Dataset):
+    """Each sample reports whether SIGTERM is ignored in the process that loads it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import signal
+
+        return torch.tensor(int(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN))
+
+
+def test_loader_workers_ignore_sigterm():
+    """A SIGTERM sent to the whole job must reach the rank's handler, not kill its DataLoader workers."""
+    loader = build_pretraining_data_loader(
+        _SigtermDisposition(), 0, micro_batch_size=2, num_workers=1, data_parallel_rank=0, data_parallel_size=1
+    )
+    assert [batch.tolist() for batch in loader] == [[1, 1], [1, 1]]
