@@ -321,3 +321,41 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
+
+
+# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists).
+_CHECKPOINT_MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "swiglu", "squared_relu",
+    "untie_embeddings_and_output_weights", "normalization", "norm_epsilon", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
+    "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+)
+
+
+def load_args_from_checkpoint(args, load_arg: str = "load"):
+    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments.
+
+    Called before validation, on every rank (each reads the small ``common.pt``). Values the checkpoint lacks keep
+    their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
+    """
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    load_dir = getattr(args, load_arg)
+    found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
+    if found is None:
+        raise CheckpointingException(
+            f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
+            f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
+        )
+    saved = load_common_state_dict(found[0]).get("args")
+    if saved is None:
+        raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
+    for name in _CHECKPOINT_MODEL_ARGS:
+        if hasattr(saved, name):
+            setattr(args, name, getattr(saved, name))
+    return args

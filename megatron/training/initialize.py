@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import cuda_available, set_device_for_rank
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.checkpointing import load_args_from_checkpoint
 from megatron.training.global_vars import get_args, set_global_variables
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     Every check on the flags runs before the first collective, so a bad flag fails fast on every rank alike.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
+    if args.use_checkpoint_args:
+        load_args_from_checkpoint(args)
     validate_args(args, args_defaults)
     set_global_variables(args)  # also the micro-batch calculator, tokenizer, timers and writers
     _initialize_distributed(args)

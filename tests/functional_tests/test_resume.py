@@ -127,3 +127,19 @@ def test_sigterm_saves_a_checkpoint_and_a_resume_continues(equivalence_reference
         resumed.curve(), _after(equivalence_reference.curve(), stopped_at), LOSS_REL_TOL,
         f"resumed after SIGTERM at iteration {stopped_at}\n{resumed.describe()}",
     )
+
+
+def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(golden_run, cpu_data_flags):
+    """--use-checkpoint-args: a resume with other shape flags on its command line still builds the saved model."""
+    flags = with_flag(with_flag(GOLDEN_FLAGS, "--hidden-size", "128"), "--num-layers", "4")
+    resumed = run_pretrain(flags + cpu_data_flags + ["--load", golden_run.checkpoint_dir, "--ckpt-step", "10",
+                                                     "--use-checkpoint-args"])
+    assert "successfully loaded checkpoint" in resumed.output
+    assert resumed.curve() == _after(golden_run.result.curve(), 10), resumed.describe()
+
+
+def test_use_checkpoint_args_without_a_checkpoint_names_the_directory(cpu_data_flags, tmp_path):
+    result = run_pretrain(GOLDEN_FLAGS + cpu_data_flags + ["--load", str(tmp_path / "none"), "--use-checkpoint-args"],
+                          expect_success=False)
+    assert result.returncode != 0
+    assert f"--use-checkpoint-args: no checkpoint to take the arguments from in {tmp_path / 'none'}" in result.output
