@@ -68,3 +68,19 @@ class MegatronTokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class DictVocabTokenizer(MegatronTokenizer):
+    """A tokenizer that keeps its vocabulary as the dicts `self._vocab` (token -> id) and `self._inv_vocab`."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict:
+        return self._inv_vocab

@@ -2,9 +2,9 @@
 
 import json
 import os
-from typing import Dict, List
+from typing import List
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.base import DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 END_OF_TEXT = "<|endoftext|>"
@@ -18,7 +18,7 @@ def _require_file(path, flag: str) -> str:
     return str(path)
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(DictVocabTokenizer):
     """GPT-2's tokenizer: byte-level BPE with GPT-2's pre-tokenization regex and no prefix space.
 
     Implemented with the `tokenizers` library. As in GPT-2 and Megatron-LM, `<|endoftext|>` written in the input
@@ -56,18 +56,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: List[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     @property
     def eod(self) -> int:

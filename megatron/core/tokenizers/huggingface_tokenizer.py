@@ -11,7 +11,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from megatron.core.tokenizers.base import UNDEFINED_TOKEN_ID, MegatronTokenizer
+from megatron.core.tokenizers.base import UNDEFINED_TOKEN_ID, DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 _CONVENTIONAL_NAMES = {
@@ -62,7 +62,7 @@ def _configured_special_tokens(directory: str) -> Dict[str, str]:
     return found
 
 
-class HuggingFaceTokenizer(MegatronTokenizer):
+class HuggingFaceTokenizer(DictVocabTokenizer):
     """A Hugging Face fast tokenizer, run by the `tokenizers` library.
 
     `tokenize` applies the tokenizer's post-processor (e.g. Llama's BOS), as `transformers`' `tokenizer(text)`
@@ -101,14 +101,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     @property
     def eod(self) -> int:

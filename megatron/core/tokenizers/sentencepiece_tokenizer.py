@@ -4,7 +4,7 @@ import os
 import re
 from typing import Dict, List
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.base import DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 
@@ -27,7 +27,7 @@ def _piece_or(processor, piece_id: int, fallback: str) -> str:
     return fallback
 
 
-class _SentencePieceBase(MegatronTokenizer):
+class _SentencePieceBase(DictVocabTokenizer):
     """A SentencePiece model with its pieces as the vocabulary."""
 
     def __init__(self, model_file, tokenizer_type: str, **options):
@@ -41,18 +41,6 @@ class _SentencePieceBase(MegatronTokenizer):
 
     def detokenize(self, ids: List[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     @property
     def pad(self) -> int:

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from megatron.core.tokenizers.base import UNDEFINED_TOKEN_ID, MegatronTokenizer
+from megatron.core.tokenizers.base import UNDEFINED_TOKEN_ID, DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 # `--tiktoken-pattern v1` and `v2`: the pre-tokenization regexes Megatron-LM names so.
@@ -87,7 +87,7 @@ def _b64(text, path: str, where: str) -> bytes:
         raise ValueError(f"--tokenizer-model {path}: {where}: token bytes are not valid base64") from None
 
 
-class TikTokenizer(MegatronTokenizer):
+class TikTokenizer(DictVocabTokenizer):
     """A tiktoken BPE with Megatron-LM's special-token layout (see the module docstring)."""
 
     def __init__(
@@ -151,10 +151,6 @@ class TikTokenizer(MegatronTokenizer):
     def vocab(self) -> Dict:
         """Special token text (str) or BPE token bytes (bytes) -> id."""
         return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict:
-        return self._inv_vocab
 
     @property
     def bos(self) -> int:
