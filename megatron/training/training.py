@@ -395,34 +395,35 @@ def _install_exit_signal_handler(args) -> Optional[DistributedSignalHandler]:
 
 
 def _should_exit(iteration, model, optimizer, opt_param_scheduler, signal_handler) -> bool:
-    """Save on the interval; stop (after saving) on a signal, --exit-interval or --exit-duration-in-mins."""
+    """Save on the interval; stop (after saving, once) on a signal, --exit-interval or --exit-duration-in-mins."""
     args = get_args()
-    flops = args.num_floating_point_operations_so_far
+    saved_on_interval = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+    if saved_on_interval:
+        checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                                      args.num_floating_point_operations_so_far)
+    reason = _exit_reason(iteration, signal_handler)
+    if reason is None:
+        return False
+    if args.save and not saved_on_interval:
+        checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                                      args.num_floating_point_operations_so_far)
+    print_rank_0(f"exiting program {reason}")
+    return True
 
-    def save():
-        checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
 
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        save()
+def _exit_reason(iteration, signal_handler) -> Optional[str]:
+    """Why the job should stop after this iteration, or None (every check is the same on every rank)."""
+    args = get_args()
     if signal_handler is not None and any(signal_handler.signals_received()):
-        if args.save and iteration % (args.save_interval or iteration + 1) != 0:
-            save()
-        print_rank_0(f"exiting program after receiving a termination signal at iteration {iteration}")
-        return True
+        return f"after receiving a termination signal at iteration {iteration}"
     if args.exit_duration_in_mins:
         elapsed_mins = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=get_current_device())
         dist.all_reduce(elapsed_mins, op=dist.ReduceOp.MAX)
         if elapsed_mins.item() > args.exit_duration_in_mins:
-            if args.save and iteration % (args.save_interval or iteration + 1) != 0:
-                save()
-            print_rank_0(f"exiting program after {elapsed_mins.item():.1f} minutes")
-            return True
+            return f"after {elapsed_mins.item():.1f} minutes"
     if args.exit_interval and iteration % args.exit_interval == 0:
-        if args.save and iteration % (args.save_interval or iteration + 1) != 0:
-            save()
-        print_rank_0(f"exiting program at iteration {iteration}")
-        return True
-    return False
+        return f"at iteration {iteration}"
+    return None
 
 
 # ---- logging ---------------------------------------------------------------------------------------------------
