@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -133,11 +134,9 @@ def main():
         loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        # Gradients of parameters marked sequence_parallel (norms under SP) are partial per TP rank: sum them.
-        if args.tp > 1:
-            for param in model.parameters():
-                if getattr(param, "sequence_parallel", False):
-                    dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+        # Sums the gradients that are partial per TP rank (norms under sequence parallelism, q/k norms) and keeps
+        # tied embeddings in sync; data-parallel averaging is done by hand here (DDP would do it in buckets).
+        finalize_model_grads([model])
         average_gradients_over_data_parallel(model)
         optimizer.step()
         if (step + 1) % args.log_interval == 0 or step == 0:
