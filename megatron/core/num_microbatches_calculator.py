@@ -5,11 +5,13 @@ One process-wide calculator is set up by :func:`init_num_microbatches_calculator
 samples]`` the global batch size starts at ``start`` and grows by ``increment`` evenly over the first ``samples``
 consumed samples until it reaches ``global_batch_size``. Each global batch must be a whole number of
 ``micro_batch_size x data_parallel_size`` slices, unless ``decrease_batch_size_if_needed`` rounds it down.
+With ``step_batch_size_schedule = "0:768 250B:1536"`` it is 768 until 250e9 tokens (``seq_length`` given) or
+samples have been consumed, then 1536.
 """
 
 import logging
 from abc import ABC, abstractmethod
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -57,37 +59,48 @@ destroy_num_microbatches_calculator = unset_num_microbatches_calculator
 
 def init_num_microbatches_calculator(
     rank: int,
-    rampup_batch_size: Optional[List[int]],
-    global_batch_size: int,
-    micro_batch_size: int,
-    data_parallel_size: int,
+    rampup_batch_size: Optional[List[int]] = None,
+    global_batch_size: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    data_parallel_size: Optional[int] = None,
     decrease_batch_size_if_needed: bool = False,
+    step_batch_size_schedule: Optional[str] = None,
+    seq_length: Optional[int] = None,
 ) -> None:
-    """Create the process-wide calculator; raises if one exists (see reconfigure_num_microbatches_calculator)."""
+    """Create the process-wide calculator; raises if one exists (see reconfigure_num_microbatches_calculator).
+
+    The global batch size is constant (``global_batch_size``), ramped up (``rampup_batch_size``) or follows
+    ``step_batch_size_schedule`` (see :class:`StepBatchsizeNumMicroBatchesCalculator`; ``seq_length`` makes its
+    thresholds count tokens instead of samples).
+    """
     _configure_global_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, init=True,
+        decrease_batch_size_if_needed, init=True, step_batch_size_schedule=step_batch_size_schedule,
+        seq_length=seq_length,
     )
 
 
 def reconfigure_num_microbatches_calculator(
     rank: int,
-    rampup_batch_size: Optional[List[int]],
-    global_batch_size: int,
-    micro_batch_size: int,
-    data_parallel_size: int,
+    rampup_batch_size: Optional[List[int]] = None,
+    global_batch_size: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    data_parallel_size: Optional[int] = None,
     decrease_batch_size_if_needed: bool = False,
+    step_batch_size_schedule: Optional[str] = None,
+    seq_length: Optional[int] = None,
 ) -> None:
     """Replace the process-wide calculator (e.g. for evaluation with another batch size)."""
     _configure_global_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, init=False,
+        decrease_batch_size_if_needed, init=False, step_batch_size_schedule=step_batch_size_schedule,
+        seq_length=seq_length,
     )
 
 
 def _configure_global_num_microbatches_calculator(
     rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-    decrease_batch_size_if_needed=False, init=False,
+    decrease_batch_size_if_needed=False, init=False, step_batch_size_schedule=None, seq_length=None,
 ) -> None:
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     if init and _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
@@ -97,13 +110,30 @@ def _configure_global_num_microbatches_calculator(
         )
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed,
+        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length,
     )
 
 
 def _build_num_microbatches_calculator(
-    rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
+    rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed,
+    step_batch_size_schedule=None, seq_length=None,
 ) -> "NumMicroBatchesCalculator":
+    if step_batch_size_schedule is not None:
+        if rampup_batch_size is not None:
+            raise ValueError(
+                f"rampup_batch_size={rampup_batch_size!r} and step_batch_size_schedule={step_batch_size_schedule!r} "
+                "are both set; give one batch-size schedule"
+            )
+        calculator = StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank, step_batch_size_schedule,
+            seq_length,
+        )
+        if global_batch_size is not None and rank == 0:
+            logger.info("step batch size schedule %r replaces global batch size %d", step_batch_size_schedule,
+                        global_batch_size)
+        return calculator
+    if global_batch_size is None:
+        raise ValueError("global_batch_size is None; set it (or give step_batch_size_schedule)")
     if rampup_batch_size is None:
         calculator = ConstantNumMicroBatchesCalculator(
             global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
@@ -254,16 +284,99 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         else:
             increments = int(consumed_samples / self.rampup_samples_per_increment)
             current = self.start_global_batch_size + increments * self.batch_size_increment
-        if self.decrease_batch_size_if_needed or consistency_check:
-            running = _running_batch_size(
-                current, self.micro_batch_times_data_parallel_size, self.decrease_batch_size_if_needed,
-                self.micro_batch_size, self.data_parallel_size,
+        _set_current_batch_size(self, current, consistency_check, verbose)
+
+
+def _set_current_batch_size(calculator, current: int, consistency_check: bool, verbose: bool) -> None:
+    """Make ``current`` a scheduled calculator's global batch size: what it runs (rounded down to whole
+    ``micro_batch_size x data_parallel_size`` slices when ``decrease_batch_size_if_needed``; checked to be whole
+    when ``consistency_check``) and how many micro-batches that is."""
+    slice_size = calculator.micro_batch_times_data_parallel_size
+    if calculator.decrease_batch_size_if_needed or consistency_check:
+        running = _running_batch_size(
+            current, slice_size, calculator.decrease_batch_size_if_needed, calculator.micro_batch_size,
+            calculator.data_parallel_size,
+        )
+    else:
+        running = current
+    previous = calculator.current_global_batch_size
+    calculator.current_global_batch_size = current
+    calculator.current_running_global_batch_size = running
+    calculator.num_micro_batches = max(running // slice_size, 1)
+    if verbose and calculator.rank == 0 and previous is not None and previous != current:
+        logger.info("changing global batch size from %d to %d", previous, current)
+
+
+# Threshold suffixes of a step batch-size schedule ("250B" = 250e9 tokens or samples).
+_SCHEDULE_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _parse_threshold(text: str, schedule: str) -> int:
+    multiplier = _SCHEDULE_SUFFIXES.get(text[-1:].upper(), 1)
+    number = text[:-1] if multiplier != 1 else text
+    try:
+        value = float(number) * multiplier
+    except ValueError:
+        value = -1.0
+    if value < 0 or value != int(value):
+        raise ValueError(
+            f"step batch size schedule {schedule!r}: threshold {text!r} is not a whole non-negative number "
+            "(digits with an optional K/M/B/T suffix)"
+        )
+    return int(value)
+
+
+def parse_step_batch_size_schedule(schedule: str) -> List[Tuple[int, int]]:
+    """``"0:768 250B:1536"`` -> ``[(0, 768), (250_000_000_000, 1536)]``: (threshold, global batch size) pairs,
+    thresholds starting at 0 and strictly increasing."""
+    steps = []
+    for item in schedule.split():
+        threshold, sep, batch_size = item.partition(":")
+        if not sep or not batch_size.isdigit() or int(batch_size) <= 0:
+            raise ValueError(
+                f"step batch size schedule {schedule!r}: {item!r} is not THRESHOLD:BATCH_SIZE with a positive "
+                "batch size (e.g. '0:768 250B:1536')"
             )
-        else:
-            running = current
-        previous = self.current_global_batch_size
-        self.current_global_batch_size = current
-        self.current_running_global_batch_size = running
-        self.num_micro_batches = max(running // self.micro_batch_times_data_parallel_size, 1)
-        if verbose and self.rank == 0 and previous is not None and previous != current:
-            logger.info("ramping up batch size from %d to %d", previous, current)
+        steps.append((_parse_threshold(threshold, schedule), int(batch_size)))
+    if not steps or steps[0][0] != 0:
+        raise ValueError(
+            f"step batch size schedule {schedule!r} must start at threshold 0 (e.g. '0:768 250B:1536'), so that "
+            "the first batch size is defined"
+        )
+    thresholds = [threshold for threshold, _ in steps]
+    if any(later <= earlier for earlier, later in zip(thresholds, thresholds[1:])):
+        raise ValueError(f"step batch size schedule {schedule!r}: thresholds must be strictly increasing")
+    return steps
+
+
+class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
+    """A global batch size that changes in steps: ``schedule`` is ``"THRESHOLD:BATCH_SIZE ..."`` (thresholds with
+    optional K/M/B/T suffixes, the first one 0). Past each threshold of consumed tokens (``seq_length`` given:
+    consumed samples x seq_length) or consumed samples, the global batch size is that entry's.
+
+    An entry's divisibility by ``micro_batch_size x data_parallel_size`` is checked when training reaches it (a
+    resumed job may run on more ranks than an early entry fits).
+    """
+
+    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool,
+                 rank: int, schedule: str, seq_length: Optional[int] = None):
+        super().__init__()
+        _check_positive(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size)
+        if seq_length is not None:
+            _check_positive(seq_length=seq_length)
+        self.rank = rank
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_size = data_parallel_size
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.decrease_batch_size_if_needed = decrease_batch_size_if_needed
+        self.schedule = parse_step_batch_size_schedule(schedule)
+        self.seq_length = seq_length
+        if rank == 0:
+            unit = "tokens" if seq_length is not None else "samples"
+            logger.info("global batch size follows the step schedule %s (thresholds in %s)", self.schedule, unit)
+        self.update(0, consistency_check=False)
+
+    def update(self, consumed_samples: int, consistency_check: bool, verbose: bool = False) -> None:
+        position = consumed_samples * self.seq_length if self.seq_length is not None else consumed_samples
+        current = next(batch for threshold, batch in reversed(self.schedule) if threshold <= position)
+        _set_current_batch_size(self, current, consistency_check, verbose)

@@ -2,11 +2,18 @@
 
 ``set_global_variables(args)`` (called by ``initialize_megatron`` after ``validate_args``) sets the arguments,
 the micro-batch calculator, the tokenizer (which also pads the vocabulary: ``args.padded_vocab_size``), the
-TensorBoard and W&B writers (on the last rank, when asked for) and the timers. The getters return them;
-``unset_global_variables`` forgets them all (tests, or a second run in one process).
+TensorBoard and W&B writers (on the last rank, when asked for), the timers, the exit signal handler
+(``--exit-signal-handler``) and ADLR autoresume (``--adlr-autoresume``). The getters return them;
+``unset_global_variables`` forgets them all (tests, or a second run in one process) and ``destroy_global_vars``
+also closes the writers and puts the original signal handler back.
+
+Two of Megatron's globals belong to NVIDIA services that are not part of this project: the one-logger telemetry
+client and the NVML energy monitor (``--log-energy``). Their getters exist and return None, which is what
+Megatron's return when the service is not configured.
 """
 
 import os
+import signal
 import warnings
 
 from megatron.core.num_microbatches_calculator import (
@@ -17,11 +24,13 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.tokenizers import build_tokenizer
+from megatron.training.dist_signal_handler import DistributedSignalHandler
 from megatron.training.timers import Timers
 
 __all__ = [
     "get_args", "get_tokenizer", "get_tensorboard_writer", "get_wandb_writer", "get_timers", "set_args",
-    "set_global_variables", "unset_global_variables",
+    "set_global_variables", "unset_global_variables", "destroy_global_vars", "rebuild_tokenizer",
+    "get_signal_handler", "get_adlr_autoresume", "get_one_logger", "get_energy_monitor",
     # Megatron-LM's training code imports the micro-batch getters from here too.
     "get_num_microbatches", "get_current_global_batch_size", "update_num_microbatches",
 ]
@@ -31,6 +40,8 @@ _GLOBAL_TOKENIZER = None
 _GLOBAL_TENSORBOARD_WRITER = None
 _GLOBAL_WANDB_WRITER = None
 _GLOBAL_TIMERS = None
+_GLOBAL_SIGNAL_HANDLER = None
+_GLOBAL_ADLR_AUTORESUME = None
 
 
 def _ensure_initialized(value, name: str):
@@ -64,38 +75,83 @@ def get_timers():
     return _ensure_initialized(_GLOBAL_TIMERS, "timers")
 
 
+def get_signal_handler():
+    """The ``DistributedSignalHandler`` catching ``--exit-signal`` (with ``--exit-signal-handler``); else None."""
+    return _GLOBAL_SIGNAL_HANDLER
+
+
+def get_adlr_autoresume():
+    """The cluster's ``AutoResume`` object (``--adlr-autoresume``, when ``userlib.auto_resume`` exists); else None."""
+    return _GLOBAL_ADLR_AUTORESUME
+
+
+def get_one_logger():
+    """Always None: NVIDIA's one-logger telemetry is not part of this project (Megatron's is None without it)."""
+    return None
+
+
+def get_energy_monitor():
+    """Always None: the NVML energy monitor (``--log-energy``) is not part of this project."""
+    return None
+
+
+def rebuild_tokenizer(args):
+    """Build the tokenizer again from ``args`` (e.g. after its flags changed) and make it the run's tokenizer."""
+    return _build_tokenizer(args)
+
+
 def set_args(args) -> None:
     global _GLOBAL_ARGS
     _GLOBAL_ARGS = args
 
 
 def set_global_variables(args, build_tokenizer: bool = True) -> None:
-    """Set every global from validated ``args``; raises if they are already set (``unset_global_variables`` first)."""
+    """Set every global from validated ``args``; raises if they are already set (``unset_global_variables`` first).
+
+    The arguments alone may already be set (``parse_and_validate_args`` does that); the other globals may not.
+    """
     if args is None:
         raise ValueError("set_global_variables needs the validated arguments, got None")
-    if _GLOBAL_ARGS is not None:
+    if _GLOBAL_TIMERS is not None or (_GLOBAL_ARGS is not None and _GLOBAL_ARGS is not args):
         raise RuntimeError("global variables are already set; call unset_global_variables() first")
     set_args(args)
+    step_batch_size_schedule = getattr(args, "step_batch_size_schedule", None)
     init_num_microbatches_calculator(
         args.rank,
-        args.rampup_batch_size,
-        args.global_batch_size,
-        args.micro_batch_size,
-        args.data_parallel_size,
-        args.decrease_batch_size_if_needed,
+        rampup_batch_size=args.rampup_batch_size,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=args.data_parallel_size,
+        decrease_batch_size_if_needed=args.decrease_batch_size_if_needed,
+        step_batch_size_schedule=step_batch_size_schedule,
+        # Megatron counts the schedule's thresholds in tokens when the sequence length is known.
+        seq_length=args.seq_length if step_batch_size_schedule is not None else None,
     )
     if build_tokenizer:
         _build_tokenizer(args)
     _set_tensorboard_writer(args)
     _set_wandb_writer(args)
+    _set_adlr_autoresume(args)
     _set_timers(args)
+    _set_signal_handler(args)
 
 
 def unset_global_variables() -> None:
     """Forget every global, the micro-batch calculator included."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER, _GLOBAL_TIMERS
+    global _GLOBAL_SIGNAL_HANDLER, _GLOBAL_ADLR_AUTORESUME
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = _GLOBAL_TIMERS = None
+    _GLOBAL_SIGNAL_HANDLER = _GLOBAL_ADLR_AUTORESUME = None
     unset_num_microbatches_calculator()
+
+
+def destroy_global_vars() -> None:
+    """End of a run: flush and close the TensorBoard writer, restore the signal's previous handler, forget all."""
+    if _GLOBAL_TENSORBOARD_WRITER is not None:
+        _GLOBAL_TENSORBOARD_WRITER.close()
+    if _GLOBAL_SIGNAL_HANDLER is not None:
+        _GLOBAL_SIGNAL_HANDLER.release()
+    unset_global_variables()
 
 
 def _build_tokenizer(args):
@@ -143,6 +199,28 @@ def _set_wandb_writer(args) -> None:
         init_kwargs["entity"] = args.wandb_entity
     wandb.init(**init_kwargs)
     _GLOBAL_WANDB_WRITER = wandb
+
+
+def _set_adlr_autoresume(args) -> None:
+    """ADLR autoresume lives in NVIDIA's cluster library ``userlib``; elsewhere the flag has no effect (one warning)."""
+    global _GLOBAL_ADLR_AUTORESUME
+    if not getattr(args, "adlr_autoresume", False):
+        return
+    try:
+        from userlib.auto_resume import AutoResume
+    except ImportError:
+        warnings.warn("--adlr-autoresume: userlib.auto_resume (NVIDIA's cluster library) is not installed; "
+                      "the flag has no effect")
+        return
+    _GLOBAL_ADLR_AUTORESUME = AutoResume
+
+
+def _set_signal_handler(args) -> None:
+    """With --exit-signal-handler, catch the exit signal from start-up on, as Megatron-LM does: a signal that arrives
+    while the job still builds its model and data is honoured at the first iteration boundary."""
+    global _GLOBAL_SIGNAL_HANDLER
+    if args.exit_signal_handler:
+        _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM)).__enter__()
 
 
 def _set_timers(args) -> None:

@@ -1,4 +1,4 @@
-"""Constant and ramp-up global batch sizes, the module-level getters, and bad settings."""
+"""Constant, ramp-up and step global batch sizes, the module-level getters, and bad settings."""
 
 import pytest
 
@@ -93,3 +93,78 @@ def test_bad_settings_are_rejected(args, message):
 def test_getters_need_a_calculator():
     with pytest.raises(RuntimeError, match="not initialized; call init_num_microbatches_calculator"):
         mb.get_num_microbatches()
+
+
+def test_init_takes_megatrons_keyword_defaults():
+    # Megatron's order: rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, ...
+    mb.init_num_microbatches_calculator(0, None, 32, 8, 2, False)
+    assert mb.get_num_microbatches() == 2
+    with pytest.raises(ValueError, match="global_batch_size is None"):
+        mb.reconfigure_num_microbatches_calculator(0, micro_batch_size=2, data_parallel_size=2)
+
+
+def test_step_schedule_in_samples_follows_every_threshold():
+    mb.init_num_microbatches_calculator(
+        0, micro_batch_size=2, data_parallel_size=2, step_batch_size_schedule="0:4 100:8 1K:16"
+    )
+    seen = {}
+    for consumed in (0, 99, 100, 999, 1000, 10**6):
+        mb.update_num_microbatches(consumed, consistency_check=True)
+        seen[consumed] = (mb.get_current_global_batch_size(), mb.get_num_microbatches())
+    assert seen == {0: (4, 1), 99: (4, 1), 100: (8, 2), 999: (8, 2), 1000: (16, 4), 10**6: (16, 4)}
+
+
+def test_step_schedule_counts_tokens_with_seq_length():
+    # 1.5K tokens at seq_length 10 is 150 samples; 2B tokens is 200M samples.
+    mb.init_num_microbatches_calculator(
+        0, micro_batch_size=1, data_parallel_size=2, step_batch_size_schedule="0:2 1.5K:6 2B:10", seq_length=10
+    )
+    for consumed, expected in ((149, 2), (150, 6), (199_999_999, 6), (200_000_000, 10)):
+        mb.update_num_microbatches(consumed)
+        assert mb.get_current_global_batch_size() == expected, consumed
+
+
+def test_step_schedule_checks_divisibility_when_an_entry_is_reached():
+    # 6 does not split into micro 2 x dp 2 slices; it is only refused once training reaches it.
+    mb.init_num_microbatches_calculator(
+        0, micro_batch_size=2, data_parallel_size=2, step_batch_size_schedule="0:4 100:6"
+    )
+    mb.update_num_microbatches(50)
+    with pytest.raises(ValueError, match=r"global batch size \(6\) is not divisible"):
+        mb.update_num_microbatches(100, consistency_check=True)
+    mb.reconfigure_num_microbatches_calculator(
+        0, micro_batch_size=2, data_parallel_size=2, decrease_batch_size_if_needed=True,
+        step_batch_size_schedule="0:4 100:6",
+    )
+    mb.update_num_microbatches(100)
+    assert (mb.get_current_global_batch_size(), mb.get_current_running_global_batch_size()) == (6, 4)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("10:4 100:8", "must start at threshold 0"),
+        ("0:4 100:8 50:16", "thresholds must be strictly increasing"),
+        ("0:4 100", r"'100' is not THRESHOLD:BATCH_SIZE"),
+        ("0:4 1X:8", r"threshold '1X' is not a whole non-negative number"),
+        ("0:0", "with a positive batch size"),
+        ("", "must start at threshold 0"),
+    ],
+)
+def test_bad_step_schedules_are_rejected(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        mb.init_num_microbatches_calculator(0, micro_batch_size=1, data_parallel_size=1,
+                                            step_batch_size_schedule=schedule)
+
+
+def test_step_schedule_and_rampup_are_exclusive():
+    with pytest.raises(ValueError, match="are both set; give one batch-size schedule"):
+        mb.init_num_microbatches_calculator(0, [4, 4, 100], 8, 1, 1, step_batch_size_schedule="0:4")
+
+
+def test_step_calculator_class_directly():
+    calculator = mb.StepBatchsizeNumMicroBatchesCalculator(2, 1, False, 0, "0:2 10:4")
+    calculator.update(10, consistency_check=True, verbose=True)
+    assert (calculator.get(), calculator.get_current_global_batch_size(), calculator.get_micro_batch_size()) == (
+        2, 4, 2
+    )
