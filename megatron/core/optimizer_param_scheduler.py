@@ -16,17 +16,70 @@ Learning rate at step n (W = warm-up steps, D = decay steps; per-group ``max_lr`
 
 Weight decay: ``end_wd`` past the increment steps; else ``start_wd + coeff * (end_wd - start_wd)`` with coeff = r
 (linear) or ``(cos(pi (1 - r)) + 1) / 2`` (cosine), r = n / wd_incr_steps; ``constant`` needs start == end.
-Each group gets ``lr * lr_mult`` and ``wd * wd_mult``.
+Each group gets ``lr * lr_mult`` and ``wd * wd_mult``; a group's own ``max_lr`` / ``min_lr`` / ``start_wd`` /
+``end_wd`` (a :class:`ParamGroupOverride`) replace the scheduler's for that group.
 """
 
 import logging
 import math
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple, TypedDict
 
 from megatron.core.utils import print_rank_0
 
 logger = logging.getLogger(__name__)
 
+
+class ParamGroupOverride(TypedDict, total=False):
+    """Values a parameter group sets for itself instead of the scheduler's (or the optimizer's) defaults.
+
+    The scheduler reads ``max_lr``, ``min_lr``, ``start_wd``, ``end_wd`` and ``wd_mult`` from each group; any other
+    key (e.g. ``eps``, ``lr_mult``) becomes a key of the torch optimizer's param group.
+    Example: ``ParamGroupOverride(min_lr=1e-4, wd_mult=0.0)``.
+    """
+
+    max_lr: float
+    min_lr: float
+    start_wd: float
+    end_wd: float
+    wd_mult: float
+
+
+def param_group_override_to_tuple(
+    param_group_override: Optional[ParamGroupOverride],
+) -> Optional[Tuple[Tuple[str, Any], ...]]:
+    """The override as a hashable, order-independent key: its items sorted by name (None stays None)."""
+    if param_group_override is None:
+        return None
+    return tuple(sorted(param_group_override.items()))
+
+
+def combine_param_group_overrides(
+    param_group_overrides: List[Optional[ParamGroupOverride]],
+) -> ParamGroupOverride:
+    """Merge the overrides of every ParamKey a parameter matches; two that set one key to different values
+    contradict each other and are refused."""
+    combined: ParamGroupOverride = {}
+    for override in param_group_overrides:
+        for key, value in (override or {}).items():
+            if key in combined and combined[key] != value:
+                raise ValueError(
+                    f"conflicting parameter-group overrides: {key}={combined[key]!r} and {key}={value!r} both match "
+                    "one parameter; make the ParamKeys disjoint or give them the same value"
+                )
+            combined[key] = value
+    return combined
+
+
+def get_canonical_lr_for_logging(param_groups: List[dict]) -> Optional[float]:
+    """The learning rate to log: that of the first group on the default schedule (``default_config``), None if
+    every group overrides its schedule."""
+    for group in param_groups:
+        if group.get("default_config", False):
+            return group.get("lr")
+    return None
+
+# Attributes counted in steps (samples in Megatron-LM), reported in iterations for iteration-based runs.
+_STEP_COUNTS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -73,6 +126,9 @@ class OptimizerParamScheduler:
         self.wd_incr_style = wd_incr_style
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        # Where the constructor's values came from, for resume-mismatch messages (see set_command_line_sources).
+        self._command_line_flags: Dict[str, str] = {}
+        self._samples_per_iteration: Optional[int] = None
         self._validate()
         self.step(0)
         print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
@@ -128,16 +184,20 @@ class OptimizerParamScheduler:
                 "both set; choose one"
             )
 
-    def get_wd(self) -> float:
-        """Weight decay at the current step."""
+    def get_wd(self, param_group: Optional[dict] = None) -> float:
+        """Weight decay at the current step (before the group's ``wd_mult``); ``param_group`` may override
+        ``start_wd`` / ``end_wd``."""
+        group = param_group or {}
+        start_wd = group.get("start_wd", self.start_wd)
+        end_wd = group.get("end_wd", self.end_wd)
         if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
-            return self.end_wd
+            return end_wd
         ratio = float(self.num_steps) / float(self.wd_incr_steps)
         if self.wd_incr_style == "linear":
             coeff = ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
-        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+        return start_wd + coeff * (end_wd - start_wd)
 
     def get_lr(self, param_group: Dict) -> float:
         """Learning rate of ``param_group`` at the current step (before its ``lr_mult``)."""
@@ -177,10 +237,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int) -> None:
         """Advance by ``increment`` steps and set every group's ``lr`` and ``weight_decay``."""
         self.num_steps += increment
-        new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> Dict:
         return {
@@ -196,17 +255,45 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
         }
 
-    def _check_and_set(self, cls_value, sd_value, name: str):
-        """Which of the constructor's and the checkpoint's value to use (see the class docstring)."""
+    def set_command_line_sources(self, flags: Dict[str, str], samples_per_iteration: Optional[int] = None) -> None:
+        """Name where the constructor's values came from, so that a resume mismatch speaks the user's terms.
+
+        ``flags`` maps an attribute (``lr_warmup_steps``, ``lr_decay_steps``, ``wd_incr_steps``, ``max_lr``, ...)
+        to the command-line flag that set it. ``samples_per_iteration`` (the global batch size of an
+        iteration-based run, whose step counts are iterations x global batch size) reports step counts in
+        iterations; without it a trainer's step counts are samples.
+        """
+        self._command_line_flags = dict(flags)
+        self._samples_per_iteration = samples_per_iteration
+
+    def _describe(self, value, attribute: str) -> str:
+        """``value`` of ``attribute`` in the units the user gave it."""
+        if attribute not in _STEP_COUNTS:
+            return repr(value)
+        if self._samples_per_iteration:
+            iterations = value / self._samples_per_iteration
+            return f"{int(iterations) if iterations == int(iterations) else iterations:g} iterations"
+        return f"{value} {'samples' if self._command_line_flags else 'steps'}"
+
+    def _mismatch_message(self, name: str, attribute: str, cls_value, sd_value) -> str:
+        flag = self._command_line_flags.get(attribute)
+        source = f"the command line ({flag})" if flag else f"this scheduler's {attribute} argument"
+        return (
+            f"OptimizerParamScheduler: {name} do not match: the checkpoint has {self._describe(sd_value, attribute)}, "
+            f"{source} asks for {self._describe(cls_value, attribute)}. Pass --override-opt-param-scheduler "
+            "(override_opt_param_scheduler=True) to train with the new value, or "
+            "--use-checkpoint-opt_param-scheduler (use_checkpoint_opt_param_scheduler=True) to keep the "
+            "checkpoint's schedule."
+        )
+
+    def _check_and_set(self, cls_value, sd_value, name: str, attribute: str):
+        """Which of the constructor's and the checkpoint's value of ``attribute`` to use (see the class
+        docstring)."""
         if self.override_opt_param_scheduler:
             print_rank_0(f" > overriding {name} value to {cls_value}")
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
-                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} for {name} "
-                "do not match; set use_checkpoint_opt_param_scheduler (take the checkpoint's) or "
-                "override_opt_param_scheduler (take the new one)"
-            )
+            raise ValueError(self._mismatch_message(name, attribute, cls_value, sd_value))
         print_rank_0(f" > using checkpoint value {sd_value} for {name}")
         return sd_value
 
@@ -219,26 +306,19 @@ class OptimizerParamScheduler:
                     return state_dict[key]
             raise KeyError(f"OptimizerParamScheduler state dict has none of {list(keys)}; it has {sorted(state_dict)}")
 
-        self.max_lr = self._check_and_set(self.max_lr, pick("start_lr", "max_lr"), "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, pick("min_lr"), "minimum learning rate")
-        self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, pick("warmup_iter", "warmup_steps", "lr_warmup_steps"), "warmup iterations"
-        )
-        self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, pick("end_iter", "decay_steps", "lr_decay_steps"), "total number of iterations"
-        )
-        self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, pick("decay_style", "lr_decay_style"), "learning rate decay style"
-        )
+        def check_and_set(attribute, name, *keys):
+            setattr(self, attribute, self._check_and_set(getattr(self, attribute), pick(*keys), name, attribute))
+
+        check_and_set("max_lr", "learning rate", "start_lr", "max_lr")
+        check_and_set("min_lr", "minimum learning rate", "min_lr")
+        check_and_set("lr_warmup_steps", "warmup iterations", "warmup_iter", "warmup_steps", "lr_warmup_steps")
+        check_and_set("lr_decay_steps", "total number of iterations", "end_iter", "decay_steps", "lr_decay_steps")
+        check_and_set("lr_decay_style", "learning rate decay style", "decay_style", "lr_decay_style")
         if "start_wd" in state_dict:
-            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
-            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
-            self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations"
-            )
-            self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
-            )
+            check_and_set("start_wd", "start weight decay", "start_wd")
+            check_and_set("end_wd", "end weight decay", "end_wd")
+            check_and_set("wd_incr_steps", "total number of weight decay iterations", "wd_incr_steps")
+            check_and_set("wd_incr_style", "weight decay incr style", "wd_incr_style")
         # The position always comes from the checkpoint (the point of resuming).
         self.num_steps = 0
         self.step(increment=pick("num_iters", "num_steps"))

@@ -105,8 +105,8 @@ def get_model(model_provider_func: Callable, model_type=ModelType.encoder_or_dec
             model = []
             for vp_stage in range(vpp):
                 chunk = model_provider_func(
-                    pre_process=parallel_state.is_pipeline_first_stage(vp_stage=vp_stage),
-                    post_process=parallel_state.is_pipeline_last_stage(vp_stage=vp_stage),
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                     vp_stage=vp_stage,
                 )
                 chunk.model_type = model_type
@@ -159,6 +159,7 @@ def get_model(model_provider_func: Callable, model_type=ModelType.encoder_or_dec
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     """LR and weight-decay schedule in samples (Megatron's units), from --train-iters or --train-samples."""
     args = get_args()
+    unit = "iters" if args.train_iters else "samples"
     if args.train_iters:
         lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
@@ -175,7 +176,15 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
             lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
         else:
             lr_warmup_steps = args.lr_warmup_samples
-    return OptimizerParamScheduler(
+    # Which flag set each value, so that a resume mismatch names it (in iterations for an iteration-based run).
+    flags = {
+        "max_lr": "--lr", "min_lr": "--min-lr", "lr_decay_style": "--lr-decay-style",
+        "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+        "wd_incr_style": "--weight-decay-incr-style", "wd_incr_steps": f"--train-{unit}",
+        "lr_decay_steps": f"--lr-decay-{unit}" if getattr(args, f"lr_decay_{unit}") else f"--train-{unit}",
+        "lr_warmup_steps": "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
+    }
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
@@ -192,6 +201,8 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
         wsd_decay_steps=wsd_decay_steps,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
+    scheduler.set_command_line_sources(flags, args.global_batch_size if args.train_iters else None)
+    return scheduler
 
 
 def _optimizer_config(args) -> OptimizerConfig:

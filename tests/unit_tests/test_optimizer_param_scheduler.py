@@ -124,9 +124,54 @@ def test_state_dict_round_trip_and_checkpoint_semantics():
     overridden.load_state_dict(state)
     assert (overridden.lr_decay_style, overridden.max_lr, overridden.num_steps) == ("linear", 2.0, 345)
     strict = make("linear", use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match="class input value linear and checkpoint value cosine for learning rate "
-                                         "decay style do not match"):
+    with pytest.raises(ValueError, match="learning rate decay style do not match: the checkpoint has 'cosine', "
+                                         "this scheduler's lr_decay_style argument asks for 'linear'"):
         strict.load_state_dict(state)
+
+
+def iteration_based(warmup_iters, train_iters, global_batch_size=8, **overrides):
+    """A scheduler built the way the trainer builds it for an iteration-based run (steps = iterations x batch)."""
+    settings = dict(lr_decay_steps=train_iters * global_batch_size, wd_incr_steps=train_iters * global_batch_size,
+                    use_checkpoint_opt_param_scheduler=False)
+    scheduler = make(warmup=warmup_iters * global_batch_size, **{**settings, **overrides})
+    scheduler.set_command_line_sources(
+        {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--train-iters", "wd_incr_steps": "--train-iters"},
+        samples_per_iteration=global_batch_size,
+    )
+    return scheduler
+
+
+def test_resume_mismatch_names_the_flags_and_speaks_iterations():
+    saved = iteration_based(warmup_iters=10, train_iters=200).state_dict()
+    with pytest.raises(ValueError) as error:
+        iteration_based(warmup_iters=20, train_iters=200).load_state_dict(saved)
+    message = str(error.value)
+    assert "warmup iterations do not match" in message
+    assert "the checkpoint has 10 iterations, the command line (--lr-warmup-iters) asks for 20 iterations" in message
+    assert "--override-opt-param-scheduler" in message and "--use-checkpoint-opt_param-scheduler" in message
+    assert "samples" not in message  # 80 and 160 samples are not what the user typed
+
+    # Raising --train-iters (the documented way to train further) changes the decay length: named the same way.
+    with pytest.raises(ValueError, match="total number of iterations do not match: the checkpoint has 200 "
+                                         r"iterations, the command line \(--train-iters\) asks for 400 iterations"):
+        iteration_based(warmup_iters=10, train_iters=400).load_state_dict(saved)
+
+    # Either flag resolves it.
+    overridden = iteration_based(warmup_iters=10, train_iters=400, override_opt_param_scheduler=True)
+    overridden.load_state_dict(saved)
+    assert overridden.lr_decay_steps == 400 * 8
+    kept = iteration_based(warmup_iters=10, train_iters=400, use_checkpoint_opt_param_scheduler=True)
+    kept.load_state_dict(saved)
+    assert kept.lr_decay_steps == 200 * 8
+
+
+def test_resume_mismatch_of_a_sample_based_run_speaks_samples():
+    saved = make().state_dict()
+    resumed = make(lr_decay_steps=2 * DECAY, use_checkpoint_opt_param_scheduler=False)
+    resumed.set_command_line_sources({"lr_decay_steps": "--lr-decay-samples"})
+    with pytest.raises(ValueError, match=r"the checkpoint has 1000 samples, the command line \(--lr-decay-samples\) "
+                                         "asks for 2000 samples"):
+        resumed.load_state_dict(saved)
 
 
 def test_old_checkpoint_key_names_are_read():
@@ -161,3 +206,36 @@ def test_old_checkpoint_key_names_are_read():
 def test_bad_settings_are_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):
         make(**overrides)
+
+
+def test_param_group_overrides_of_the_weight_decay_schedule():
+    scheduler = make()
+    group = {"start_wd": 0.5, "end_wd": 1.5, "wd_mult": 2.0}
+    scheduler.optimizer.param_groups.append(group)
+    scheduler.step(DECAY // 2)
+    assert scheduler.get_wd() == pytest.approx(0.05)
+    assert scheduler.get_wd(group) == pytest.approx(1.0)
+    assert group["weight_decay"] == pytest.approx(2.0)  # the group's own schedule times its wd_mult
+
+
+def test_param_group_override_helpers():
+    from megatron.core.optimizer_param_scheduler import (
+        ParamGroupOverride,
+        combine_param_group_overrides,
+        get_canonical_lr_for_logging,
+        param_group_override_to_tuple,
+    )
+
+    assert param_group_override_to_tuple(None) is None
+    assert param_group_override_to_tuple({"wd_mult": 0.0, "max_lr": 1.0}) == (("max_lr", 1.0), ("wd_mult", 0.0))
+    assert param_group_override_to_tuple(ParamGroupOverride(max_lr=1.0, wd_mult=0.0)) == param_group_override_to_tuple(
+        {"wd_mult": 0.0, "max_lr": 1.0}
+    )
+    assert combine_param_group_overrides([{"wd_mult": 0.0}, None, {"max_lr": 0.5, "wd_mult": 0.0}]) == {
+        "wd_mult": 0.0, "max_lr": 0.5,
+    }
+    with pytest.raises(ValueError, match="conflicting parameter-group overrides: max_lr=0.5 and max_lr=0.25"):
+        combine_param_group_overrides([{"max_lr": 0.5}, {"max_lr": 0.25}])
+    groups = [{"lr": 0.1, "default_config": False}, {"lr": 0.2, "default_config": True}, {"lr": 0.3}]
+    assert get_canonical_lr_for_logging(groups) == 0.2
+    assert get_canonical_lr_for_logging(groups[:1]) is None
