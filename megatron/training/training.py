@@ -20,7 +20,13 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    ParamKey,
+    ParamWithNamePredicate,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -210,12 +216,28 @@ def _optimizer_config(args) -> OptimizerConfig:
     return OptimizerConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
+def _config_overrides(config, no_wd_decay_cond, scale_lr_cond, lr_mult):
+    """Megatron-LM's legacy ``no_wd_decay_cond(name, param)`` / ``scale_lr_cond`` as core's config_overrides."""
+    overrides = get_standard_config_overrides(config)
+    if no_wd_decay_cond is not None:  # replaces the default no-decay rule, keeps the decoupled lr
+        overrides = {key: value for key, value in overrides.items() if value != {"wd_mult": 0.0}}
+        predicate = ParamWithNamePredicate("no_wd_decay_cond", lambda param, name: no_wd_decay_cond(name, param))
+        overrides[ParamKey(with_name_predicate=predicate)] = {"wd_mult": 0.0}
+    if scale_lr_cond is not None:
+        predicate = ParamWithNamePredicate("scale_lr_cond", lambda param, name: scale_lr_cond(name, param))
+        overrides[ParamKey(with_name_predicate=predicate)] = {"lr_mult": lr_mult}
+    return overrides
+
+
 def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=None, scale_lr_cond=None,
                               lr_mult=1.0):
     """Model chunks, optimizer and scheduler; resumes their state from --load when given."""
     args = get_args()
     model = get_model(model_provider_func, model_type)
-    optimizer = get_megatron_optimizer(_optimizer_config(args), model, no_wd_decay_cond, scale_lr_cond, lr_mult)
+    config = _optimizer_config(args)
+    optimizer = get_megatron_optimizer(
+        config, model, config_overrides=_config_overrides(config, no_wd_decay_cond, scale_lr_cond, lr_mult)
+    )
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None or args.pretrained_checkpoint is not None:

@@ -1,13 +1,14 @@
 """Megatron's optimizer stack: get_megatron_optimizer builds the right wrapper for a model and an OptimizerConfig.
 
-Parameters are grouped by (weight-decay multiplier, lr multiplier, expert-parallel, decoupled lr): biases and 1-D
-parameters (norms) get no weight decay, and with ``decoupled_lr`` the input embedding and output layer get their own
-peak/min learning rate. Dense and expert parameters get separate optimizers (their gradients live in different
-data-parallel groups), chained when both exist.
+Parameters are grouped by the overrides they match (``config_overrides``: ``{ParamKey: ParamGroupOverride}``); by
+default (:func:`get_standard_config_overrides`) biases and 1-D parameters (norms) get no weight decay, and with
+``decoupled_lr`` the input embedding and output layer get their own peak/min learning rate. Dense and expert
+parameters get separate optimizers (their gradients live in different data-parallel groups), chained when both
+exist.
 """
 
 import logging
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,12 +23,26 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import (
+    AdamOptimizerConfig,
+    OptimizerConfig,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    SGDOptimizerConfig,
+)
+from megatron.core.optimizer_param_scheduler import (
+    ParamGroupOverride,
+    combine_param_group_overrides,
+    param_group_override_to_tuple,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AdamOptimizerConfig",
     "ChainedOptimizer",
     "ConstantGradScaler",
     "DistributedOptimizer",
@@ -35,66 +50,174 @@ __all__ = [
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",
     "MegatronGradScaler",
+    "MegatronModule",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "ParamGroupOverride",
+    "ParamKey",
+    "ParamPredicate",
+    "ParamWithNamePredicate",
+    "ProcessGroupCollection",
+    "SGDOptimizerConfig",
+    "check_config_overrides_consistency",
     "clip_grad_by_total_norm_fp32",
+    "combine_param_group_overrides",
     "count_zeros_fp32",
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
+    "get_mup_config_overrides",
+    "get_standard_config_overrides",
     "init_optimizer_state",
+    "param_group_override_to_tuple",
 ]
+
+ConfigOverrides = Dict[ParamKey, ParamGroupOverride]
+
+
+def get_standard_config_overrides(config: OptimizerConfig) -> ConfigOverrides:
+    """Megatron's default grouping: no weight decay on biases and 1-D parameters (with
+    ``apply_wd_to_qk_layernorm``, q/k layernorm weights keep theirs), and ``decoupled_lr`` / ``decoupled_min_lr``
+    for the input embedding and output layer."""
+    if config.apply_wd_to_qk_layernorm:
+        no_decay = ParamKey(
+            with_name_predicate=ParamWithNamePredicate(
+                name="s1_not_qkln",
+                fn=lambda param, name: (len(param.shape) == 1 or name.endswith(".bias"))
+                and not ("q_layernorm." in name or "k_layernorm." in name),
+            )
+        )
+    else:
+        no_decay = ParamKey(name="*.bias", predicate=ParamPredicate(name="param_len_1", fn=lambda p: p.dim() == 1))
+    overrides: ConfigOverrides = {no_decay: ParamGroupOverride(wd_mult=0.0)}
+    if config.decoupled_lr is not None:
+        decoupled: ParamGroupOverride = {"max_lr": config.decoupled_lr}
+        if config.decoupled_min_lr is not None:
+            decoupled["min_lr"] = config.decoupled_min_lr
+        overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
+    return overrides
+
+
+def _is_vector_like(param: torch.nn.Parameter, name: str) -> bool:
+    """muP's vector-like parameters: embeddings and 1-D parameters (their learning rate does not shrink with width)."""
+    if getattr(param, "shared_embedding", False):
+        return True
+    is_embedding = getattr(param, "is_embedding_parameter", None)
+    if is_embedding is None:
+        is_embedding = "embedding" in name.lower()
+    return bool(is_embedding) or param.dim() <= 1
+
+
+def get_mup_config_overrides(
+    config: OptimizerConfig, mup_width_mult: float, optimizer_type: str = "adam"
+) -> ConfigOverrides:
+    """muP's per-parameter learning rates (and Adam epsilons) for a model ``mup_width_mult`` times wider than its
+    base: with Adam, hidden (matrix-like) parameters get ``lr / width_mult`` and ``eps / width_mult``; with SGD,
+    vector-like parameters get ``lr * width_mult``. Parameters on ``decoupled_lr`` keep it."""
+    if mup_width_mult == 1.0:
+        return {}
+    decoupled = config.decoupled_lr is not None
+
+    def keeps_decoupled_lr(param) -> bool:
+        return decoupled and getattr(param, "is_embedding_or_output_parameter", False)
+
+    def scaled_lrs(factor: float) -> ParamGroupOverride:
+        override: ParamGroupOverride = {}
+        if config.lr is not None:
+            override["max_lr"] = config.lr * factor
+        if config.min_lr is not None:
+            override["min_lr"] = config.min_lr * factor
+        return override
+
+    if optimizer_type.lower() == "sgd":
+        vector_like = ParamWithNamePredicate(
+            name="mup_sgd_vector_like",
+            fn=lambda param, name: _is_vector_like(param, name) and not keeps_decoupled_lr(param),
+        )
+        override = scaled_lrs(mup_width_mult)
+        return {ParamKey(with_name_predicate=vector_like): override} if override else {}
+
+    lr_override = scaled_lrs(1.0 / mup_width_mult)
+    eps_override: ParamGroupOverride = {}
+    if "adam" in optimizer_type.lower():
+        eps_override["eps"] = config.adam_eps / mup_width_mult
+    hidden = ParamWithNamePredicate(name="mup_hidden", fn=lambda param, name: not _is_vector_like(param, name))
+    if not decoupled:
+        combined = {**lr_override, **eps_override}
+        return {ParamKey(with_name_predicate=hidden): combined} if combined else {}
+    overrides: ConfigOverrides = {}
+    if lr_override:
+        hidden_not_decoupled = ParamWithNamePredicate(
+            name="mup_hidden_not_decoupled",
+            fn=lambda param, name: not _is_vector_like(param, name) and not keeps_decoupled_lr(param),
+        )
+        overrides[ParamKey(with_name_predicate=hidden_not_decoupled)] = lr_override
+    if eps_override:
+        overrides[ParamKey(with_name_predicate=hidden)] = eps_override
+    return overrides
+
+
+# Fields one optimizer instance has for all of its parameters: a per-group override cannot change them.
+_FIELDS_FIXED_PER_OPTIMIZER = ("overlap_param_gather_with_optimizer_step", "optimizer", "optimizer_cpu_offload")
+
+
+def check_config_overrides_consistency(config: OptimizerConfig, config_overrides: Optional[ConfigOverrides]):
+    """Refuse overrides of what a parameter group cannot change on its own (the optimizer and how it runs) and of
+    the protected ``params`` key; True otherwise."""
+    for key, override in (config_overrides or {}).items():
+        if "params" in override:
+            raise ValueError(f"config_overrides[{key}] sets 'params', which is protected; remove it")
+        for name in _FIELDS_FIXED_PER_OPTIMIZER:
+            if name in override and override[name] != getattr(config, name):
+                raise ValueError(
+                    f"config_overrides[{key}] sets {name}={override[name]!r} but the optimizer has "
+                    f"{name}={getattr(config, name)!r}; it cannot be overridden per parameter group"
+                )
+    return True
 
 
 def _get_param_groups(
-    model_chunks: List[torch.nn.Module],
-    no_weight_decay_cond: Optional[Callable],
-    scale_lr_cond: Optional[Callable],
-    lr_mult: float,
-    config: OptimizerConfig,
-    default_skip_embedding_weight_decay: bool = False,
+    model_chunks: List[torch.nn.Module], config: OptimizerConfig, config_overrides: Optional[ConfigOverrides]
 ) -> List[Dict]:
-    """Group trainable parameters by how the scheduler treats them (Megatron's grouping and group keys)."""
+    """Group trainable parameters by the combined override of every ParamKey they match (and by whether they are
+    expert-parallel, and on the decoupled lr); each group carries Megatron's group keys."""
     params_by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
+    overrides_by_key: Dict[tuple, ParamGroupOverride] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
                 continue
-            if no_weight_decay_cond is not None:
-                no_wd = no_weight_decay_cond(name, param)
-            else:
-                no_wd = name.endswith(".bias") or len(param.shape) == 1
-                if default_skip_embedding_weight_decay and getattr(param, "is_embedding_or_output_parameter", False):
-                    no_wd = True
-            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+            matched = [override for key, override in (config_overrides or {}).items() if key.matches(param, name)]
+            override = combine_param_group_overrides(matched) if matched else {}
             is_expert_parallel = not getattr(param, "allreduce", True)
+            # Kept apart so that checkpoints match groups on (wd_mult, lr_mult, expert, decoupled) as before.
             is_decoupled_lr = config.decoupled_lr is not None and getattr(
                 param, "is_embedding_or_output_parameter", False
             )
-            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, is_expert_parallel, is_decoupled_lr)
+            key = (param_group_override_to_tuple(override), is_expert_parallel, is_decoupled_lr)
             params_by_key.setdefault(key, []).append(param)
+            overrides_by_key[key] = override
 
     groups = []
-    for (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled_lr), params in params_by_key.items():
-        if is_decoupled_lr:
-            max_lr = config.decoupled_lr
-            min_lr = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
-        else:
-            max_lr, min_lr = config.lr, config.min_lr
-        groups.append(
-            {
-                "params": params,
-                "wd_mult": wd_mult,
-                "lr_mult": group_lr_mult,
-                "is_expert_parallel": is_expert_parallel,
-                "is_decoupled_lr": is_decoupled_lr,
-                "max_lr": max_lr,
-                "min_lr": min_lr,
-                # Usable before a scheduler sets them: the peak lr, and no decay where wd_mult is 0.
-                "lr": max_lr * group_lr_mult,
-                "weight_decay": config.weight_decay * wd_mult,
-            }
-        )
+    for key, params in params_by_key.items():
+        _, is_expert_parallel, is_decoupled_lr = key
+        override = overrides_by_key[key]
+        group = {
+            "params": params,
+            "is_expert_parallel": is_expert_parallel,
+            # The group follows the default lr schedule (its lr is the one to log) unless it overrides an lr.
+            "default_config": not any("lr" in name for name in override),
+            "wd_mult": 1.0,
+            "lr_mult": 1.0,
+            "is_decoupled_lr": is_decoupled_lr,
+            "max_lr": config.lr,
+            "min_lr": config.min_lr,
+            **override,
+        }
+        # Usable before a scheduler sets them: the peak lr, and no decay where wd_mult is 0.
+        group["lr"] = group["max_lr"] * group["lr_mult"]
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+        groups.append(group)
     return groups
 
 
@@ -214,23 +337,27 @@ def _buffers_of(chunk: torch.nn.Module, attribute: str, config: OptimizerConfig)
 
 def get_megatron_optimizer(
     config: OptimizerConfig,
-    model_chunks: List[torch.nn.Module],
-    no_weight_decay_cond: Optional[Callable] = None,
-    scale_lr_cond: Optional[Callable] = None,
-    lr_mult: float = 1.0,
+    model_chunks: List[MegatronModule],
+    config_overrides: Optional[ConfigOverrides] = None,
     use_gloo_process_groups: bool = True,
-    default_skip_embedding_weight_decay: bool = False,
     pg_collection: Optional[ProcessGroupCollection] = None,
+    dump_param_to_param_group_map: Optional[str] = None,
 ) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (DDP-wrapped for data parallelism, or plain modules).
 
     Returns a :class:`FP32Optimizer` (fp32 model), :class:`Float16OptimizerWithFloat16Params` (bf16/fp16 model) or
     :class:`DistributedOptimizer` (``use_distributed_optimizer``), or a :class:`ChainedOptimizer` of a dense and an
-    expert-parallel one when the model has expert parameters. ``no_weight_decay_cond(name, param)`` and
-    ``scale_lr_cond(name, param)`` override the default grouping; ``lr_mult`` is the lr multiplier of
-    ``scale_lr_cond`` parameters. ``use_gloo_process_groups`` is accepted for compatibility (no gloo side groups are
-    needed here).
+    expert-parallel one when the model has expert parameters. ``config_overrides`` (``{ParamKey:
+    ParamGroupOverride}``; None: :func:`get_standard_config_overrides`, ``{}``: no overrides at all) gives the
+    parameters each key matches their own schedule values (``max_lr``, ``min_lr``, ``wd_mult``, ``start_wd``,
+    ``end_wd``, ``lr_mult``) or torch optimizer settings (e.g. ``eps``). ``use_gloo_process_groups`` is accepted
+    for compatibility (no gloo side groups are needed here).
     """
+    if dump_param_to_param_group_map is not None:
+        raise ValueError(
+            "not supported yet: dumping the parameter-to-group map "
+            f"(dump_param_to_param_group_map={dump_param_to_param_group_map!r}); leave it None"
+        )
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is None; set the peak learning rate (e.g. lr=3e-4)")
     if isinstance(model_chunks, torch.nn.Module):
@@ -239,9 +366,10 @@ def get_megatron_optimizer(
     groups = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "mp", "dp_cp", "expt_tp", "tp_ep_pp", "expt_dp"]
     )
-    param_groups = _get_param_groups(
-        model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config, default_skip_embedding_weight_decay
-    )
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+    check_config_overrides_consistency(config, config_overrides)
+    param_groups = _get_param_groups(model_chunks, config, config_overrides)
     dense_groups = [g for g in param_groups if not g["is_expert_parallel"]]
     expert_groups = [g for g in param_groups if g["is_expert_parallel"]]
 

@@ -1,20 +1,93 @@
-"""OptimizerConfig: the optimizer, its hyper-parameters, mixed precision and loss scaling (Megatron's fields)."""
+"""OptimizerConfig (the optimizer, its hyper-parameters, mixed precision and loss scaling) and ParamKey, which
+selects the parameters a per-group override applies to (Megatron's fields and names)."""
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+# Megatron-LM's other --optimizer choices: optimizers from the emerging-optimizers package, not built here.
+_EMERGING_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
+# Megatron-LM's command line spells these dtypes as strings.
+_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParamPredicate:
+    """A named, hashable test of a parameter, for :class:`ParamKey`; two predicates with the same ``name`` are
+    the same key (``fn`` is not compared)."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter) -> bool:
+        return self.fn(param)
+
+
+@dataclass(frozen=True)
+class ParamWithNamePredicate:
+    """Like :class:`ParamPredicate`, but ``fn(param, name)`` also sees the parameter's name in its module."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter, str], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter, name: str) -> bool:
+        return self.fn(param, name)
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@dataclass(frozen=True)
+class ParamKey:
+    """Selects parameters for a :class:`~megatron.core.optimizer_param_scheduler.ParamGroupOverride` in
+    ``get_megatron_optimizer(config_overrides={ParamKey(...): override})``.
+
+    A parameter matches when any criterion matches: a ``name`` glob (fnmatch syntax, e.g. ``"*.bias"``) matches its
+    name, it has a truthy attribute named in ``attr``, or any ``predicate`` / ``with_name_predicate`` accepts it.
+    Each field is one value or a tuple of them.
+    """
+
+    name: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    """Parameter-name glob(s)."""
+    attr: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    """Parameter attribute(s), e.g. ``is_embedding_or_output_parameter``."""
+    predicate: Union[ParamPredicate, Tuple[ParamPredicate, ...]] = field(default_factory=tuple)
+    """Predicate(s) on the parameter."""
+    with_name_predicate: Union[ParamWithNamePredicate, Tuple[ParamWithNamePredicate, ...]] = field(
+        default_factory=tuple
+    )
+    """Predicate(s) on the parameter and its name."""
+
+    def matches(self, param: torch.nn.Parameter, param_name: str) -> bool:
+        """Whether ``param`` (called ``param_name`` in its module) is selected by this key."""
+        return (
+            any(fnmatch.fnmatch(param_name, pattern) for pattern in _as_tuple(self.name))
+            or any(getattr(param, attr, False) for attr in _as_tuple(self.attr))
+            or any(predicate(param) for predicate in _as_tuple(self.predicate))
+            or any(predicate(param, param_name) for predicate in _as_tuple(self.with_name_predicate))
+        )
+
+
+def _not_supported(feature: str, name: str, value) -> ValueError:
+    return ValueError(f"OptimizerConfig: not supported yet: {feature} ({name}={value!r}); leave it at its default")
 
 
 @dataclass
 class OptimizerConfig:
-    """Settings read by :func:`megatron.core.optimizer.get_megatron_optimizer`."""
+    """Settings read by :func:`megatron.core.optimizer.get_megatron_optimizer`.
+
+    Fields of features not built here (precision-aware optimizer, fp8 parameter gathers, emerging optimizers, CPU
+    offload, the layer-wise distributed optimizer, CUDA graphs) are accepted at their defaults and refused otherwise.
+    Hyper-parameters of an optimizer that is not selected (``muon_*``, ``lion_*``, ``soap_*``, the offload
+    fraction and pinning of CPU offload, ``store_param_remainders`` of the precision-aware optimizer) are inert, as
+    in Megatron.
+    """
 
     # ---- general ----
-    optimizer: str = "adam"
-    """'adam' (AdamW-style decoupled weight decay by default) or 'sgd'."""
     lr: Optional[float] = None
     """Peak learning rate (the scheduler's max_lr); required."""
     min_lr: Optional[float] = None
@@ -25,16 +98,24 @@ class OptimizerConfig:
     """Separate minimum learning rate for the input embedding and output layer (None: use min_lr)."""
     weight_decay: float = 0.01
     """Weight decay coefficient (not applied to biases and 1-D parameters such as norms)."""
+    apply_wd_to_qk_layernorm: bool = False
+    """Decay the q/k layernorm weights too (the other 1-D parameters and biases still get none)."""
 
     # ---- precision ----
+    fp8_recipe: Optional[str] = None
+    """How the distributed optimizer treats fp8 parameters; inert here, as fp8 parameters are not built."""
     fp16: bool = False
     """The model runs in float16: keep fp32 main parameters and use (dynamic) loss scaling."""
     bf16: bool = False
     """The model runs in bfloat16: keep fp32 main parameters."""
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Reuse the gradient buffer for mxfp8 parameter all-gathers (not supported yet: must be False)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype of the model's parameters."""
     use_precision_aware_optimizer: bool = False
-    """Keep main params / Adam moments in lower precision (needs TE's FusedAdam; not supported: must be False)."""
+    """Keep main params / Adam moments in lower precision (needs TE's FusedAdam; not supported yet: must be False)."""
+    store_param_remainders: bool = True
+    """Precision-aware optimizer: store only the fp32 remainder bits of bf16 parameters (inert without it)."""
     main_grads_dtype: torch.dtype = torch.float32
     """Dtype of the main gradients (only fp32 is supported)."""
     main_params_dtype: torch.dtype = torch.float32
@@ -43,6 +124,8 @@ class OptimizerConfig:
     """Dtype of Adam's first moment (only fp32 is supported)."""
     exp_avg_sq_dtype: torch.dtype = torch.float32
     """Dtype of Adam's second moment (only fp32 is supported)."""
+    optimizer: str = "adam"
+    """'adam' (AdamW-style decoupled weight decay by default) or 'sgd'."""
 
     # ---- loss scaling ----
     loss_scale: Optional[float] = None
@@ -68,25 +151,73 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     """SGD momentum."""
 
+    # ---- emerging optimizers (not built: only read when optimizer names one) ----
+    muon_momentum: float = 0.95
+    """Muon: momentum of the internal SGD."""
+    muon_split_qkv: bool = True
+    """Muon: orthogonalise q, k and v separately."""
+    muon_nesterov: bool = False
+    """Muon: Nesterov momentum."""
+    muon_scale_mode: str = "spectral"
+    """Muon: scale factor of the update."""
+    muon_fp32_matmul_prec: str = "medium"
+    """Muon: fp32 matmul precision of the Newton-Schulz iteration."""
+    muon_coefficient_type: str = "quintic"
+    """Muon: Newton-Schulz coefficients."""
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+    muon_tp_mode: str = "blockwise"
+    """Muon: how tensor-parallel weights are orthogonalised."""
+    muon_extra_scale_factor: float = 1.0
+    """Muon: extra scale of the update."""
+    muon_scalar_optimizer: str = "adam"
+    """Muon: optimizer of the non-matrix parameters."""
+    lion_beta1: float = 0.95
+    """Lion: beta of the sign update."""
+    lion_beta2: float = 0.98
+    """Lion: beta of the momentum."""
+    soap_shampoo_beta: float = 0.95
+    """SOAP: beta of the Shampoo preconditioner."""
+    soap_precondition_frequency: int = 1
+    """SOAP: steps between preconditioner updates."""
+    soap_use_kl_shampoo: bool = True
+    """SOAP: KL-Shampoo preconditioner."""
+    adaptive_muon_moment2_method: str = "adamuon"
+    """Adaptive Muon: second-moment method."""
+    adaptive_muon_beta2: float = 0.95
+    """Adaptive Muon: second-moment decay."""
+    adaptive_muon_eps: float = 1e-08
+    """Adaptive Muon: epsilon."""
+
     # ---- distributed optimizer ----
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over data-parallel ranks (ZeRO-1); the model must be wrapped in DDP with the same."""
+    use_layer_wise_distributed_optimizer: bool = False
+    """Shard emerging optimizers layer by layer (not supported yet: must be False)."""
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward (mirror of the DDP config's field)."""
     overlap_param_gather_with_optimizer_step: bool = False
-    """Overlap the first parameter all-gather with the optimizer step (not supported: must be False)."""
+    """Overlap the first parameter all-gather with the optimizer step (not supported yet: must be False)."""
 
-    # ---- CPU offload (GPU feature) ----
+    # ---- CPU offload (not built: on a CPU-only machine the state is on the host already) ----
     optimizer_cpu_offload: bool = False
-    """Keep optimizer state on the host (not supported: must be False; on CPU it already is)."""
+    """Keep optimizer state and its step on the host (not supported yet: must be False)."""
     optimizer_offload_fraction: float = 0.0
-    """Fraction of the optimizer state to offload (with optimizer_cpu_offload)."""
+    """Fraction of the optimizer state to offload (read only with optimizer_cpu_offload)."""
     use_torch_optimizer_for_cpu_offload: bool = False
-    """Use torch's optimizer for the offloaded part (with optimizer_cpu_offload)."""
+    """Use torch's optimizer for the offloaded part (read only with optimizer_cpu_offload)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Overlap the offloaded step with its copies (read only with optimizer_cpu_offload)."""
+    pin_cpu_grads: bool = True
+    """Pin offloaded gradients (read only with optimizer_cpu_offload)."""
+    pin_cpu_params: bool = True
+    """Pin offloaded parameters (read only with optimizer_cpu_offload)."""
 
     # ---- miscellaneous ----
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (0: no clipping)."""
+    grad_norm_skip_threshold: float = float("inf")
+    """Skip the step (step() reports update_successful=False) when the global gradient norm exceeds this."""
     log_num_zeros_in_grad: bool = False
     """Count zero entries of the gradient at each step (step() returns the count)."""
     barrier_with_L1_time: bool = False
@@ -95,31 +226,82 @@ class OptimizerConfig:
     """Megatron Timers object, if the caller wants per-phase timings."""
     config_logger_dir: str = ""
     """Directory to dump configs to (unused here)."""
+    optimizer_cuda_graph: bool = False
+    """Capture the optimizer step in a CUDA graph (not supported yet: must be False)."""
 
     def __post_init__(self):
-        if self.optimizer not in SUPPORTED_OPTIMIZERS:
-            raise ValueError(
-                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use one of {SUPPORTED_OPTIMIZERS}"
-            )
-        if self.fp16 and self.bf16:
-            raise ValueError("OptimizerConfig: fp16 and bf16 are both set; choose one")
-        for name in (
-            "use_precision_aware_optimizer",
-            "overlap_param_gather_with_optimizer_step",
-            "optimizer_cpu_offload",
-        ):
-            if getattr(self, name):
-                raise ValueError(f"OptimizerConfig.{name}=True is not supported; leave it False")
-        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-            if getattr(self, name) != torch.float32:
-                raise ValueError(
-                    f"OptimizerConfig.{name}={getattr(self, name)} is not supported; only torch.float32 is"
-                )
-        if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
-            raise ValueError(f"OptimizerConfig: min_lr={self.min_lr} is larger than lr={self.lr}; lower min_lr")
-        if self.clip_grad < 0:
-            raise ValueError(f"OptimizerConfig.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-        if self.loss_scale is not None and self.loss_scale <= 0:
-            raise ValueError(f"OptimizerConfig.loss_scale must be positive or None, got {self.loss_scale}")
-        if self.hysteresis < 1:
-            raise ValueError(f"OptimizerConfig.hysteresis must be >= 1, got {self.hysteresis}")
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "params_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value in _DTYPE_NAMES:
+                setattr(self, name, _DTYPE_NAMES[value])
+        _check_optimizer_choice(self)
+        _check_features_not_built(self)
+        _check_values(self)
+
+
+def _check_optimizer_choice(config: OptimizerConfig) -> None:
+    if config.optimizer in _EMERGING_OPTIMIZERS:
+        raise _not_supported(f"the {config.optimizer} optimizer", "optimizer", config.optimizer)
+    if config.optimizer not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"OptimizerConfig.optimizer={config.optimizer!r} is not supported; use one of {SUPPORTED_OPTIMIZERS}"
+        )
+
+
+_FEATURES_NOT_BUILT = (
+    ("use_precision_aware_optimizer", "precision-aware optimizer"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", "mxfp8 parameter all-gather in the gradient buffer"),
+    ("use_layer_wise_distributed_optimizer", "layer-wise distributed optimizer"),
+    ("overlap_param_gather_with_optimizer_step", "overlapping the parameter all-gather with the optimizer step"),
+    ("optimizer_cpu_offload", "CPU offload of the optimizer"),
+    ("optimizer_cuda_graph", "CUDA graph of the optimizer step"),
+)
+
+
+def _check_features_not_built(config: OptimizerConfig) -> None:
+    for name, feature in _FEATURES_NOT_BUILT:
+        if getattr(config, name):
+            raise _not_supported(feature, name, getattr(config, name))
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, name) != torch.float32:
+            raise _not_supported("optimizer state below fp32 (precision-aware optimizer)", name, getattr(config, name))
+
+
+def _check_values(config: OptimizerConfig) -> None:
+    if config.fp16 and config.bf16:
+        raise ValueError("OptimizerConfig: fp16 and bf16 are both set; choose one")
+    if config.lr is not None and config.min_lr is not None and config.min_lr > config.lr:
+        raise ValueError(f"OptimizerConfig: min_lr={config.min_lr} is larger than lr={config.lr}; lower min_lr")
+    if config.clip_grad < 0:
+        raise ValueError(f"OptimizerConfig.clip_grad must be >= 0 (0 disables clipping), got {config.clip_grad}")
+    if not config.grad_norm_skip_threshold > 0:
+        raise ValueError(
+            "OptimizerConfig.grad_norm_skip_threshold must be positive (inf: never skip), got "
+            f"{config.grad_norm_skip_threshold}"
+        )
+    if config.loss_scale is not None and config.loss_scale <= 0:
+        raise ValueError(f"OptimizerConfig.loss_scale must be positive or None, got {config.loss_scale}")
+    if config.hysteresis < 1:
+        raise ValueError(f"OptimizerConfig.hysteresis must be >= 1, got {config.hysteresis}")
+
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """An OptimizerConfig for Adam (Megatron's name; the same fields)."""
+
+    def __post_init__(self):
+        if self.optimizer != "adam":
+            raise ValueError(f"AdamOptimizerConfig.optimizer must be 'adam', got {self.optimizer!r}")
+        super().__post_init__()
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """An OptimizerConfig for SGD with momentum (Megatron's name; the same fields): it always builds SGD."""
+
+    def __post_init__(self):
+        # The inherited default names Adam; a config of this class means SGD.
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"SGDOptimizerConfig.optimizer must be 'sgd', got {self.optimizer!r}")
+        self.optimizer = "sgd"
+        super().__post_init__()

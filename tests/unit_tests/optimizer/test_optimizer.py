@@ -10,10 +10,12 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import (
     ChainedOptimizer,
     OptimizerConfig,
+    ParamKey,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
     get_megatron_optimizer,
+    get_standard_config_overrides,
 )
 from megatron.core.transformer.module import Float16Module
 from tests.unit_tests.distributed.ddp_test_helpers import TinyLM, model_config, train_data_parallel, weights, wrap
@@ -24,9 +26,9 @@ def _param_groups():
     Utils.initialize_model_parallel()
     model = TinyLM()
     config = OptimizerConfig(lr=1.0, min_lr=0.1, decoupled_lr=0.5, decoupled_min_lr=0.05, weight_decay=0.2)
-    optimizer = get_megatron_optimizer(
-        config, [model], scale_lr_cond=lambda name, p: name.startswith("layers.3"), lr_mult=3.0
-    )
+    overrides = get_standard_config_overrides(config)
+    overrides[ParamKey(name="layers.3.*")] = {"lr_mult": 3.0}
+    optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
     names = {p: n for n, p in model.named_parameters()}
     groups = [
         (sorted(names[p] for p in g["params"]), {k: g[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr",
@@ -35,7 +37,7 @@ def _param_groups():
     ]
     custom = get_megatron_optimizer(
         OptimizerConfig(lr=1.0, optimizer="sgd", decoupled_weight_decay=False), [model],
-        no_weight_decay_cond=lambda name, p: name == "output",
+        config_overrides={ParamKey(name="output"): {"wd_mult": 0.0}},
     )
     adam_l2 = get_megatron_optimizer(OptimizerConfig(lr=1.0, decoupled_weight_decay=False), [model])
     return groups, [sorted(names[p] for p in g["params"]) for g in custom.param_groups], [
@@ -58,7 +60,7 @@ def test_param_groups_weight_decay_decoupled_lr_and_lr_mult():
                                                min_lr=0.05, lr=0.5, weight_decay=0.2)
     assert [names for names, _ in groups if "embedding.weight" in names][0] == ["embedding.weight", "output"]
     assert by_first["layers.3.weight"]["lr_mult"] == 3.0 and by_first["layers.3.weight"]["lr"] == 3.0
-    # A custom no_weight_decay_cond replaces the default rule entirely.
+    # Custom overrides replace the standard ones entirely.
     assert ["output"] in custom and any("layers.0.bias" in names for names in custom if len(names) > 1)
     assert torch_classes == ["SGD", "Adam", "AdamW"]
 
@@ -188,11 +190,22 @@ def test_get_megatron_optimizer_rejects_bad_requests():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(optimizer="lion"), r"optimizer='lion' is not supported; use one of \('adam', 'sgd'\)"),
+        (dict(optimizer="adagrad"), r"optimizer='adagrad' is not supported; use one of \('adam', 'sgd'\)"),
+        (dict(optimizer="lion"), r"not supported yet: the lion optimizer \(optimizer='lion'\)"),
+        (dict(optimizer="muon"), r"not supported yet: the muon optimizer \(optimizer='muon'\)"),
         (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
-        (dict(optimizer_cpu_offload=True), "optimizer_cpu_offload=True is not supported"),
-        (dict(use_precision_aware_optimizer=True), "use_precision_aware_optimizer=True is not supported"),
-        (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_dtype=torch.bfloat16 is not supported"),
+        (dict(optimizer_cpu_offload=True), r"not supported yet: CPU offload of the optimizer \(optimizer_cpu_offload=True\)"),
+        (dict(use_precision_aware_optimizer=True),
+         r"not supported yet: precision-aware optimizer \(use_precision_aware_optimizer=True\)"),
+        (dict(exp_avg_dtype=torch.bfloat16), r"not supported yet: .* \(exp_avg_dtype=torch.bfloat16\)"),
+        (dict(main_params_dtype="fp16"), r"not supported yet: .* \(main_params_dtype=torch.float16\)"),
+        (dict(use_layer_wise_distributed_optimizer=True),
+         r"not supported yet: layer-wise distributed optimizer \(use_layer_wise_distributed_optimizer=True\)"),
+        (dict(overlap_param_gather_with_optimizer_step=True),
+         r"not supported yet: overlapping .* \(overlap_param_gather_with_optimizer_step=True\)"),
+        (dict(reuse_grad_buf_for_mxfp8_param_ag=True), r"not supported yet: mxfp8 .* \(reuse_grad_buf_for_mxfp8"),
+        (dict(optimizer_cuda_graph=True), r"not supported yet: CUDA graph .* \(optimizer_cuda_graph=True\)"),
+        (dict(grad_norm_skip_threshold=0.0), "grad_norm_skip_threshold must be positive"),
         (dict(lr=1e-4, min_lr=1e-3), "min_lr=0.001 is larger than lr=0.0001"),
         (dict(clip_grad=-1.0), "clip_grad must be >= 0"),
         (dict(loss_scale=0.0), "loss_scale must be positive or None, got 0.0"),
