@@ -8,25 +8,35 @@ This module is a façade: the groups live in one :class:`ProcessGroupCollection`
 rank's groups. Modules should take a ``pg_collection`` and fall back to these globals.
 """
 
+import logging
 from datetime import timedelta
 from math import prod
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import GlobalMemoryBuffer, synchronize_device
+
+logger = logging.getLogger(__name__)
 
 _TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
 # Everything initialize_model_parallel creates; reset by destroy_model_parallel.
 _GROUPS: Optional[ProcessGroupCollection] = None
 _GLOO_DP_GROUPS: Dict[str, dist.ProcessGroup] = {}
+# Groups that are not fields of ProcessGroupCollection (tensor x data without context parallelism).
+_OTHER_GROUPS: Dict[str, dist.ProcessGroup] = {}
 _GROUP_RANKS: Dict[str, List[int]] = {}
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None
 _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 # Test hooks, as in Megatron: when set, these replace what the groups report.
 _OVERRIDES: Dict[str, int] = {}
+_GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
+# The groups this rank belongs to, for update_pg_timeout; None stands for the default (world) group.
+_global_process_group_list: Optional[List[Optional[dist.ProcessGroup]]] = None
 
 
 class RankGenerator:
@@ -34,26 +44,169 @@ class RankGenerator:
 
     ``get_ranks("tp-pp")`` returns every group of ranks that differ only in their tp and pp coordinates, each group
     listed with the first named token varying fastest, groups ordered with the remaining tokens' first one fastest.
+    ``rank_offset`` shifts every rank (a layout laid over ranks ``rank_offset ..``); ``gtp_remat`` is Megatron's
+    experimental GTP weight-rematerialisation axis, of which only the trivial size 1 is supported.
     """
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str):
+    def __init__(
+        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0, gtp_remat: int = 1
+    ) -> None:
+        if gtp_remat != 1:
+            raise ValueError(
+                f"not supported yet: GTP weight rematerialisation (gtp_remat={gtp_remat}); use gtp_remat=1"
+            )
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.rank_offset = rank_offset
         self.sizes_by_token = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
-        self.order = _parse_order(order, self.sizes_by_token)
-        self.world_size = prod(self.sizes_by_token.values())
+        self.order = "-".join(_parse_order(order, self.sizes_by_token))
+        self.ordered_size = [self.sizes_by_token[name] for name in self.order.split("-")]
+        self.world_size = prod(self.ordered_size)
 
-    def get_ranks(self, token: str) -> List[List[int]]:
+    def get_mask(self, order: str, token: str) -> List[bool]:
+        """One flag per token of ``order``: True for the tokens named in ``token`` (e.g. ``'tp-dp'``)."""
+        ordered = order.split("-")
         wanted = token.split("-")
         for name in wanted:
-            if name not in self.order:
-                raise ValueError(f"unknown parallelism token {name!r} in {token!r}; expected tokens from {self.order}")
-        sizes = [self.sizes_by_token[name] for name in self.order]
-        # Reversed shape puts the first (fastest) token on the last axis of a C-ordered array.
-        ranks = np.arange(self.world_size).reshape(list(reversed(sizes)))
-        axis_of = {name: len(self.order) - 1 - i for i, name in enumerate(self.order)}
-        outer = [axis_of[name] for name in reversed(self.order) if name not in wanted]
-        inner = [axis_of[name] for name in reversed(self.order) if name in wanted]
-        group_size = prod(self.sizes_by_token[name] for name in wanted)
-        return ranks.transpose(outer + inner).reshape(-1, group_size).tolist()
+            if name not in ordered:
+                raise ValueError(f"unknown parallelism token {name!r} in {token!r}; expected tokens from {ordered}")
+        return [name in wanted for name in ordered]
+
+    def get_ranks(self, token) -> List[List[int]]:
+        mask = self.get_mask(self.order, token)
+        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
+        return [[rank + self.rank_offset for rank in group] for group in groups]
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: List[int], mask: List[bool]
+) -> List[List[int]]:
+    """Rank groups of a mixed-radix layout: ranks that differ only in the masked coordinates form a group.
+
+    ``parallel_size`` lists the size of every axis, first (fastest-varying) first, so
+    ``rank = sum(coord[i] * prod(parallel_size[:i]))``. Inside a group the masked coordinates count up with the first
+    masked axis fastest; groups are ordered the same way by the unmasked coordinates.
+    """
+    if prod(parallel_size) != world_size:
+        raise ValueError(f"parallel sizes {parallel_size} multiply to {prod(parallel_size)}, not world size {world_size}")
+    if len(mask) != len(parallel_size):
+        raise ValueError(f"mask {mask} needs one entry per parallel size {parallel_size}")
+    # Reversed shape puts the first (fastest) axis last in a C-ordered array.
+    ranks = np.arange(world_size).reshape(list(reversed(parallel_size)))
+    axis_of = [len(parallel_size) - 1 - i for i in range(len(parallel_size))]
+    outer = [axis_of[i] for i in reversed(range(len(mask))) if not mask[i]]
+    inner = [axis_of[i] for i in reversed(range(len(mask))) if mask[i]]
+    group_size = prod(size for size, masked in zip(parallel_size, mask) if masked)
+    return ranks.transpose(outer + inner).reshape(-1, group_size).tolist()
+
+
+def create_group(
+    ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None
+):
+    """``torch.distributed.new_group`` that also records the group (when this rank is in it) for update_pg_timeout.
+
+    Every rank must call it for every group, member or not, unless ``use_local_synchronization`` is set.
+    """
+    global _global_process_group_list
+    group = dist.new_group(
+        ranks=ranks,
+        timeout=timeout,
+        backend=backend,
+        pg_options=pg_options,
+        use_local_synchronization=use_local_synchronization,
+        group_desc=group_desc,
+    )
+    if _global_process_group_list is None:
+        _global_process_group_list = [None]
+    if ranks is None or dist.get_rank() in ranks:
+        _global_process_group_list.append(group)
+    return group
+
+
+def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None):
+    """Change the collective timeout of ``pg``, or of every group this rank created through create_group (and the
+    default group) when ``pg`` is None.
+
+    All members synchronise first, so no rank changes the timeout under a collective another rank is still in.
+    """
+    dist.barrier(group=pg)
+    synchronize_device()
+    targets = [pg] if pg is not None else (_global_process_group_list or [None])
+    for group in targets:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except Exception:
+            logger.error("failed to set timeout %s on process group %s", timeout, group)
+            raise
+
+
+def create_hierarchical_groups(
+    rank,
+    ranks,
+    hierarchical_group_sizes,
+    create_gloo_process_groups=False,
+    pg_options=None,
+    timeout=None,
+    group_desc=None,
+):
+    """Split ``ranks`` into nested levels of sub-groups; return this rank's group at each level (and gloo twins).
+
+    With ``hierarchical_group_sizes = [a, b, c]`` (product = len(ranks)) level 0 groups ``a`` consecutive ranks,
+    level 1 groups ``b`` ranks ``a`` apart, level 2 groups ``c`` ranks ``a*b`` apart: ``ranks`` read as a
+    mixed-radix number with the level-0 digit fastest. ``pg_options`` may be one value or one per level.
+    """
+    if prod(hierarchical_group_sizes) != len(ranks):
+        raise ValueError(
+            f"hierarchical_group_sizes {hierarchical_group_sizes} multiply to {prod(hierarchical_group_sizes)}, "
+            f"not the {len(ranks)} ranks given"
+        )
+    levels = len(hierarchical_group_sizes)
+    options = pg_options if isinstance(pg_options, list) else [pg_options] * levels
+    groups, gloo_groups = [], []
+    for level in range(levels):
+        mask = [i == level for i in range(levels)]
+        for positions in generate_masked_orthogonal_rank_groups(len(ranks), list(hierarchical_group_sizes), mask):
+            sub_ranks = [ranks[p] for p in positions]
+            group = create_group(
+                sub_ranks, timeout=timeout, pg_options=options[level], group_desc=f"HIERARCHICAL_{group_desc}_L{level}"
+            )
+            gloo_group = None
+            if create_gloo_process_groups:
+                gloo_group = create_group(
+                    sub_ranks, timeout=timeout, backend="gloo", group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}"
+                )
+            if rank in sub_ranks:
+                groups.append(group)
+                gloo_groups.append(gloo_group)
+    return groups, gloo_groups
+
+
+def get_nccl_options(pg_name, nccl_comm_cfgs):
+    """NCCL options for group ``pg_name`` from a parsed ``nccl_communicator_config_path`` file (None if not listed).
+
+    Recognised keys: ``is_high_priority_stream``, ``cga_cluster_size``, ``max_ctas``, ``min_ctas``, ``net_name``
+    (``IB`` or ``socket``); NCCL's defaults apply to the rest.
+    """
+    if pg_name not in nccl_comm_cfgs:
+        return None
+    cfg = nccl_comm_cfgs[pg_name]
+    net_name = cfg.get("net_name")
+    if net_name is not None and net_name.lower() not in ("ib", "socket"):
+        raise ValueError(f"net_name ({net_name}) for process group {pg_name!r} is not supported; use 'IB' or 'socket'")
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RuntimeError(
+            f"NCCL options were given for process group {pg_name!r} but this PyTorch build has no NCCL backend"
+        )
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=cfg.get("is_high_priority_stream", False))
+    for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
+        if key in cfg:
+            setattr(options.config, key, cfg[key])
+    return options
+
+
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
+    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)``, adding the group if new."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
 
 
 def _parse_order(order: str, sizes_by_token: Dict[str, int]) -> List[str]:
@@ -92,21 +245,31 @@ def initialize_model_parallel(
     use_sharp: bool = False,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[List[int]] = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     nccl_communicator_config_path: Optional[str] = None,
     distributed_timeout_minutes: int = 30,
     order: str = "tp-cp-ep-dp-pp",
-    get_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
-    get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
+    get_embedding_ranks: Optional[Callable[[List[int], Optional[int]], List[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[List[int], Optional[int]], List[int]]] = None,
     create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: Optional[List[str]] = None,
+    sharp_enabled_group: Optional[str] = None,
+    rank_offset: int = 0,
+    local_world_size: Optional[int] = None,
 ) -> None:
     """Create every process group for the layout (every rank must call this, with the same arguments).
 
-    ``use_sharp``, ``nccl_communicator_config_path`` and ``pipeline_model_parallel_comm_backend`` are NCCL tuning
-    knobs accepted for compatibility; hierarchical context parallelism and several distributed-optimizer instances are
-    not supported yet and are rejected when asked for.
+    ``nccl_communicator_config_path`` (a YAML file of per-group NCCL options, see :func:`get_nccl_options`) is
+    applied when the backend is NCCL. ``use_sharp``, ``sharp_enabled_group``, ``high_priority_stream_groups`` and
+    ``pipeline_model_parallel_comm_backend`` are NCCL tuning knobs, accepted and ignored (they do not change what the
+    groups compute). Hierarchical or hybrid context parallelism, several distributed-optimizer instances, GTP weight
+    rematerialisation and layouts over part of the world (``rank_offset``, ``local_world_size``) are not supported
+    yet and are refused with a ValueError before any group is created.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     if not dist.is_initialized():
@@ -114,12 +277,15 @@ def initialize_model_parallel(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group "
             "(or run under torchrun / megatron.training.initialize) first"
         )
-    if hierarchical_context_parallel_sizes:
-        raise ValueError("hierarchical_context_parallel_sizes is not supported; leave it unset")
-    if num_distributed_optimizer_instances != 1:
-        raise ValueError(
-            f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} is not supported; use 1"
-        )
+    _refuse_unsupported_layouts(
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        hybrid_context_parallel=hybrid_context_parallel,
+        gtp_remat_size=gtp_remat_size,
+        expert_gtp_remat_size=expert_gtp_remat_size,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        rank_offset=rank_offset,
+        local_world_size=local_world_size,
+    )
     tp, pp, cp, ep = (
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -170,12 +336,16 @@ def initialize_model_parallel(
     timeout = timedelta(minutes=distributed_timeout_minutes)
     rank = dist.get_rank()
     use_gloo_dp = create_gloo_process_groups and dist.get_backend() != "gloo"
+    nccl_comm_cfgs = _read_nccl_comm_cfgs(nccl_communicator_config_path)
 
     def create(name: str, rank_lists: List[List[int]], gloo_twin: bool = False) -> Optional[dist.ProcessGroup]:
         mine = None
+        options = get_nccl_options(name, nccl_comm_cfgs) if dist.get_backend() == "nccl" else None
         for ranks in rank_lists:
-            group = dist.new_group(ranks, timeout=timeout)
-            gloo_group = dist.new_group(ranks, timeout=timeout, backend="gloo") if gloo_twin else None
+            group = create_group(ranks, timeout=timeout, pg_options=options, group_desc=name.upper())
+            gloo_group = None
+            if gloo_twin:
+                gloo_group = create_group(ranks, timeout=timeout, backend="gloo", group_desc=f"{name.upper()}_GLOO")
             if rank in ranks:
                 mine = group
                 _GROUP_RANKS[name] = list(ranks)
@@ -191,7 +361,7 @@ def initialize_model_parallel(
     groups.tp = create("tp", decoder.get_ranks("tp"))
     groups.pp = create("pp", decoder.get_ranks("pp"))
     groups.tp_cp = create("tp_cp", decoder.get_ranks("tp-cp"))
-    groups.tp_dp = create("tp_dp", decoder.get_ranks("tp-dp"))
+    _OTHER_GROUPS["tp_dp"] = create("tp_dp", decoder.get_ranks("tp-dp"))
     groups.tp_dp_cp = create("tp_dp_cp", decoder.get_ranks("tp-cp-dp"))
 
     embedding_ranks_of = get_embedding_ranks or default_embedding_ranks
@@ -210,10 +380,102 @@ def initialize_model_parallel(
     groups.tp_ep_pp = create("tp_ep_pp", expert.get_ranks("tp-ep-pp"))
     groups.expt_dp = create("expt_dp", expert.get_ranks("dp"), gloo_twin=use_gloo_dp)
 
+    # One distributed-optimizer instance: the partial data-parallel groups are the whole ones, the instance is the
+    # whole world, and there is no group across instances.
+    groups.intra_dp_cp = groups.dp_cp
+    groups.intra_expt_dp = groups.expt_dp
+    groups.intra_dist_opt = create("intra_dist_opt", [list(range(world_size))])
+    groups.inter_dist_opt = None
+    # GTP weight rematerialisation is off (size 1): its groups do not exist and the "with GTP" data-parallel
+    # groups are the plain ones. The all-gather and hierarchical-CP groups exist only when asked for.
+    groups.tp_ep_pp_with_egtp_remat = groups.tp_ep_pp
+    groups.dp_cp_gtp_remat = groups.dp_cp
+    groups.expt_dp_gtp_remat = groups.expt_dp
+    groups.gtp_remat = None
+    groups.expt_gtp_remat = None
+    groups.hcp = None
+    groups.dp_cp_ag = None
+    groups.expt_dp_ag = None
+
     _GROUPS = groups
+    _set_global_memory_buffer()
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
         _VIRTUAL_PIPELINE_RANK = 0
+
+
+def _refuse_unsupported_layouts(**requested) -> None:
+    """Raise before any collective for layout options whose feature is not built yet."""
+    defaults = {
+        "hierarchical_context_parallel_sizes": None,
+        "hybrid_context_parallel": False,
+        "gtp_remat_size": 1,
+        "expert_gtp_remat_size": 1,
+        "num_distributed_optimizer_instances": 1,
+        "rank_offset": 0,
+        "local_world_size": None,
+    }
+    features = {
+        "hierarchical_context_parallel_sizes": "hierarchical context parallelism",
+        "hybrid_context_parallel": "hybrid context parallelism",
+        "gtp_remat_size": "GTP weight rematerialisation",
+        "expert_gtp_remat_size": "expert GTP weight rematerialisation",
+        "num_distributed_optimizer_instances": "several distributed-optimizer instances",
+        "rank_offset": "a layout over part of the world",
+        "local_world_size": "a layout over part of the world",
+    }
+    for name, value in requested.items():
+        if name == "local_world_size" and value == dist.get_world_size():
+            continue
+        if value != defaults[name] and not (name == "hierarchical_context_parallel_sizes" and not value):
+            raise ValueError(
+                f"not supported yet: {features[name]} ({name}={value!r}); leave it at {defaults[name]!r}"
+            )
+
+
+def _read_nccl_comm_cfgs(path: Optional[str]) -> dict:
+    """Per-group NCCL options from Megatron's YAML file (``{group name: {option: value}}``)."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        with open(path) as f:
+            cfgs = yaml.safe_load(f) or {}
+    except OSError as error:
+        raise ValueError(f"nccl_communicator_config_path={path!r} cannot be read: {error}") from error
+    if not isinstance(cfgs, dict) or not all(isinstance(v, dict) for v in cfgs.values()):
+        raise ValueError(
+            f"nccl_communicator_config_path={path!r} must map process group names to option dicts, got {cfgs!r}"
+        )
+    return cfgs
+
+
+def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_comm_cfgs=None):
+    """Create separate communicators, with the same members as the (expert) data x context groups, for parameter
+    all-gathers, so those can overlap with gradient reduce-scatters on the original groups.
+
+    Collective over all ranks; the result is this rank's group, also available as ``dp_cp_ag`` / ``expt_dp_ag`` in
+    the process-group collection.
+    """
+    groups = _groups()
+    name = "expt_dp_ag" if for_expert_parallelism else "dp_cp_ag"
+    source = "expt_dp" if for_expert_parallelism else "dp_cp"
+    options = None
+    if nccl_comm_cfgs and dist.get_backend() == "nccl":
+        options = get_nccl_options(name, nccl_comm_cfgs)
+    world_size = dist.get_world_size()
+    members = list(_GROUP_RANKS[source])
+    # Every rank learns every group's members, since every rank must take part in creating each group.
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, members)
+    mine = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        group = create_group(list(ranks), timeout=timeout, pg_options=options, group_desc=name.upper())
+        if dist.get_rank() in ranks:
+            mine = group
+    setattr(groups, name, mine)
+    return mine
 
 
 def _check_expert_layout_matches_pipeline(
@@ -237,11 +499,14 @@ def _check_expert_layout_matches_pipeline(
 
 def destroy_model_parallel() -> None:
     """Forget every group this module created, so ``initialize_model_parallel`` can run again."""
-    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK, _global_process_group_list
     _GROUPS = None
     _GLOO_DP_GROUPS.clear()
+    _OTHER_GROUPS.clear()
     _GROUP_RANKS.clear()
     _OVERRIDES.clear()
+    destroy_global_memory_buffer()
+    _global_process_group_list = None
     _VIRTUAL_PIPELINE_WORLD_SIZE = None
     _VIRTUAL_PIPELINE_RANK = None
 
@@ -269,22 +534,33 @@ def _groups() -> ProcessGroupCollection:
     return _GROUPS
 
 
+# Groups that exist only for features this layout did not ask for; asking for one with check_initialized is an
+# error (the other groups are None only on ranks outside every such group, e.g. embd on middle pipeline stages).
+_ONLY_WHEN_ASKED_FOR = {"hcp", "inter_dist_opt", "gtp_remat", "expt_gtp_remat", "dp_cp_ag", "expt_dp_ag"}
+
+
 def _group(name: str, check_initialized: bool = True) -> Optional[dist.ProcessGroup]:
-    if not check_initialized and _GROUPS is None:
+    """This rank's group ``name``; with ``check_initialized`` a group that does not exist is an error."""
+    if _GROUPS is None:
+        if check_initialized:
+            _groups()
         return None
-    return getattr(_groups(), name)
+    group = _OTHER_GROUPS[name] if name in _OTHER_GROUPS else getattr(_GROUPS, name)
+    if group is None and check_initialized and name in _ONLY_WHEN_ASKED_FOR:
+        raise RuntimeError(f"process group {name!r} was not created by initialize_model_parallel for this layout")
+    return group
 
 
 def _world_size(name: str) -> int:
     if _GROUPS is None:
         return 1  # Megatron's layers are usable without groups as TP=1 modules.
-    return dist.get_world_size(getattr(_GROUPS, name))
+    return dist.get_world_size(_group(name))
 
 
 def _rank(name: str) -> int:
     if _GROUPS is None:
         return 0
-    return dist.get_rank(getattr(_GROUPS, name))
+    return dist.get_rank(_group(name))
 
 
 # ---- group accessors -------------------------------------------------------------------------------------------
@@ -302,11 +578,12 @@ def get_model_parallel_group(check_initialized: bool = True):
     return _group("mp", check_initialized)
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+def get_data_parallel_group(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
     """The data-parallel group, optionally with context parallelism folded in.
 
     ``partial_data_parallel`` asks for the distributed optimizer's intra-instance group; with the one instance
-    supported here that is the whole data x context group, as in Megatron.
+    supported here that is the whole data x context group, as in Megatron. ``with_gtp_remat`` selects the group
+    with GTP weight rematerialisation folded in, which is the same group while that feature is off (size 1).
     """
     if partial_data_parallel and not with_context_parallel:
         raise ValueError(
@@ -316,10 +593,12 @@ def get_data_parallel_group(with_context_parallel: bool = False, partial_data_pa
     return _group("dp_cp" if with_context_parallel else "dp")
 
 
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_parallel=False):
     """A gloo twin of the data-parallel group (the group itself when the default backend is already gloo)."""
     name = "dp_cp" if with_context_parallel else "dp"
-    return _GLOO_DP_GROUPS.get(name) or get_data_parallel_group(with_context_parallel, partial_data_parallel)
+    return _GLOO_DP_GROUPS.get(name) or get_data_parallel_group(
+        with_context_parallel, partial_data_parallel=partial_data_parallel
+    )
 
 
 def get_context_parallel_group(check_initialized: bool = True):
@@ -334,8 +613,31 @@ def get_tensor_and_context_parallel_group(check_initialized: bool = True):
     return _group("tp_cp", check_initialized)
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+def get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=False):
+    return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """The per-level context-parallel groups of hierarchical CP (not built yet, so None or an error)."""
+    return _group("hcp", check_initialized)
+
+
+def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False):
+    """The group FP8 amax values are reduced over: tensor (x context) ranks, plus data ranks unless
+    ``tp_only_amax_red``."""
+    if tp_only_amax_red:
+        return _group("tp_cp" if with_context_parallel else "tp")
     return _group("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized=True):
+    """All ranks of this rank's distributed-optimizer instance (the whole world with one instance)."""
+    return _group("intra_dist_opt", check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized=True):
+    """The group across distributed-optimizer instances; it exists only with several instances."""
+    return _group("inter_dist_opt", check_initialized)
 
 
 def get_embedding_group(check_initialized: bool = True):
@@ -358,16 +660,21 @@ def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
     return _group("tp_ep", check_initialized)
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
-    return _group("tp_ep_pp", check_initialized)
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True, with_egtp_remat=False):
+    """Expert tensor x expert x pipeline ranks; ``with_egtp_remat`` adds expert GTP rematerialisation, the same
+    group while that feature is off (size 1)."""
+    return _group("tp_ep_pp_with_egtp_remat" if with_egtp_remat else "tp_ep_pp", check_initialized)
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
-    return _group("expt_dp", check_initialized)
+def get_expert_data_parallel_group(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
+    """The expert data-parallel group (the intra-instance one is the same group with one optimizer instance)."""
+    return _group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", check_initialized)
 
 
-def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
-    return _GLOO_DP_GROUPS.get("expt_dp") or get_expert_data_parallel_group()
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
+    return _GLOO_DP_GROUPS.get("expt_dp") or get_expert_data_parallel_group(
+        partial_expert_data_parallel=partial_expert_data_parallel
+    )
 
 
 # ---- sizes and ranks -------------------------------------------------------------------------------------------
@@ -412,12 +719,19 @@ def _set_override(key: str, value: Optional[int]) -> None:
         _OVERRIDES[key] = value
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_world_size(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
     return _world_size("dp_cp" if with_context_parallel else "dp")
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_rank(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
+    if "dp_rank" in _OVERRIDES:
+        return _OVERRIDES["dp_rank"]
     return _rank("dp_cp" if with_context_parallel else "dp")
+
+
+def set_data_parallel_rank(rank):
+    """Test hook: make get_data_parallel_rank report ``rank`` (None restores the group's answer)."""
+    _set_override("dp_rank", rank)
 
 
 def get_context_parallel_world_size() -> int:
@@ -441,19 +755,35 @@ def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False)
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _world_size("ep")
+    return _OVERRIDES.get("ep_size") or _world_size("ep")
 
 
 def get_expert_model_parallel_rank() -> int:
-    return _rank("ep")
+    return _OVERRIDES["ep_rank"] if "ep_rank" in _OVERRIDES else _rank("ep")
+
+
+def set_expert_model_parallel_world_size(world_size):
+    _set_override("ep_size", world_size)
+
+
+def set_expert_model_parallel_rank(rank):
+    _set_override("ep_rank", rank)
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    return _world_size("expt_tp")
+    return _OVERRIDES.get("etp_size") or _world_size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    return _rank("expt_tp")
+    return _OVERRIDES["etp_rank"] if "etp_rank" in _OVERRIDES else _rank("expt_tp")
+
+
+def set_expert_tensor_parallel_world_size(world_size):
+    _set_override("etp_size", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank):
+    _set_override("etp_rank", rank)
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
@@ -464,12 +794,12 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return _rank("tp_ep")
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    return _world_size("expt_dp")
+def get_expert_data_parallel_world_size(with_gtp_remat=True, partial_expert_data_parallel=False):
+    return _world_size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    return _rank("expt_dp")
+def get_expert_data_parallel_rank(with_gtp_remat=True, partial_expert_data_parallel=False):
+    return _rank("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
 
 
 # ---- source ranks and pipeline neighbours ----------------------------------------------------------------------
@@ -491,6 +821,11 @@ def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
 
 def get_model_parallel_src_rank() -> int:
     return _group_ranks("mp")[0]
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of EP rank 0 in this rank's expert-parallel group."""
+    return _group_ranks("ep")[0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
@@ -536,8 +871,9 @@ def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
     _VIRTUAL_PIPELINE_RANK = rank
 
 
-def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-    """True on the first pipeline stage (and, unless ``ignore_virtual``, for its first virtual chunk)."""
+def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None) -> bool:
+    """True on the first pipeline stage; with ``ignore_virtual=False`` also only for its first virtual chunk
+    (``vp_stage``, defaulting to the current virtual rank)."""
     if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None:
         chunk = _VIRTUAL_PIPELINE_RANK if vp_stage is None else vp_stage
         if chunk != 0:
@@ -545,8 +881,8 @@ def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: Optional[int
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-    """True on the last pipeline stage (and, unless ``ignore_virtual``, for its last virtual chunk)."""
+def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None) -> bool:
+    """True on the last pipeline stage; with ``ignore_virtual=False`` also only for its last virtual chunk."""
     if not ignore_virtual and _VIRTUAL_PIPELINE_WORLD_SIZE is not None:
         chunk = _VIRTUAL_PIPELINE_RANK if vp_stage is None else vp_stage
         if chunk != _VIRTUAL_PIPELINE_WORLD_SIZE - 1:
@@ -554,18 +890,52 @@ def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: Optional[int]
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
-def is_rank_in_embedding_group(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+def is_rank_in_embedding_group(ignore_virtual=True, vp_stage=None) -> bool:
     """True where this rank holds a copy of the word embedding that must be kept in sync."""
     rank = dist.get_rank()
     ranks = _group_ranks("embd")
     if ignore_virtual:
         return rank in ranks
     if rank == ranks[0]:
-        return is_pipeline_first_stage(vp_stage=vp_stage)
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
-        return is_pipeline_last_stage(vp_stage=vp_stage)
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return rank in ranks
 
 
 def is_rank_in_position_embedding_group() -> bool:
     return dist.get_rank() in _group_ranks("pos_embd")
+
+
+# ---- global memory buffer and diagnostics ----------------------------------------------------------------------
+
+
+def _set_global_memory_buffer() -> None:
+    global _GLOBAL_MEMORY_BUFFER
+    if _GLOBAL_MEMORY_BUFFER is not None:
+        raise RuntimeError("global memory buffer is already initialized")
+    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The scratch buffer that initialize_model_parallel creates (reused for all-gather outputs and the like)."""
+    if _GLOBAL_MEMORY_BUFFER is None:
+        raise RuntimeError("global memory buffer is not initialized; call initialize_model_parallel() first")
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def destroy_global_memory_buffer() -> None:
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+
+
+def get_all_ranks() -> str:
+    """This rank's tensor, data, context, pipeline and expert-parallel ranks as ``"tp_dp_cp_pp_ep"``."""
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
+    return "_".join(str(rank or 0) for rank in ranks)

@@ -3,67 +3,150 @@
 Modules take ``pg_collection=None`` and fall back to :meth:`ProcessGroupCollection.use_mpu_process_groups`, which
 reads the groups that :func:`megatron.core.parallel_state.initialize_model_parallel` created. Passing a collection
 explicitly lets one process hold several models with different layouts (and keeps model code free of globals).
+
+As in Megatron, a collection holds only the groups it was given: a group that was never set is absent
+(``hasattr(pgs, "cp")`` is False), while a group set to ``None`` is present and empty. Code that accepts partial
+collections tests with ``hasattr`` or ``getattr(pgs, name, None)``.
 """
 
-from dataclasses import dataclass, fields
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
 
-@dataclass
-class ProcessGroupCollection:
-    """Process groups by Megatron's short names.
+class ProcessGroupHelperMeta(type):
+    """Metaclass for helper classes whose ``virtual_pipeline_model_parallel_size`` must go through a setter.
 
-    tp: tensor-parallel; pp: pipeline-parallel; mp: model-parallel (tp x pp); cp: context-parallel;
-    tp_cp: tensor x context; ep: expert-parallel; expt_tp: expert tensor-parallel; tp_ep: expert tensor x expert;
-    tp_ep_pp: expert tensor x expert x pipeline; dp: data-parallel; dp_cp: data x context (what gradients are
-    reduced over); expt_dp: expert data-parallel; tp_dp: tensor x data; tp_dp_cp: tensor x data x context;
-    embd: first/last pipeline stages sharing the word embedding; pos_embd: the stage holding position embeddings.
+    Assigning the attribute on the class directly would skip whatever bookkeeping the class's
+    ``set_virtual_pipeline_model_parallel_size`` does, so it is refused.
     """
 
-    tp: Optional[dist.ProcessGroup] = None
-    pp: Optional[dist.ProcessGroup] = None
-    mp: Optional[dist.ProcessGroup] = None
-    cp: Optional[dist.ProcessGroup] = None
-    tp_cp: Optional[dist.ProcessGroup] = None
-    ep: Optional[dist.ProcessGroup] = None
-    expt_tp: Optional[dist.ProcessGroup] = None
-    tp_ep: Optional[dist.ProcessGroup] = None
-    tp_ep_pp: Optional[dist.ProcessGroup] = None
-    dp: Optional[dist.ProcessGroup] = None
-    dp_cp: Optional[dist.ProcessGroup] = None
-    expt_dp: Optional[dist.ProcessGroup] = None
-    tp_dp: Optional[dist.ProcessGroup] = None
-    tp_dp_cp: Optional[dist.ProcessGroup] = None
-    embd: Optional[dist.ProcessGroup] = None
-    pos_embd: Optional[dist.ProcessGroup] = None
+    def __setattr__(cls, name, value):
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(
+                f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() method instead."
+            )
+        super().__setattr__(name, value)
+
+
+@dataclass
+class ProcessGroupCollection:
+    """Process groups by Megatron's short names (every field is optional and set by keyword).
+
+    Model parallelism: tp tensor; pp pipeline; mp model (tp x pp); embd first/last stages sharing the word
+    embedding; pos_embd the stage holding position embeddings; cp context; tp_cp tensor x context; hcp hierarchical
+    context-parallel groups (a list); ep expert; expt_tp expert tensor; tp_ep expert tensor x expert; tp_ep_pp
+    expert tensor x expert x pipeline; tp_ep_pp_with_egtp_remat the same with expert GTP weight rematerialisation.
+    Data parallelism: tp_dp_cp tensor x data x context; dp data; dp_cp data x context (what gradients are reduced
+    over); dp_cp_gtp_remat / expt_dp_gtp_remat the data groups with GTP rematerialisation folded in; dp_cp_ag /
+    expt_dp_ag separate communicators for parameter all-gathers; gtp_remat / expt_gtp_remat the GTP
+    rematerialisation groups; expt_dp expert data; intra_dp_cp / intra_expt_dp the data groups inside one
+    distributed-optimizer instance; inter_dist_opt across instances; intra_dist_opt all ranks of one instance.
+    """
+
+    tp: dist.ProcessGroup = field(init=False)
+    pp: dist.ProcessGroup = field(init=False)
+    mp: dist.ProcessGroup = field(init=False)
+    embd: dist.ProcessGroup = field(init=False)
+    pos_embd: dist.ProcessGroup = field(init=False)
+    cp: dist.ProcessGroup = field(init=False)
+    tp_cp: dist.ProcessGroup = field(init=False)
+    hcp: List[dist.ProcessGroup] = field(init=False)
+    ep: dist.ProcessGroup = field(init=False)
+    expt_tp: dist.ProcessGroup = field(init=False)
+    tp_ep: dist.ProcessGroup = field(init=False)
+    tp_ep_pp: dist.ProcessGroup = field(init=False)
+    tp_ep_pp_with_egtp_remat: dist.ProcessGroup = field(init=False)
+    tp_dp_cp: dist.ProcessGroup = field(init=False)
+    dp: dist.ProcessGroup = field(init=False)
+    dp_cp: dist.ProcessGroup = field(init=False)
+    dp_cp_gtp_remat: dist.ProcessGroup = field(init=False)
+    dp_cp_ag: dist.ProcessGroup = field(init=False)
+    gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp: dist.ProcessGroup = field(init=False)
+    expt_dp_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp_ag: dist.ProcessGroup = field(init=False)
+    intra_dp_cp: dist.ProcessGroup = field(init=False)
+    intra_expt_dp: dist.ProcessGroup = field(init=False)
+    inter_dist_opt: dist.ProcessGroup = field(init=False)
+    intra_dist_opt: dist.ProcessGroup = field(init=False)
+
+    def __init__(self, **groups):
+        known = {f.name for f in fields(self)}
+        for name, group in groups.items():
+            if name not in known:
+                raise ValueError(f"Unknown attribute: {name}")
+            setattr(self, name, group)
 
     @classmethod
-    def use_mpu_process_groups(cls, required_pgs=None) -> "ProcessGroupCollection":
+    def use_mpu_process_groups(cls, required_pgs: Optional[List[str]] = None) -> "ProcessGroupCollection":
         """Build a collection from the groups ``parallel_state.initialize_model_parallel`` created.
 
-        ``required_pgs`` (a list of names such as ``['tp', 'pp']``) limits the collection to those groups.
+        ``required_pgs`` (a list of names such as ``['tp', 'pp']``) limits the collection to those groups. Groups
+        the layout does not create (``hcp``, ``inter_dist_opt``, the GTP and all-gather groups when not asked for)
+        are present as ``None``.
         """
         from megatron.core import parallel_state
 
-        known = {f.name for f in fields(cls)}
+        known = [f.name for f in fields(cls)]
         names = known if required_pgs is None else list(required_pgs)
-        unknown = sorted(set(names) - known)
+        unknown = sorted(set(names) - set(known))
         if unknown:
-            raise ValueError(f"unknown process group name(s) {unknown}; known names are {sorted(known)}")
-        groups = parallel_state.get_process_group_collection()
-        return cls(**{name: getattr(groups, name) for name in names})
+            raise ValueError(f"Invalid process groups requested: {unknown}; known names are {known}")
+        everything = parallel_state.get_process_group_collection()
+        return cls(**{name: getattr(everything, name, None) for name in names})
 
     def __repr__(self) -> str:
-        present = [f.name for f in fields(self) if getattr(self, f.name) is not None]
-        return f"ProcessGroupCollection({', '.join(present)})"
+        present = []
+        for f in fields(self):
+            if not hasattr(self, f.name):
+                continue
+            group = getattr(self, f.name)
+            present.append(f"{f.name}({_size_of(group)})")
+        return f"ProcessGroupCollection({', '.join(present)})" if present else "ProcessGroupCollection(empty)"
+
+
+def _size_of(group) -> str:
+    if group is None:
+        return "None"
+    if isinstance(group, list):  # hcp: one group per hierarchy level
+        return "[" + ", ".join(str(g.size()) for g in group) + "]"
+    return str(group.size())
+
+
+@dataclass
+class MultiModuleProcessGroupCollection:
+    """Process groups of a model made of several modules (e.g. a vision encoder and a language model), by name.
+
+    ``module_pgs`` maps each module's name to its :class:`ProcessGroupCollection`; ``language_model_module_name``
+    names the module whose output carries the loss (it must be one of ``module_pgs``).
+    """
+
+    module_pgs: Dict[str, ProcessGroupCollection]
+    language_model_module_name: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.module_pgs:
+            raise ValueError("MultiModuleProcessGroupCollection needs at least one module in module_pgs")
+        for name, pgs in self.module_pgs.items():
+            if not isinstance(pgs, ProcessGroupCollection):
+                raise ValueError(
+                    f"module_pgs[{name!r}] is a {type(pgs).__name__}; every value must be a ProcessGroupCollection"
+                )
+        if self.language_model_module_name is not None and self.language_model_module_name not in self.module_pgs:
+            raise ValueError(
+                f"language_model_module_name={self.language_model_module_name!r} is not one of the modules "
+                f"{sorted(self.module_pgs)}"
+            )
 
 
 def tp_group_or_default(pg_collection: Optional[ProcessGroupCollection]) -> dist.ProcessGroup:
-    """The tensor-parallel group of ``pg_collection``, or the global one when it is None."""
-    if pg_collection is not None and pg_collection.tp is not None:
-        return pg_collection.tp
+    """The tensor-parallel group of ``pg_collection``, or the global one when it is None or has no tp group."""
+    tp = getattr(pg_collection, "tp", None)
+    if tp is not None:
+        return tp
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()

@@ -4,15 +4,26 @@ Library code never calls ``.cuda()`` or ``torch.cuda.*`` directly: it asks these
 CPU (gloo) as well as on NVIDIA GPUs (nccl).
 """
 
+import asyncio
+import functools
+import hashlib
+import importlib.metadata
+import inspect
 import logging
+import math
+import time
+import traceback
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
+from packaging.version import Version as PkgVersion
 
 logger = logging.getLogger(__name__)
+
+_Wrapped = TypeVar("_Wrapped", bound=Callable[..., Any])
 
 
 def cuda_available() -> bool:
@@ -37,6 +48,12 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def synchronize_device() -> None:
+    """Wait for the accelerator's queued work (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def device_memory_mb() -> Optional[dict]:
     """Allocated, peak-allocated and reserved accelerator memory in MB (None on the CPU)."""
     if not torch.cuda.is_available():
@@ -49,10 +66,15 @@ def device_memory_mb() -> Optional[dict]:
     }
 
 
-def divide(numerator: int, denominator: int) -> int:
-    """Exact integer division; raises when ``denominator`` does not divide ``numerator``."""
+def ensure_divisibility(numerator, denominator):
+    """Raise when ``denominator`` does not divide ``numerator``."""
     if denominator == 0 or numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator, denominator):
+    """Exact integer division; raises when ``denominator`` does not divide ``numerator``."""
+    ensure_divisibility(numerator, denominator)
     return numerator // denominator
 
 
@@ -67,15 +89,6 @@ def print_rank_0(message: str) -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     print(message, flush=True)
-
-
-def get_attr_wrapped_model(model, attr: str):
-    """Get ``attr`` from ``model``, looking through wrappers (DDP, Float16Module) that keep the real model in ``.module``."""
-    if isinstance(model, list):
-        raise TypeError("get_attr_wrapped_model takes a single model chunk, not a list")
-    while not hasattr(model, attr) and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, attr)
 
 
 def init_method_normal(sigma: float):
@@ -109,3 +122,971 @@ def layout_independent_init(config, stream_offset: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(base_seed + stream_offset)
         yield
+
+
+def mup_scaled_init_method_normal(sigma, num_layers, width_mult, multiplier=2.0):
+    """muP version of :func:`scaled_init_method_normal`: the depth-scaled std is further divided by
+    ``sqrt(width_mult)`` (hidden weights' std shrinks as ``1/sqrt(fan_in)`` when the model is widened)."""
+    return init_method_normal(sigma / math.sqrt(multiplier * num_layers * width_mult))
+
+
+def round_up_to_nearest_multiple(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return ((value + multiple - 1) // multiple) * multiple
+
+
+# ---- models and wrappers ---------------------------------------------------------------------------------------
+
+
+def get_attr_wrapped_model(model, attr, allow_none=True, return_model_obj=False):
+    """Get ``attr`` from ``model``, looking through wrappers (DDP, Float16Module) that keep the real model in ``.module``.
+
+    With ``allow_none=False`` a wrapper whose ``attr`` is None does not count as having it. With ``return_model_obj``
+    the (possibly inner) module that has ``attr`` is returned instead of the attribute.
+    """
+    if isinstance(model, list):
+        raise RuntimeError("get_attr_wrapped_model takes a single model chunk, not a list")
+
+    def has(module):
+        return hasattr(module, attr) and (allow_none or getattr(module, attr) is not None)
+
+    while not has(model):
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"couldn't find attribute {attr!r} in {type(model).__name__} or any wrapped module")
+        model = model.module
+    return model if return_model_obj else getattr(model, attr)
+
+
+def get_model_type(model):
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_model_xattn(model):
+    """Whether the model needs cross-attention inputs (its ``xattn_needed``); False for models without the notion."""
+    try:
+        return get_attr_wrapped_model(model, "xattn_needed")
+    except RuntimeError:
+        return False
+
+
+def get_model_config(model):
+    return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def _default_wrapper_types() -> tuple:
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    return (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel, Float16Module)
+
+
+def unwrap_model(model, module_instances=None):
+    """Strip wrapper modules (by default Megatron's DDP, torch's DDP and Float16Module) off a model or a list of
+    model chunks, returning the inner module(s)."""
+    wrappers = tuple(module_instances) if module_instances is not None else _default_wrapper_types()
+    chunks = model if isinstance(model, list) else [model]
+    unwrapped = []
+    for chunk in chunks:
+        while isinstance(chunk, wrappers):
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped if isinstance(model, list) else unwrapped[0]
+
+
+def is_submodule(module, parent_module, strict=True):
+    """True when ``module`` is inside ``parent_module``; with ``strict=False`` the parent itself counts too."""
+    if not strict and module is parent_module:
+        return True
+    return any(child is module for child in parent_module.modules() if child is not parent_module)
+
+
+def accepts_parameter(func: Callable, name: str) -> bool:
+    """Whether ``func`` can be called with the keyword argument ``name`` (directly or through ``**kwargs``)."""
+    parameters = inspect.signature(func).parameters
+    if name in parameters:
+        return parameters[name].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def is_using_quantization_scales(config):
+    """True when the config trains in FP8 or FP4, whose tensors carry quantisation scales."""
+    return bool(getattr(config, "fp8", None)) or bool(getattr(config, "fp4", None))
+
+
+# ---- process-group helpers -------------------------------------------------------------------------------------
+
+
+def get_pg_size(group=None):
+    """Size of ``group`` (the world when None); 1 when torch.distributed is not initialised."""
+    if not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def get_pg_rank(group=None):
+    """This rank's rank in ``group`` (the world when None); 0 when torch.distributed is not initialised."""
+    if not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank(group)
+
+
+def get_pg_src_rank(group=None):
+    """Global rank of rank 0 of ``group`` (the world when None); 0 when torch.distributed is not initialised."""
+    if not torch.distributed.is_initialized():
+        return 0
+    if group is None:
+        return 0
+    return torch.distributed.get_process_group_ranks(group)[0]
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``tp_group``, or parallel_state's (expert) tensor-parallel group when it is None."""
+    if tp_group is not None:
+        return tp_group
+    from megatron.core import parallel_state
+
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def log_on_each_pipeline_stage(
+    logger: logging.Logger,
+    *args: Any,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    dp_cp_group: Optional[torch.distributed.ProcessGroup] = None,
+    **kwargs: Any,
+):
+    """``logger.log(*args, **kwargs)`` on one rank per pipeline stage: tensor-parallel rank 0 of data x context rank 0.
+
+    The groups default to parallel_state's.
+    """
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+        dp_cp_group = dp_cp_group or parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if get_pg_rank(tp_group) == 0 and get_pg_rank(dp_cp_group) == 0:
+        logger.log(*args, **kwargs)
+
+
+# ---- DTensor helpers -------------------------------------------------------------------------------------------
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def to_local_if_dtensor(tensor: Union[torch.Tensor, "DTensor"]) -> torch.Tensor:
+    """This rank's local piece of a DTensor (a plain tensor is returned as is)."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def get_full_tensor_if_necessary(tensor):
+    """The whole tensor behind a DTensor, gathered from its shards (a plain tensor is returned as is)."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def get_data_parallel_group_if_dtensor(
+    tensor: Union[torch.Tensor, "DTensor"], data_parallel_group: "ProcessGroup" = None
+) -> Optional["ProcessGroup"]:
+    """The group a (1-D mesh) DTensor is sharded over, checked against ``data_parallel_group`` when both are given;
+    ``data_parallel_group`` for a plain tensor."""
+    if not _is_dtensor(tensor):
+        return data_parallel_group
+    group = tensor.device_mesh.get_group()
+    if data_parallel_group is not None and group != data_parallel_group:
+        raise ValueError("the DTensor's mesh group is not the data_parallel_group given")
+    return group
+
+
+# ---- viewless tensors ------------------------------------------------------------------------------------------
+
+
+def _kernel_make_viewless_tensor(inp, requires_grad):
+    """A new tensor sharing ``inp``'s storage but with no ``._base``, so it keeps no view chain alive."""
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+class MakeViewlessTensor(torch.autograd.Function):
+    """Autograd-transparent version of :func:`_kernel_make_viewless_tensor` (the gradient passes through)."""
+
+    @staticmethod
+    def forward(ctx, inp, requires_grad):
+        return _kernel_make_viewless_tensor(inp, requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+def make_viewless_tensor(inp, requires_grad, keep_graph):
+    """Return ``inp`` without a ``._base`` (itself when it is not a view).
+
+    Pipeline stages free a layer's output storage after sending it; if the output is a view, its base would keep the
+    memory alive. ``keep_graph`` keeps the autograd connection to ``inp``.
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return MakeViewlessTensor.apply(inp, requires_grad)
+    return _kernel_make_viewless_tensor(inp, requires_grad)
+
+
+def assert_viewless_tensor(tensor, extra_msg=None):
+    """Raise when ``tensor`` (or any tensor of a list of them) is a view; non-tensors are ignored."""
+    if isinstance(tensor, list):
+        for item in tensor:
+            assert_viewless_tensor(item, extra_msg)
+        return tensor
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    if tensor._base is not None:
+        raise AssertionError(
+            "Ensure tensor._base is None before setting tensor.data or storing tensor to memory buffer. "
+            f"Otherwise, a memory leak will occur (and likely accumulate over iterations). {extra_msg or ''}"
+        )
+    return tensor
+
+
+def safely_set_viewless_tensor_data(tensor, new_data_tensor):
+    """``tensor.data = new_data_tensor`` after checking that ``tensor`` is not a view."""
+    assert_viewless_tensor(
+        tensor,
+        extra_msg=f"FYI, tensor._base has shape {'--' if tensor._base is None else tensor._base.shape}, and new_data_tensor "
+        f"has shape {new_data_tensor.shape}.",
+    )
+    tensor.data = new_data_tensor
+
+
+class WrappedTensor:
+    """Holds a tensor so a callee can take the only reference (``unwrap``) and free it early."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._wrapper = [tensor]
+
+    def unwrap(self):
+        """Return the tensor and drop this wrapper's reference to it (a second call is an error)."""
+        if not self._wrapper:
+            raise RuntimeError("WrappedTensor was already unwrapped")
+        return self._wrapper.pop()
+
+
+class GlobalMemoryBuffer:
+    """Named scratch tensors reused across calls, so hot paths (e.g. all-gather outputs) do not reallocate.
+
+    ``get_tensor(shape, dtype, name)`` returns a view of the buffer kept under ``(name, dtype)``, grown when a larger
+    request comes. Two live uses must use different names: the same name returns the same memory.
+    """
+
+    def __init__(self):
+        self.buffer: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context: Optional[Callable] = None):
+        """A tensor of ``tensor_shape`` and ``dtype`` backed by the ``name`` buffer (contents are unspecified).
+
+        ``mem_alloc_context``, when given, is a context-manager factory entered around a (re)allocation, e.g. to
+        place the buffer in a particular memory pool.
+        """
+        required = math.prod(tensor_shape)
+        key = (name, dtype)
+        current = self.buffer.get(key)
+        if current is None or current.numel() < required:
+            context = mem_alloc_context() if mem_alloc_context is not None else _null_context()
+            with context:
+                self.buffer[key] = torch.empty(required, dtype=dtype, device=get_current_device(), requires_grad=False)
+        return self.buffer[key][0:required].view(*tensor_shape)
+
+
+@contextmanager
+def _null_context():
+    yield
+
+
+# ---- versions of optional packages -----------------------------------------------------------------------------
+# get_*_version returns the installed version as a packaging Version, or None when the package is absent;
+# is_*_min_version is then False (an absent package satisfies no minimum).
+
+
+@lru_cache(maxsize=None)
+def _installed_version(*distribution_names: str) -> Optional[PkgVersion]:
+    for name in distribution_names:
+        try:
+            return PkgVersion(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _is_min_version(installed: Optional[PkgVersion], version, check_equality: bool) -> bool:
+    if installed is None:
+        return False
+    wanted = PkgVersion(str(version))
+    return installed >= wanted if check_equality else installed > wanted
+
+
+def get_torch_version():
+    """The running torch's version (local build tags such as ``+cpu`` kept)."""
+    return PkgVersion(torch.__version__)
+
+
+def is_torch_min_version(version, check_equality=True):
+    return _is_min_version(get_torch_version(), version, check_equality)
+
+
+def get_te_version():
+    """Transformer Engine's version, or None when it is not installed."""
+    return _installed_version("transformer-engine", "transformer_engine")
+
+
+def is_te_min_version(version, check_equality=True):
+    return _is_min_version(get_te_version(), version, check_equality)
+
+
+def get_fa_version():
+    """flash-attn's version, or None when it is not installed."""
+    return _installed_version("flash-attn", "flash_attn")
+
+
+def is_fa_min_version(version, check_equality=True):
+    return _is_min_version(get_fa_version(), version, check_equality)
+
+
+def get_mamba_version():
+    """mamba-ssm's version, or None when it is not installed."""
+    return _installed_version("mamba-ssm", "mamba_ssm")
+
+
+def is_mamba_min_version(version, check_equality=True):
+    return _is_min_version(get_mamba_version(), version, check_equality)
+
+
+def get_causal_conv1d_version():
+    """causal-conv1d's version, or None when it is not installed."""
+    return _installed_version("causal-conv1d", "causal_conv1d")
+
+
+def is_causal_conv1d_min_version(version, check_equality=True):
+    return _is_min_version(get_causal_conv1d_version(), version, check_equality)
+
+
+def get_flashinfer_version():
+    """FlashInfer's version, or None when it is not installed."""
+    return _installed_version("flashinfer-python", "flashinfer")
+
+
+def is_flashinfer_min_version(version, check_equality=True):
+    return _is_min_version(get_flashinfer_version(), version, check_equality)
+
+
+# ---- API life-cycle decorators ---------------------------------------------------------------------------------
+
+
+class ExperimentalNotEnabledError(Exception):
+    """An experimental API was called without ``megatron.core.config.set_experimental_flag(True)``."""
+
+
+def _check_experimental(name: str, introduced_with_version: Optional[str]) -> None:
+    from megatron.core import config
+
+    if not config.is_experimental_enabled():
+        since = f" (introduced with {introduced_with_version})" if introduced_with_version else ""
+        raise ExperimentalNotEnabledError(
+            f"{name} is experimental{since} and not enabled; call "
+            "megatron.core.config.set_experimental_flag(True) to use it"
+        )
+
+
+def experimental_fn(introduced_with_version: str):
+    """Decorator: calling the function raises ExperimentalNotEnabledError unless experimental APIs are enabled."""
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            _check_experimental(func.__qualname__, introduced_with_version)
+            return func(*args, **kwargs)
+
+        wrapper._experimental_api = True
+        return wrapper
+
+    return decorate
+
+
+def experimental_cls(introduced_with_version: str):
+    """Class decorator: instantiating the class raises ExperimentalNotEnabledError unless experimental APIs are
+    enabled."""
+
+    def decorate(cls):
+        original_init = cls.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            _check_experimental(cls.__qualname__, introduced_with_version)
+            original_init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls._experimental_api = True
+        return cls
+
+    return decorate
+
+
+def experimental_api(func: _Wrapped) -> _Wrapped:
+    """Mark a function or class as experimental (see :func:`experimental_fn` / :func:`experimental_cls`)."""
+    if inspect.isclass(func):
+        return experimental_cls(None)(func)
+    return experimental_fn(None)(func)
+
+
+def internal_api(func: _Wrapped) -> _Wrapped:
+    """Mark ``func`` as internal: no behaviour change, but API-compatibility checks skip it."""
+    func._internal_api = True
+    return func
+
+
+def deprecated(
+    version: str, removal_version: Optional[str] = None, alternative: Optional[str] = None, reason: Optional[str] = None
+) -> Callable[[_Wrapped], _Wrapped]:
+    """Decorator: each call warns (DeprecationWarning) that the function or class is deprecated since ``version``."""
+
+    def decorate(func):
+        message = f"{func.__qualname__} is deprecated since version {version}"
+        if removal_version:
+            message += f" and will be removed in version {removal_version}"
+        if alternative:
+            message += f"; use {alternative} instead"
+        if reason:
+            message += f" ({reason})"
+
+        if inspect.isclass(func):
+            original_init = func.__init__
+
+            @functools.wraps(original_init)
+            def __init__(self, *args, **kwargs):
+                warnings.warn(message, DeprecationWarning, stacklevel=2)
+                original_init(self, *args, **kwargs)
+
+            func.__init__ = __init__
+            func._deprecated = True
+            return func
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return func(*args, **kwargs)
+
+        wrapper._deprecated = True
+        return wrapper
+
+    return decorate
+
+
+def deprecate_args(
+    *deprecated_keys: str, message: str = "Argument '{name}' has been deprecated and should not be used."
+) -> Callable[[_Wrapped], _Wrapped]:
+    """Decorator: warn (DeprecationWarning) when any of ``deprecated_keys`` is passed as a keyword argument."""
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            for name in deprecated_keys:
+                if name in kwargs:
+                    warnings.warn(message.format(name=name), DeprecationWarning, stacklevel=2)
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def deprecate_inference_params(inference_context, inference_params):
+    """The inference context given either way: ``inference_params`` is the deprecated name of ``inference_context``."""
+    if inference_context is None and inference_params is not None:
+        warnings.warn(
+            "`inference_params` renamed to `inference_context`, and will be removed in `megatron-core` 0.13.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return inference_params
+    return inference_context
+
+
+def null_decorator(*args, **kwargs):
+    """A decorator that changes nothing, usable bare (``@null_decorator``) or with arguments (``@null_decorator(x)``)."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    return lambda func: func
+
+
+# ---- profiling ranges ------------------------------------------------------------------------------------------
+# Off by default. When enabled, ranges are NVTX ranges on CUDA and torch.profiler record_function ranges on the CPU,
+# so they show up in Nsight Systems and in torch.profiler traces respectively.
+
+_NVTX_ENABLED = False
+_OPEN_RANGES: List[Tuple[str, Any]] = []
+
+
+def configure_nvtx_profiling(enabled: bool) -> None:
+    global _NVTX_ENABLED
+    _NVTX_ENABLED = bool(enabled)
+
+
+def _range_name(msg, suffix) -> str:
+    name = msg if msg is not None else "range"
+    return f"{name}.{suffix}" if suffix is not None else name
+
+
+def nvtx_range_push(msg=None, suffix=None) -> None:
+    """Open a profiling range named ``msg`` (``msg.suffix`` with a suffix), when profiling ranges are enabled."""
+    if not _NVTX_ENABLED:
+        return
+    name = _range_name(msg, suffix)
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_push(name)
+        _OPEN_RANGES.append((name, None))
+    else:
+        cpu_range = torch.autograd.profiler.record_function(name)
+        cpu_range.__enter__()
+        _OPEN_RANGES.append((name, cpu_range))
+
+
+def nvtx_range_pop(msg=None, suffix=None) -> None:
+    """Close the innermost open range; ``msg``/``suffix``, when given, must name it."""
+    if not _NVTX_ENABLED:
+        return
+    if not _OPEN_RANGES:
+        raise RuntimeError("nvtx_range_pop without a matching nvtx_range_push")
+    name, cpu_range = _OPEN_RANGES.pop()
+    if msg is not None and _range_name(msg, suffix) != name:
+        raise RuntimeError(f"nvtx_range_pop({_range_name(msg, suffix)!r}) but the innermost open range is {name!r}")
+    if cpu_range is None:
+        torch.cuda.nvtx.range_pop()
+    else:
+        cpu_range.__exit__(None, None, None)
+
+
+def nvtx_decorator(message: Optional[str] = None) -> Callable[[_Wrapped], _Wrapped]:
+    """Decorator: run the function inside a profiling range (named ``message`` or the function's qualified name)."""
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            nvtx_range_push(message or func.__qualname__)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                nvtx_range_pop()
+
+        return wrapper
+
+    return decorate
+
+
+# ---- apex multi_tensor_applier replacements --------------------------------------------------------------------
+
+
+def local_multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
+    """Pure-PyTorch stand-in for apex's ``multi_tensor_applier``: call ``op`` on the whole lists at once."""
+    return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
+
+
+def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """The L2 norm of all tensors of ``tensor_lists[0]`` together (shape [1], fp32), and, with ``per_tensor``,
+    each tensor's norm (else None)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        device = get_current_device()
+        return torch.zeros(1, dtype=torch.float32, device=device), None
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    return total, (norms if per_tensor else None)
+
+
+def local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``dst = src * scale`` for each pair of ``zip(tensor_lists[0], tensor_lists[1])``."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        dst.copy_(src * scale)
+
+
+# ---- distributed checkpointing helpers -------------------------------------------------------------------------
+
+
+def _tp_and_dp_ranks() -> Tuple[int, int, int]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
+    """A ShardedTensor for a tensor that every tensor-parallel rank holds whole (replicated over TP and DP)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp_rank, _, dp_rank = _tp_and_dp_ranks()
+    if replica_id is None:
+        replica_id = (0, tp_rank, dp_rank)
+    return ShardedTensor.from_rank_offsets(
+        key, tensor, *prepend_offsets, replica_id=replica_id, prepend_axis_num=len(prepend_offsets), **kwargs
+    )
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
+    """A ShardedTensor for a tensor split over tensor-parallel ranks along ``tp_axis`` (replicated over DP)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp_rank, tp_size, dp_rank = _tp_and_dp_ranks()
+    prepend_axis_num = len(prepend_offsets)
+    if replica_id is None:
+        replica_id = (0, 0, dp_rank)
+    return ShardedTensor.from_rank_offsets(
+        key,
+        tensor,
+        *prepend_offsets,
+        (tp_axis + prepend_axis_num, tp_rank, tp_size),
+        replica_id=replica_id,
+        prepend_axis_num=prepend_axis_num,
+        **kwargs,
+    )
+
+
+# ---- batches ---------------------------------------------------------------------------------------------------
+
+
+def get_batch_on_this_cp_rank(
+    batch: Dict[str, Any],
+    is_hybrid_cp: bool,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+    hybrid_cp_group_func: Optional[Callable[[int], torch.distributed.ProcessGroup]] = None,
+    use_per_sequence_balancing: bool = False,
+):
+    """This context-parallel rank's part of ``batch`` (Megatron's load-balanced "zigzag" split).
+
+    The sequence is cut into ``2 * cp`` chunks and CP rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r``, so with
+    causal attention every rank gets the same amount of work. Tensors are split along the sequence dimension (1, or
+    2 for ``attention_mask``); ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
+    left alone. ``cp_group`` defaults to parallel_state's context-parallel group.
+    """
+    if is_hybrid_cp:
+        raise ValueError("not supported yet: hybrid context parallelism (is_hybrid_cp=True)")
+    if use_per_sequence_balancing:
+        raise ValueError("not supported yet: per-sequence CP load balancing (use_per_sequence_balancing=True)")
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
+    if cp_size == 1:
+        return batch
+    keep = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
+    split = {}
+    for key, value in batch.items():
+        if value is None or not isinstance(value, torch.Tensor) or key.startswith(("cu_seqlens", "max_seqlen")):
+            split[key] = value
+            continue
+        seq_dim = 2 if key == "attention_mask" else 1
+        length = value.shape[seq_dim]
+        if length % (2 * cp_size) != 0:
+            raise ValueError(
+                f"batch[{key!r}] has sequence length {length} along dim {seq_dim}, not divisible by "
+                f"2 x context_parallel_size = {2 * cp_size}"
+            )
+        chunks = value.view(*value.shape[:seq_dim], 2 * cp_size, length // (2 * cp_size), *value.shape[seq_dim + 1 :])
+        mine = chunks.index_select(seq_dim, keep.to(value.device))
+        split[key] = mine.reshape(*value.shape[:seq_dim], -1, *value.shape[seq_dim + 1 :])
+    return split
+
+
+def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
+    """Flatten ``[s, b, h]`` gradients and inputs to 2-D ``[s*b, h]`` for the weight-gradient GEMM."""
+    grad_output = grad_output.contiguous()
+    grad_output = grad_output.view(-1, grad_output.shape[-1])
+    all_gathered_input = all_gathered_input.contiguous()
+    all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[-1])
+    return grad_output, all_gathered_input
+
+
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """Compute the output-layer weight gradients that ``defer_embedding_wgrad_compute`` postponed, and empty the
+    buffers.
+
+    Each buffered input is gathered over ``tp_group`` first when sequence parallelism split it; the gradient is
+    accumulated into ``weight.main_grad`` with gradient-accumulation fusion, else into ``weight.grad``.
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    while embedding_activation_buffer:
+        activation = embedding_activation_buffer.pop(0)
+        grad_output = grad_output_buffer.pop(0)
+        if config.sequence_parallel:
+            activation = gather_from_sequence_parallel_region(activation, tensor_parallel_output_grad=False, group=tp_group)
+        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
+        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
+        if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+        elif weight.grad is None:
+            weight.grad = grad_weight.to(weight.dtype)
+        else:
+            weight.grad.add_(grad_weight.to(weight.grad.dtype))
+    grad_output_buffer.clear()
+
+
+# ---- diagnostics -----------------------------------------------------------------------------------------------
+
+
+def _tensor_hash(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def check_param_hashes_across_dp_replicas(model: List[torch.nn.Module], cross_check: bool = False) -> bool:
+    """Whether every parameter is bit-identical on all the data-parallel replicas that should hold it.
+
+    Dense parameters are compared over the data-parallel group, expert parameters (``allreduce=False``) over the
+    expert data-parallel group; mismatches are logged by name. With ``cross_check`` the hashes are compared across
+    all ranks of those groups at once (every replica against every other, not only against DP rank 0).
+    """
+    from megatron.core import parallel_state
+
+    groups = {
+        True: parallel_state.get_data_parallel_group(),
+        False: parallel_state.get_expert_data_parallel_group(),
+    }
+    local = {True: [], False: []}
+    for chunk_index, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            local[getattr(param, "allreduce", True)].append((f"{chunk_index}.{name}", _tensor_hash(param.data)))
+    all_match = True
+    for dense, params in local.items():
+        group = groups[dense]
+        size = get_pg_size(group)
+        if size == 1 or not params:
+            continue
+        hashes = torch.tensor([h for _, h in params], dtype=torch.int64, device=get_current_device())
+        gathered = [torch.empty_like(hashes) for _ in range(size)]
+        torch.distributed.all_gather(gathered, hashes, group=group)
+        stacked = torch.stack(gathered).cpu()
+        reference = stacked if cross_check else stacked[:1]
+        for i, (name, _) in enumerate(params):
+            column = stacked[:, i]
+            if not bool((column.unsqueeze(0) == reference[:, i].unsqueeze(1)).all()):
+                all_match = False
+                logger.error("parameter %s differs across data-parallel replicas: hashes %s", name, column.tolist())
+    return all_match
+
+
+def get_asyncio_loop(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.AbstractEventLoop:
+    """``loop`` if given, else this thread's running or current event loop, creating and installing one if none."""
+    if loop is not None:
+        return loop
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            loop = asyncio.get_event_loop()
+        if not loop.is_closed():
+            return loop
+    except RuntimeError:
+        pass
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop
+
+
+def trace_async_exceptions(func: Optional[Callable] = None, *, verbose: bool = False):
+    """Decorator for coroutine functions and async generators: an exception escaping them is logged with its
+    traceback before it propagates, so failures inside background tasks are not lost. ``verbose`` also logs entry
+    and exit."""
+
+    def decorate(fn):
+        name = fn.__qualname__
+        if inspect.isasyncgenfunction(fn):
+
+            @functools.wraps(fn)
+            async def agen_wrapper(*args, **kwargs):
+                if verbose:
+                    logger.info("entering %s", name)
+                try:
+                    async for item in fn(*args, **kwargs):
+                        yield item
+                except Exception:
+                    logger.error("exception in %s:\n%s", name, traceback.format_exc())
+                    raise
+                finally:
+                    if verbose:
+                        logger.info("leaving %s", name)
+
+            return agen_wrapper
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"trace_async_exceptions decorates async functions, not {name}")
+
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            if verbose:
+                logger.info("entering %s", name)
+            try:
+                return await fn(*args, **kwargs)
+            except Exception:
+                logger.error("exception in %s:\n%s", name, traceback.format_exc())
+                raise
+            finally:
+                if verbose:
+                    logger.info("leaving %s", name)
+
+        return wrapper
+
+    return decorate(func) if func is not None else decorate
+
+
+class StragglerDetector:
+    """Finds slow ranks: times each rank's compute (``with detector:``) and data loading (``with detector(bdata=True):``)
+    and, at ``report()``, gathers the times of all ranks and logs the fastest and slowest on rank 0.
+
+    Disabled (every timing a no-op) until ``configure(..., enabled=True)``. Times are wall-clock around a device
+    synchronisation, so they measure the work queued inside the block. GPU telemetry (temperature, power,
+    utilisation, clock) is not read: ``elapsed()`` reports 0 for those. ``port`` (Megatron's runtime on/off toggle
+    server) and ``prefill`` (pre-allocated CUDA events) are accepted and not used.
+    """
+
+    def __init__(self) -> None:
+        self._configured = False
+        self._enabled = False
+        self._world = 1
+        self._rank = 0
+        self.mmcnt = 1
+        self.amp = 3.0
+        self._bdata = False
+        self._start_time: Optional[float] = None
+        self.start = self.null_method
+        self.stop = self.null_method
+        self.reset()
+
+    def configure(
+        self,
+        world: int,
+        rank: int,
+        mmcnt: int = 1,
+        amp: float = 3.0,
+        port: int = 65535,
+        prefill: int = 1024,
+        enabled: bool = False,
+    ) -> None:
+        """Set this rank's place in the world and turn timing on or off. ``mmcnt`` is how many of the fastest and
+        slowest ranks are named; a rank slower than ``amp`` times the median is reported as a straggler."""
+        if mmcnt < 1:
+            raise ValueError(f"mmcnt must be >= 1, got {mmcnt}")
+        self._world, self._rank = world, rank
+        self.mmcnt = min(mmcnt, world)
+        self.amp = amp
+        self._enabled = enabled
+        self._configured = True
+        self.start = self.start_method if enabled else self.null_method
+        self.stop = self.stop_method if enabled else self.null_method
+        self.reset()
+
+    @property
+    def configured(self):
+        return self._configured
+
+    @property
+    def enabled(self):
+        return self._enabled
+
+    @property
+    def my_rank(self):
+        return self._rank
+
+    @property
+    def world_size(self):
+        return self._world
+
+    def reset(self) -> None:
+        """Forget the times accumulated since the last report."""
+        self._compute_s = 0.0
+        self._batch_s = 0.0
+        self._start_time = None
+
+    def null_method(self) -> None:
+        """What start/stop are while disabled."""
+
+    def __call__(self, bdata: bool = False):
+        self._bdata = bdata
+        return self
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.stop()
+        self._bdata = False
+        return False
+
+    def start_method(self) -> None:
+        synchronize_device()
+        self._start_time = time.perf_counter()
+
+    def stop_method(self) -> None:
+        if self._start_time is None:
+            raise RuntimeError("StragglerDetector stopped without being started")
+        synchronize_device()
+        elapsed = time.perf_counter() - self._start_time
+        self._start_time = None
+        if self._bdata:
+            self._batch_s += elapsed
+        else:
+            self._compute_s += elapsed
+
+    def elapsed(self) -> Tuple[float, float, int, int, int, int]:
+        """(compute ms, data-loading ms, temperature, power, utilisation, clock) since the last call; resets."""
+        compute_ms, batch_ms = self._compute_s * 1000.0, self._batch_s * 1000.0
+        self.reset()
+        return compute_ms, batch_ms, 0, 0, 0, 0
+
+    def report(self, total_flops: float = 0.0, log_interval: int = 0) -> bool:
+        """Gather every rank's times (a collective over the default group) and log a summary on rank 0.
+
+        ``total_flops`` is this rank's floating-point work in the timed compute, for a per-rank TFLOP/s figure;
+        ``log_interval`` is the number of iterations the times cover, for per-iteration figures. Returns True on the
+        rank that logged.
+        """
+        if not self._enabled:
+            return False
+        compute_ms, batch_ms, *_ = self.elapsed()
+        iterations = max(log_interval, 1)
+        mine = torch.tensor([compute_ms / iterations, batch_ms / iterations, total_flops], dtype=torch.float64)
+        if torch.distributed.is_initialized() and self._world > 1:
+            device = get_current_device()
+            gathered = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(self._world)]
+            torch.distributed.all_gather(gathered, mine.to(device))
+            table = torch.stack(gathered).cpu()
+        else:
+            table = mine.unsqueeze(0)
+        if self._rank != 0:
+            return False
+        compute = table[:, 0]
+        order = torch.argsort(compute)
+        fastest = [(int(r), round(float(compute[r]), 2)) for r in order[: self.mmcnt]]
+        slowest = [(int(r), round(float(compute[r]), 2)) for r in reversed(order[-self.mmcnt :])]
+        tflops = [
+            round(float(f) / (float(c) * iterations / 1000.0) / 1e12, 2) if c > 0 else 0.0
+            for c, f in zip(compute, table[:, 2])
+        ]
+        median = float(compute.median())
+        stragglers = [int(r) for r in range(len(compute)) if median > 0 and float(compute[r]) > self.amp * median]
+        logger.info(
+            "straggler report: compute ms/iter fastest (rank, ms) %s slowest %s | data-loading ms/iter max %.2f | "
+            "TFLOP/s per rank min %s max %s | stragglers (> %.1fx median %.2f ms) %s",
+            fastest, slowest, float(table[:, 1].max()), min(tflops), max(tflops), self.amp, median, stragglers,
+        )
+        self.last_report = {"fastest": fastest, "slowest": slowest, "stragglers": stragglers, "tflops": tflops}
+        return True

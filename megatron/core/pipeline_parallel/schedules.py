@@ -16,25 +16,40 @@ All three share one contract (Megatron-Core's):
 
 Schedules are keyword-only, as in Megatron: ``forward_step_func, data_iterator, model, num_microbatches,
 seq_length, micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
-first_val_step=None``. ``forward_only`` runs the forward passes under ``torch.no_grad()``.
+first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+force_all_reduce=False``. ``forward_only`` runs the forward passes under ``torch.no_grad()``. ``pg_collection``
+(tp, cp, pp, ...) and ``p2p_communicator`` default to the ``parallel_state`` groups; ``pg_collection`` and
+``force_all_reduce`` are handed on to ``config.finalize_model_grads_func``.
 """
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import p2p_communication
-from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan, get_schedule_table  # noqa: F401
+from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_current_device
 
 
-def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
+def get_forward_backward_func(
+    pp_size: Optional[int] = None,
+    vp_size: Optional[int] = None,
+    schedule_pg_collection: Optional[MultiModuleProcessGroupCollection] = None,
+):
     """The schedule for this layout: no pipelining (one stage), 1F1B, or interleaved 1F1B (virtual stages).
 
     ``pp_size`` / ``vp_size`` default to the pipeline and virtual-pipeline sizes in ``parallel_state``.
+    ``schedule_pg_collection`` (a ``MultiModuleProcessGroupCollection``, for pipelines of several modules such as
+    a vision encoder feeding a language model) is not supported yet and must be None.
     """
+    if schedule_pg_collection is not None:
+        raise ValueError(
+            "not supported yet: multi-module pipeline schedules "
+            f"(schedule_pg_collection={type(schedule_pg_collection).__name__}); pass None"
+        )
     if pp_size is None:
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if vp_size is None:
@@ -44,6 +59,98 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
+
+
+def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
+    """``(microbatch_id, model_chunk_id)`` of every forward pass of the interleaved schedule, in the order a rank
+    runs them.
+
+    Micro-batches go in groups of ``microbatch_group_size_per_vp_stage``; each group runs through chunk 0, then
+    chunk 1, and so on, before the next group starts (the last group takes whatever micro-batches remain).
+    """
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        end = min(start + microbatch_group_size_per_vp_stage, num_microbatches)
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(start, end))
+    return table
+
+
+def get_pp_rank_microbatches(
+    num_microbatches,
+    num_model_chunks,
+    microbatch_group_size_per_vp_stage,
+    forward_only=False,
+    overlap_moe_expert_parallel_comm=False,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+):
+    """How this pipeline rank splits its passes: ``(total, all_in_warmup, num_warmup, num_remaining)``.
+
+    ``total`` is ``num_microbatches * num_model_chunks`` forward passes. Warm-up (forward passes before the first
+    backward) is everything when ``forward_only``; with pipelining it is ``p - r - 1`` for 1F1B and
+    ``2 (p - r - 1) + (v - 1) g`` for the interleaved schedule (``g`` = ``microbatch_group_size_per_vp_stage``);
+    without pipelining one pass. One more pass warms up when MoE expert-parallel communication is overlapped with
+    the next micro-batch. Warm-up is capped at ``total`` (then ``all_in_warmup``). The pipeline rank, size and
+    virtual size come from ``p2p_communicator`` (default: ``parallel_state``).
+    """
+    if p2p_communicator is not None:
+        pp_size, pp_rank = p2p_communicator.total_stages, p2p_communicator.current_stage
+        vp_size = p2p_communicator.virtual_pipeline_model_parallel_size
+    else:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        num_warmup = total
+    elif pp_size > 1 and vp_size is None:
+        num_warmup = pp_size - pp_rank - 1
+    elif pp_size > 1:
+        num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+    else:
+        num_warmup = 1
+    if overlap_moe_expert_parallel_comm:
+        num_warmup += 1
+    all_in_warmup = num_warmup >= total
+    num_warmup = min(num_warmup, total)
+    return total, all_in_warmup, num_warmup, total - num_warmup
+
+
+def get_tensor_device(tensor: Union[torch.Tensor, Dict[str, torch.Tensor]]):
+    """The device of ``tensor``, or of the first tensor of a dict of them (multi-module stage outputs)."""
+    if isinstance(tensor, dict):
+        if not tensor:
+            raise ValueError("get_tensor_device got an empty dict of tensors")
+        return next(iter(tensor.values())).device
+    return tensor.device
+
+
+def custom_backward(output, grad_output):
+    """Backpropagate ``grad_output`` through ``output`` without requiring their shapes to agree.
+
+    ``torch.autograd.backward`` checks that a gradient has its output's shape; an output whose storage was freed
+    after sending (``deallocate_output_tensor``) may no longer have it, while its autograd graph, which is all the
+    backward pass needs, is intact. So this hands the pair to the autograd engine directly. ``grad_output=None``
+    means a scalar loss (gradient one).
+    """
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"custom_backward: output must be a tensor, got {type(output).__name__}")
+    if grad_output is None:
+        if output.numel() != 1:
+            raise ValueError(
+                f"custom_backward: a gradient is needed for a non-scalar output of shape {tuple(output.shape)}"
+            )
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    elif not isinstance(grad_output, torch.Tensor):
+        raise TypeError(f"custom_backward: grad_output must be a tensor or None, got {type(grad_output).__name__}")
+    torch.autograd.graph.Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def get_model_config(model: torch.nn.Module):
@@ -77,12 +184,25 @@ def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, con
     return cond
 
 
-def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int], config):
-    """Shapes of the tensors sent between stages: ``[(s / cp (/ tp with sequence parallelism), b, h)]``."""
+def get_tensor_shapes(
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int,
+    config,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+):
+    """Shapes of the tensors sent between stages: ``[(s / cp (/ tp with sequence parallelism), b, h)]``.
+
+    ``tp_group`` / ``cp_group`` give the tensor- and context-parallel sizes (default: ``parallel_state``'s).
+    """
     del decoder_seq_length  # encoder-decoder models are not supported; decoders use seq_length
-    seq = seq_length // parallel_state.get_context_parallel_world_size()
+    cp_size = parallel_state.get_context_parallel_world_size() if cp_group is None else cp_group.size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_group is None else tp_group.size()
+    seq = seq_length // cp_size
     if config.sequence_parallel:
-        seq //= parallel_state.get_tensor_model_parallel_world_size()
+        seq //= tp_size
     return [(seq, micro_batch_size, config.hidden_size)]
 
 
@@ -90,21 +210,23 @@ def forward_step(
     forward_step_func,
     data_iterator,
     model,
-    num_microbatches: int,
+    num_microbatches,
     input_tensor,
-    forward_data_store: list,
+    forward_data_store,
     config,
-    collect_non_loss_data: bool = False,
+    cp_group_size,
+    collect_non_loss_data=False,
     checkpoint_activations_microbatch=None,
-    is_first_microbatch: bool = False,
-    current_microbatch: Optional[int] = None,
-    vp_stage: Optional[int] = None,
-    is_last_stage: Optional[bool] = None,
+    is_first_microbatch=False,
+    current_microbatch=None,
+    vp_stage=None,
+    is_last_stage=True,
 ):
     """Run one micro-batch through one model chunk; on the last stage also compute and store its loss.
 
     Returns ``(output_tensors, num_tokens)``: the output as a one-element list (or a bare tensor when
     ``input_tensor`` was given bare), and the micro-batch's token count (0 for legacy losses and off the last stage).
+    ``cp_group_size`` is the context-parallel size (see :func:`forward_step_calc_loss`).
     ``checkpoint_activations_microbatch`` (partial activation checkpointing) must be None and ``current_microbatch``
     (FP8 / MoE bookkeeping) is unused; both stay in Megatron's signature.
     """
@@ -114,8 +236,6 @@ def forward_step(
             "checkpoint_activations_microbatch (num_microbatches_with_partial_activation_checkpoints) is not "
             "supported; leave it None"
         )
-    if is_last_stage is None:
-        is_last_stage = parallel_state.is_pipeline_last_stage(vp_stage=vp_stage)
     if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
         model.set_is_first_microbatch()
     unwrap_output_tensor = not isinstance(input_tensor, list)
@@ -130,19 +250,64 @@ def forward_step(
     with autocast:
         output_tensor, loss_func = forward_step_func(data_iterator, model)
 
-    num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
-    if is_last_stage:
-        if collect_non_loss_data:
-            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-        else:
-            output_tensor, num_tokens, reduced = _reduce_loss(loss_func(output_tensor), num_microbatches, config)
-            forward_data_store.append(reduced)
+    output_tensor, num_tokens = forward_step_calc_loss(
+        model,
+        output_tensor,
+        loss_func,
+        config,
+        vp_stage,
+        collect_non_loss_data,
+        num_microbatches,
+        forward_data_store,
+        cp_group_size=cp_group_size,
+        is_last_stage=is_last_stage,
+    )
     if unwrap_output_tensor:
         return output_tensor, num_tokens
     return [output_tensor], num_tokens
 
 
-def _reduce_loss(outputs, num_microbatches: int, config):
+def forward_step_calc_loss(
+    model,
+    output_tensor,
+    loss_func,
+    config,
+    vp_stage,
+    collect_non_loss_data,
+    num_microbatches,
+    forward_data_store,
+    cp_group_size=None,
+    is_last_stage=None,
+):
+    """On the last stage, turn a chunk's output into the loss to backpropagate; return ``(output, num_tokens)``.
+
+    ``loss_func(output_tensor)`` returns ``(loss, num_tokens, reduced_dict)`` (the loss summed over the tokens:
+    divided here by the token count and by ``num_microbatches`` unless ``config.calculate_per_token_loss``) or the
+    legacy ``(loss, reduced_dict)`` (a per-token mean on this context-parallel rank: multiplied by
+    ``cp_group_size``, because the gradient reduction averages over data x context-parallel ranks, and divided by
+    ``num_microbatches``). ``reduced_dict`` is appended to ``forward_data_store``; with ``collect_non_loss_data``
+    it is ``loss_func(output_tensor, non_loss_data=True)`` instead. Off the last stage the output passes through
+    and the token count is 0. ``is_last_stage`` / ``cp_group_size`` default to ``parallel_state``'s view.
+    """
+    del model  # Megatron reads MoE / MTP loss scalers from it; this model has none
+    if is_last_stage is None:
+        is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if cp_group_size is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+    num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+    if not is_last_stage:
+        return output_tensor, num_tokens
+    if collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor, num_tokens
+    output_tensor, num_tokens, reduced = _reduce_loss(
+        loss_func(output_tensor), num_microbatches, cp_group_size, config
+    )
+    forward_data_store.append(reduced)
+    return output_tensor, num_tokens
+
+
+def _reduce_loss(outputs, num_microbatches: int, cp_group_size: int, config):
     """Apply Megatron's loss normalisation to what ``loss_func`` returned."""
     if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
         raise ValueError(
@@ -151,7 +316,7 @@ def _reduce_loss(outputs, num_microbatches: int, config):
         )
     if len(outputs) == 2:
         loss, reduced = outputs
-        return loss / num_microbatches, torch.zeros((), dtype=torch.int64, device=loss.device), reduced
+        return loss * cp_group_size / num_microbatches, torch.zeros((), dtype=torch.int64, device=loss.device), reduced
     loss, num_tokens, reduced = outputs
     num_tokens = torch.as_tensor(num_tokens, device=loss.device)
     if not config.calculate_per_token_loss:
@@ -160,15 +325,14 @@ def _reduce_loss(outputs, num_microbatches: int, config):
     return loss, num_tokens.to(torch.int64), reduced
 
 
-def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     """Backpropagate one micro-batch through one model chunk; return the gradient of its input.
 
     ``output_tensor_grad`` is None on the last stage, where the output is the loss (scaled by
-    ``config.grad_scale_func`` first). ``model_type`` is kept for Megatron's signature; only decoder (or
-    encoder-only) models are supported. Inputs and outputs may be bare tensors or one-element lists, as returned by
-    :func:`forward_step`.
+    ``config.grad_scale_func`` first). Inputs and outputs may be bare tensors or one-element lists, as returned by
+    :func:`forward_step`. With ``config.deallocate_pipeline_outputs`` the backward pass goes through
+    :func:`custom_backward`, since a sent output's storage has been freed.
     """
-    del model_type
     unwrap_input_tensor_grad = not isinstance(input_tensor, list)
     if unwrap_input_tensor_grad:
         input_tensor = [input_tensor]
@@ -183,7 +347,10 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     loss_or_output = output_tensor[0]
     if output_tensor_grad[0] is None and config.grad_scale_func is not None:
         loss_or_output = config.grad_scale_func(loss_or_output)
-    torch.autograd.backward(loss_or_output, grad_tensors=output_tensor_grad[0])
+    if config.deallocate_pipeline_outputs:
+        custom_backward(loss_or_output, output_tensor_grad[0])
+    else:
+        torch.autograd.backward(loss_or_output, grad_tensors=output_tensor_grad[0])
 
     input_tensor_grad = [None if tensor is None else tensor.grad for tensor in input_tensor]
     return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
@@ -247,10 +414,36 @@ def _check_step(num_microbatches, config) -> None:
         )
 
 
-def _finalize(config, model_chunks: list, total_num_tokens: torch.Tensor, forward_only: bool) -> None:
+def _finalize(config, model_chunks: list, total_num_tokens, forward_only, pg_collection, force_all_reduce) -> None:
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
-            model_chunks, total_num_tokens if config.calculate_per_token_loss else None
+            model_chunks,
+            total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
+        )
+
+
+def _schedule_groups(pg_collection, p2p_communicator, config):
+    """``(pg_collection, p2p_communicator)`` for a pipelined schedule: the arguments, else ``parallel_state``'s."""
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "pp"])
+    if p2p_communicator is None:
+        p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=config)
+    return pg_collection, p2p_communicator
+
+
+def _cp_size(pg_collection) -> int:
+    if pg_collection is None or pg_collection.cp is None:
+        return parallel_state.get_context_parallel_world_size()
+    return pg_collection.cp.size()
+
+
+def _no_shape_adjustment(adjust_tensor_shapes_fn, schedule: str) -> None:
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError(
+            f"adjust_tensor_shapes_fn is not supported by {schedule} (only the non-interleaved pipeline schedule, "
+            "forward_backward_pipelining_without_interleaving, exchanges tensors it can adjust); pass None"
         )
 
 
@@ -266,17 +459,23 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
-) -> list:
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    force_all_reduce: Optional[bool] = False,
+):
     """Run forward and backward for every micro-batch on a single stage; return the per-micro-batch loss dicts.
 
     Gradients accumulate across micro-batches; reduction is suspended (``no_sync_func``) for all but the last.
-    ``seq_length`` and ``micro_batch_size`` are unused here (nothing is communicated) but kept for the common
-    signature.
+    ``seq_length``, ``micro_batch_size`` and ``p2p_communicator`` are unused here (nothing is communicated) but
+    kept for the common signature.
     """
-    del seq_length, micro_batch_size, decoder_seq_length
+    del seq_length, micro_batch_size, decoder_seq_length, p2p_communicator
+    _no_shape_adjustment(adjust_tensor_shapes_fn, "forward_backward_no_pipelining")
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
     config = get_model_config(model)
     _check_step(num_microbatches, config)
+    cp_group_size = _cp_size(pg_collection)
     grad_sync = _GradSyncSwitch(config.no_sync_func)
     forward_data_store = []
     total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
@@ -295,6 +494,7 @@ def forward_backward_no_pipelining(
                 None,
                 forward_data_store,
                 config,
+                cp_group_size,
                 collect_non_loss_data,
                 is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
                 current_microbatch=microbatch,
@@ -302,9 +502,9 @@ def forward_backward_no_pipelining(
             )
             total_num_tokens += num_tokens
             if not forward_only:
-                backward_step(None, output_tensor, None, None, config)
+                backward_step(None, output_tensor, None, config)
     grad_sync.enable()
-    _finalize(config, [model], total_num_tokens, forward_only)
+    _finalize(config, [model], total_num_tokens, forward_only, pg_collection, force_all_reduce)
     return forward_data_store
 
 
@@ -320,12 +520,20 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
-) -> list:
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection: Union[ProcessGroupCollection, MultiModuleProcessGroupCollection, None] = None,
+    force_all_reduce: Optional[bool] = False,
+):
     """The 1F1B schedule (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, cool-down backwards.
 
     Stage ``r`` of ``p`` first runs ``min(p - r - 1, m)`` forward passes, then alternates a forward and a backward
     pass until its ``m`` forwards are done, then runs the remaining backward passes. At most ``p - r`` micro-batches
     are in flight on stage ``r``, so the first stage stashes activations for at most ``p`` micro-batches.
+
+    ``adjust_tensor_shapes_fn(recv_tensor_shapes, send_tensor_shapes) -> (recv_tensor_shapes, send_tensor_shapes)``
+    may change the shape of the tensor this stage receives and of the one it sends (e.g. a stage whose output
+    width differs); each stays a list with one shape.
     """
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     config = get_model_config(model)
@@ -335,13 +543,21 @@ def forward_backward_pipelining_without_interleaving(
             "overlap_p2p_comm=True is only supported by the interleaved schedule; set it to False or use "
             "virtual_pipeline_model_parallel_size"
         )
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    first_stage, last_stage = pp_rank == 0, pp_rank == pp_size - 1
-    (tensor_shape,) = get_tensor_shapes(
-        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, config=config
+    groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
+    first_stage, last_stage = p2p.is_pp_first_stage, p2p.is_pp_last_stage
+    tensor_shapes = get_tensor_shapes(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        config=config,
+        tp_group=groups.tp,
+        cp_group=groups.cp,
     )
-    num_warmup = num_microbatches if forward_only else min(pp_size - pp_rank - 1, num_microbatches)
+    recv_shapes, send_shapes = _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes)
+    if forward_only:
+        num_warmup = num_microbatches
+    else:
+        num_warmup = min(p2p.total_stages - p2p.current_stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
 
     grad_sync = _GradSyncSwitch(config.no_sync_func)
@@ -363,6 +579,7 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor,
             forward_data_store,
             config,
+            _cp_size(groups),
             collect_non_loss_data,
             is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
             current_microbatch=microbatch,
@@ -376,7 +593,7 @@ def forward_backward_pipelining_without_interleaving(
             grad_sync.enable()
         input_tensor = input_tensors.pop(0)
         output_tensor = output_tensors.pop(0)
-        return backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
+        return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
 
     def stash(input_tensor, output_tensor) -> None:
         input_tensors.append(input_tensor)
@@ -386,58 +603,63 @@ def forward_backward_pipelining_without_interleaving(
 
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for microbatch in range(num_warmup):
-            input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+            input_tensor = p2p.recv_forward(recv_shapes, first_stage)
             output_tensor = run_forward(microbatch, input_tensor)
-            p2p_communication.send_forward(output_tensor, config, is_last_stage=last_stage, tensor_shape=tensor_shape)
+            p2p.send_forward(output_tensor, last_stage)
             if not forward_only:
                 stash(input_tensor, output_tensor)
 
         input_tensor = None
         if num_steady > 0:
-            input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+            input_tensor = p2p.recv_forward(recv_shapes, first_stage)
         for step in range(num_steady):
             last_step = step == num_steady - 1
             output_tensor = run_forward(num_warmup + step, input_tensor)
             if forward_only:
-                p2p_communication.send_forward(
-                    output_tensor, config, is_last_stage=last_stage, tensor_shape=tensor_shape
-                )
+                p2p.send_forward(output_tensor, last_stage)
                 if not last_step:
-                    input_tensor = p2p_communication.recv_forward(tensor_shape, config, is_first_stage=first_stage)
+                    input_tensor = p2p.recv_forward(recv_shapes, first_stage)
                 continue
-            output_tensor_grad = p2p_communication.send_forward_recv_backward(
-                output_tensor, tensor_shape, config, is_last_stage=last_stage
-            )
+            output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shapes, last_stage)
             stash(input_tensor, output_tensor)
             input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=last_step and num_warmup == 0)
             if last_step:
-                p2p_communication.send_backward(
-                    input_tensor_grad, config, is_first_stage=first_stage, tensor_shape=tensor_shape
-                )
+                p2p.send_backward(input_tensor_grad, first_stage)
             else:
-                input_tensor = p2p_communication.send_backward_recv_forward(
-                    input_tensor_grad, tensor_shape, config, is_first_stage=first_stage
-                )
+                input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, recv_shapes, first_stage)
 
     if not forward_only:
         for step in range(num_warmup):
-            output_tensor_grad = p2p_communication.recv_backward(tensor_shape, config, is_last_stage=last_stage)
+            output_tensor_grad = p2p.recv_backward(send_shapes, last_stage)
             input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=step == num_warmup - 1)
-            p2p_communication.send_backward(
-                input_tensor_grad, config, is_first_stage=first_stage, tensor_shape=tensor_shape
-            )
+            p2p.send_backward(input_tensor_grad, first_stage)
     grad_sync.enable()
     if config.grad_sync_func is not None and not forward_only:
         config.grad_sync_func(model.parameters())
-    _finalize(config, [model], total_num_tokens, forward_only)
+    _finalize(config, [model], total_num_tokens, forward_only, pg_collection, force_all_reduce)
     return forward_data_store
+
+
+def _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes):
+    """``(recv_shapes, send_shapes)``: the stage's shapes, changed by ``adjust_tensor_shapes_fn`` if given."""
+    recv_shapes, send_shapes = list(tensor_shapes), list(tensor_shapes)
+    if adjust_tensor_shapes_fn is None:
+        return recv_shapes, send_shapes
+    recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
+    for what, shapes in (("receive", recv_shapes), ("send", send_shapes)):
+        if not isinstance(shapes, (list, tuple)) or len(shapes) != 1:
+            raise ValueError(
+                f"adjust_tensor_shapes_fn must return one {what} shape per stage in a list (a stage exchanges one "
+                f"tensor), got {shapes!r}"
+            )
+    return list(recv_shapes), list(send_shapes)
 
 
 def forward_backward_pipelining_with_interleaving(
     *,
     forward_step_func,
-    data_iterator: List[Iterator],
-    model: List[torch.nn.Module],
+    data_iterator: Union[Iterator, List[Iterator]],
+    model: Union[torch.nn.Module, List[torch.nn.Module]],
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
@@ -445,7 +667,11 @@ def forward_backward_pipelining_with_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
-) -> list:
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    force_all_reduce: Optional[bool] = False,
+):
     """Interleaved 1F1B: each rank holds ``v`` model chunks (virtual stages) and the pipeline bubble shrinks by ``v``.
 
     ``model`` and ``data_iterator`` are lists with one entry per chunk. Chunk ``c`` of pipeline rank ``r`` is virtual
@@ -459,6 +685,7 @@ def forward_backward_pipelining_with_interleaving(
         raise TypeError(
             "the interleaved schedule expects data_iterator to be a list with one iterator (or None) per model chunk"
         )
+    _no_shape_adjustment(adjust_tensor_shapes_fn, "the interleaved schedule")
     config = get_model_config(model[0])
     _check_step(num_microbatches, config)
     if config.overlap_p2p_comm and config.batch_p2p_comm:
@@ -466,24 +693,31 @@ def forward_backward_pipelining_with_interleaving(
             "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "
             "overlapping); set batch_p2p_comm=False"
         )
+    groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
     plan = InterleavedPlan(
         num_microbatches=num_microbatches,
         num_model_chunks=len(model),
         microbatch_group_size=config.microbatch_group_size_per_vp_stage,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp_rank=p2p.current_stage,
+        pp_size=p2p.total_stages,
         vp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         forward_only=forward_only,
     )
     (tensor_shape,) = get_tensor_shapes(
-        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, config=config
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        config=config,
+        tp_group=groups.tp,
+        cp_group=groups.cp,
     )
     runner = _InterleavedRunner(
-        plan, forward_step_func, data_iterator, model, config, tensor_shape, collect_non_loss_data, first_val_step
+        plan, forward_step_func, data_iterator, model, config, p2p, tensor_shape, _cp_size(groups),
+        collect_non_loss_data, first_val_step,
     )
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         runner.run()
-    _finalize(config, model, runner.total_num_tokens, forward_only)
+    _finalize(config, model, runner.total_num_tokens, forward_only, pg_collection, force_all_reduce)
     return runner.forward_data_store
 
 
@@ -497,7 +731,9 @@ class _InterleavedRunner:
         data_iterators,
         model,
         config,
+        p2p_communicator,
         tensor_shape,
+        cp_group_size,
         collect_non_loss_data,
         first_val_step,
     ):
@@ -506,7 +742,9 @@ class _InterleavedRunner:
         self.data_iterators = data_iterators
         self.model = model
         self.config = config
+        self.p2p = p2p_communicator
         self.tensor_shape = tensor_shape
+        self.cp_group_size = cp_group_size
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
         self.forward_data_store = []
@@ -537,7 +775,7 @@ class _InterleavedRunner:
                 self.param_sync_funcs[chunk](self.model[chunk].parameters())
         first_key = plan.forward_key(0)
         if not plan.is_first_virtual_stage(first_key[1]):
-            self.inputs[first_key] = p2p_communication.recv_forward(self.tensor_shape, config, is_first_stage=False)
+            self.inputs[first_key] = self.p2p.recv_forward(self.tensor_shape, is_first_stage=False)
 
         for slot in range(plan.num_slots):
             self._wait_activations()  # the forward pass may need what it brought; its sent tensor may be freed
@@ -581,13 +819,12 @@ class _InterleavedRunner:
         """Post one call without waiting; return what finishing it needs: (requests, sent activation) or None."""
         if all(x is None for x in (send_next, send_prev, recv_prev_key, recv_next_key)):
             return None
-        received_input, received_grad, requests = p2p_communication._communicate(
+        received_input, received_grad, requests = self.p2p._communicate(
             tensor_send_next=send_next,
             tensor_send_prev=send_prev,
             recv_prev=recv_prev_key is not None,
             recv_next=recv_next_key is not None,
             tensor_shape=self.tensor_shape,
-            config=self.config,
             wait_on_reqs=False,
         )
         if recv_prev_key is not None:
@@ -631,6 +868,7 @@ class _InterleavedRunner:
             input_tensor,
             self.forward_data_store,
             self.config,
+            self.cp_group_size,
             self.collect_non_loss_data,
             is_first_microbatch=check_first_val_step(self.first_val_step, plan.forward_only, microbatch == 0),
             current_microbatch=microbatch,
@@ -652,7 +890,7 @@ class _InterleavedRunner:
             self.synchronized_chunks.add(chunk)
         input_tensor, output_tensor = self.stashed.pop((microbatch, chunk))
         output_grad = None if plan.is_last_virtual_stage(chunk) else self.output_grads.pop((microbatch, chunk))
-        input_tensor_grad = backward_step(input_tensor, output_tensor, output_grad, None, self.config)
+        input_tensor_grad = backward_step(input_tensor, output_tensor, output_grad, self.config)
         self._launch_grad_sync(backward_id)
         self.grad_sync.disable()
         return input_tensor_grad

@@ -655,12 +655,37 @@ INITIALIZE_ERRORS = {
     "hierarchical context parallel": (
         dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]),
         ValueError,
-        r"hierarchical_context_parallel_sizes is not supported; leave it unset",
+        r"not supported yet: hierarchical context parallelism \(hierarchical_context_parallel_sizes=\[2, 2\]\)",
     ),
     "several distributed optimizer instances": (
         dict(num_distributed_optimizer_instances=2),
         ValueError,
-        r"num_distributed_optimizer_instances=2 is not supported; use 1",
+        r"not supported yet: several distributed-optimizer instances \(num_distributed_optimizer_instances=2\)",
+    ),
+    "hybrid context parallel": (
+        dict(hybrid_context_parallel=True),
+        ValueError,
+        r"not supported yet: hybrid context parallelism \(hybrid_context_parallel=True\)",
+    ),
+    "gtp weight rematerialisation": (
+        dict(gtp_remat_size=2),
+        ValueError,
+        r"not supported yet: GTP weight rematerialisation \(gtp_remat_size=2\)",
+    ),
+    "expert gtp weight rematerialisation": (
+        dict(expert_gtp_remat_size=2),
+        ValueError,
+        r"not supported yet: expert GTP weight rematerialisation \(expert_gtp_remat_size=2\)",
+    ),
+    "rank offset": (
+        dict(rank_offset=2),
+        ValueError,
+        r"not supported yet: a layout over part of the world \(rank_offset=2\)",
+    ),
+    "local world size": (
+        dict(local_world_size=2),
+        ValueError,
+        r"not supported yet: a layout over part of the world \(local_world_size=2\)",
     ),
     "expert data-parallel size differs without pp last": (
         # dense dp = 4 / 2 = 2, expert dp = 4 / (2 * 2) = 1, and pp is not the slowest axis.

@@ -102,8 +102,8 @@ def _stage_weights(tp: int, pp: int, vpp, variant: str):
             get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
-            pre_process=parallel_state.is_pipeline_first_stage(vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(vp_stage=vp_stage),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage if vpp else None,
             **spec["model"],
         )

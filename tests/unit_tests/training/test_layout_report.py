@@ -201,8 +201,8 @@ def _parameters_on_this_rank(variant: str, tp: int, pp: int, vpp):
         model = GPTModel(
             config, get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm), vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(vp_stage=vp_stage),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type, vp_stage=vp_stage if vpp else None,
         )
