@@ -1,10 +1,11 @@
 """ModelParallelConfig: how a model is split and run (Megatron-Core's field names and defaults)."""
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 
+from megatron.core.not_supported_yet import refuse_features_not_supported_yet
 from megatron.core.utils import warn_once
 
 
@@ -15,6 +16,10 @@ class ModelParallelConfig:
     # ---- model parallelism ----
     tensor_model_parallel_size: int = 1
     """Number of tensor-parallel ranks a layer's weights are split over."""
+    tensor_parallel_num_weight_shards: Optional[int] = None
+    """GTP weight rematerialisation: weight shards per tensor-parallel group (not supported yet: must be None)."""
+    gtp_weight_remat_size: int = 1
+    """GTP weight rematerialisation group size (not supported yet: must be 1)."""
     pipeline_model_parallel_comm_backend: Optional[str] = None
     """Backend for pipeline send/recv (None: the default backend)."""
     pipeline_model_parallel_size: int = 1
@@ -24,15 +29,21 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     """Split the activations of non-tensor-parallel regions (norms, dropout) along the sequence over the TP group."""
     context_parallel_size: int = 1
-    """Number of ranks the sequence is split over inside attention."""
-    hierarchical_context_parallel_sizes: Optional[list] = None
-    """Not supported: must stay None."""
+    """Number of ranks the sequence is split over inside attention (not supported yet: must be 1)."""
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+    """Group sizes of hierarchical (a2a+p2p) context parallelism (not supported yet: must be None)."""
+    max_seqlen_per_dp_cp_rank: Optional[int] = None
+    """Hybrid context parallelism: longest sequence one DP x CP rank holds (not supported yet: must be None)."""
+    hybrid_context_parallel: bool = False
+    """Balance packed variable-length samples over CP ranks (not supported yet: must be False)."""
     expert_model_parallel_size: int = 1
     """Number of ranks the MoE experts are distributed over."""
     expert_tensor_parallel_size: Optional[int] = None
     """Tensor-parallel size inside each expert (None: same as tensor_model_parallel_size)."""
-    moe_extended_tp: bool = False
-    """Deprecated Megatron switch, accepted for compatibility."""
+    expert_tensor_parallel_num_weight_shards: Optional[int] = None
+    """GTP weight rematerialisation for experts: weight shards (not supported yet: must be None)."""
+    expert_gtp_weight_remat_size: int = 1
+    """GTP weight rematerialisation group size for experts (not supported yet: must be 1)."""
 
     # ---- initialisation ----
     perform_initialization: bool = True
@@ -55,6 +66,10 @@ class ModelParallelConfig:
     """Called once after the last backward of a step (DP reduction, tied-embedding and SP-norm all-reduces)."""
     grad_scale_func: Optional[Callable] = None
     """Scales the loss before backward (the loss scaler)."""
+    moe_grad_scale_func: Optional[Callable] = None
+    """Scale of the MoE auxiliary losses (not supported yet: MoE is not built, must be None)."""
+    mtp_grad_scale_func: Optional[Callable] = None
+    """Scale of the multi-token-prediction loss (not supported yet: MTP is not built, must be None)."""
     no_sync_func: Optional[Callable] = None
     """Context manager factory that suspends gradient reduction (DDP's no_sync) between micro-batches."""
     grad_sync_func: Optional[Callable] = None
@@ -73,14 +88,46 @@ class ModelParallelConfig:
     # ---- fused kernels and GPU communication overlap (accepted; no-ops where the kernel is absent) ----
     gradient_accumulation_fusion: bool = False
     """Fuse weight-gradient GEMM with accumulation into main_grad (needs a CUDA fused kernel)."""
-    async_tensor_model_parallel_allreduce: bool = False
-    """Deprecated Megatron switch, accepted for compatibility."""
     use_te_rng_tracker: bool = False
     """Use Transformer Engine's RNG tracker (only with Transformer Engine)."""
     tp_comm_overlap: bool = False
     """Overlap TP communication with GEMMs (Transformer Engine userbuffers; not available here)."""
+    tp_comm_bulk_wgrad: bool = True
+    """tp_comm_overlap: overlap the all-gather with the activation-gradient GEMM (no effect here)."""
+    tp_comm_bulk_dgrad: bool = True
+    """tp_comm_overlap: overlap the reduce-scatter with the weight-gradient GEMM (no effect here)."""
+    tp_comm_overlap_ag: bool = True
+    """tp_comm_overlap: pipeline all-gathers with GEMMs (no effect here)."""
+    tp_comm_overlap_rs: bool = True
+    """tp_comm_overlap: pipeline reduce-scatters with GEMMs (no effect here)."""
+    tp_comm_overlap_rs_dgrad: bool = False
+    """tp_comm_overlap: pipeline reduce-scatters with the data-gradient GEMM (no effect here)."""
+    tp_comm_split_ag: bool = True
+    """tp_comm_overlap: split all-gather overlap (deprecated in Transformer Engine; no effect here)."""
+    tp_comm_atomic_ag: bool = False
+    """tp_comm_overlap: atomic all-gather overlap (deprecated in Transformer Engine; no effect here)."""
+    tp_comm_split_rs: bool = True
+    """tp_comm_overlap: split reduce-scatter overlap (deprecated in Transformer Engine; no effect here)."""
+    tp_comm_atomic_rs: bool = False
+    """tp_comm_overlap: atomic reduce-scatter overlap (deprecated in Transformer Engine; no effect here)."""
     cross_entropy_loss_fusion: bool = False
     """Fused vocab-parallel cross entropy kernel."""
+    cross_entropy_fusion_impl: str = "native"
+    """Which fused cross entropy cross_entropy_loss_fusion would use: 'native' or 'te' (no effect here)."""
+    tp_comm_overlap_disable_qkv: bool = False
+    """tp_comm_overlap: no all-gather overlap for the QKV projection (no effect here)."""
+    tp_comm_overlap_disable_fc1: bool = False
+    """tp_comm_overlap: no all-gather overlap for the first MLP projection (no effect here)."""
+    tp_comm_bootstrap_backend: str = "nccl"
+    """tp_comm_overlap: backend that bootstraps the userbuffers, 'nccl', 'mpi' or 'gloo' (no effect here)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Overlap expert-parallel all-to-alls with other micro-batches' compute (not supported yet: must be False)."""
+    delay_wgrad_compute: bool = False
+    """Delay weight-gradient GEMMs for expert-parallel overlap (not supported yet: must be False)."""
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
+    """Overlap the expert weight gradients with the dispatch backward (not supported yet: must be False)."""
+    ep_overlap_early_attn_memory_release: bool = False
+    """Expert-parallel overlap: run the attention backward earlier (not supported yet: must be False)."""
 
     # ---- pipeline communication ----
     pipeline_dtype: Optional[torch.dtype] = None
@@ -101,26 +148,36 @@ class ModelParallelConfig:
     """Defer the output-layer weight-gradient GEMMs to the pipeline flush."""
     wgrad_deferral_limit: int = 0
     """How many micro-batches' output-layer weight gradients may be deferred (0: all)."""
-    microbatch_group_size_per_vp_stage: Optional[int] = None
-    """Micro-batches run consecutively on one virtual stage (None: pipeline_model_parallel_size)."""
     overlap_p2p_comm_warmup_flush: bool = False
     """Also overlap pipeline communication in the warm-up and flush phases."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Micro-batches run consecutively on one virtual stage (None: pipeline_model_parallel_size)."""
+    mtp_standalone: bool = False
+    """Multi-token prediction runs in its own virtual pipeline stage (not supported yet: must be False)."""
 
-    # ---- offloading ----
+    # ---- offloading (not supported yet: every field must keep its default) ----
     cpu_offloading: bool = False
-    """Offload activations/weights to host memory (GPU only; not available here)."""
+    """Offload activations/weights of some layers to host memory."""
     cpu_offloading_num_layers: int = 0
     """Layers to offload."""
+    _cpu_offloading_context: Optional[ContextManager] = None
+    """Internal: the offloading context of the running model; never set it."""
     cpu_offloading_activations: bool = True
     """Offload activations."""
-    cpu_offloading_weights: bool = True
+    cpu_offloading_weights: bool = False
     """Offload weights."""
+    cpu_offloading_double_buffering: bool = False
+    """Double-buffer the reload of offloaded activations across layers."""
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    """Keep the pinned host buffers between iterations."""
     barrier_with_L1_time: bool = True
     """Timers: use barriers when measuring level-1 times."""
 
     def __post_init__(self):
         _validate_parallel_sizes(self)
         _validate_precision(self)
+        # Checks every field of the concrete class, TransformerConfig's included, before anything is derived.
+        refuse_features_not_supported_yet(self)
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             raise ValueError(
                 "pipeline_dtype must be set when pipeline_model_parallel_size > 1 "
@@ -157,8 +214,6 @@ def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
             f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} needs "
             f"pipeline_model_parallel_size > 1 (got {config.pipeline_model_parallel_size})"
         )
-    if config.hierarchical_context_parallel_sizes:
-        raise ValueError("hierarchical_context_parallel_sizes is not supported; leave it unset")
 
 
 def _validate_precision(config: ModelParallelConfig) -> None:

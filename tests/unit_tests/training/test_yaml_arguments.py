@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args_list, validate_args
 from megatron.training.yaml_arguments import load_yaml
 from tests.unit_tests.training.test_arguments import BASE, QUIET
 
@@ -29,7 +29,7 @@ def write(tmp_path, text, name="config.yaml"):
 
 
 def validated(argv, world_size=1):
-    args = parse_args(argv=argv)
+    args = parse_args_list(argv)
     args.world_size = world_size
     return validate_args(args)
 
@@ -120,14 +120,14 @@ def test_megatron_sections_equal_the_command_line(tmp_path):
 
 def test_command_line_flags_override_the_file(tmp_path):
     path = write(tmp_path, "seed: 7\nlr: 0.5\nsequence_parallel: true\n")
-    args = parse_args(argv=["--yaml-cfg", path, "--seed", "9"])
+    args = parse_args_list(["--yaml-cfg", path, "--seed", "9"])
     assert (args.seed, args.lr, args.sequence_parallel) == (9, 0.5, True)
 
 
 def test_environment_variables_are_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("RUN_DIR", "/runs/a")
     path = write(tmp_path, 'save: ${RUN_DIR}/ckpt\ntensorboard_dir: "${RUN_DIR}/tb"\n')
-    args = parse_args(argv=["--yaml-cfg", path])
+    args = parse_args_list(["--yaml-cfg", path])
     assert (args.save, args.tensorboard_dir) == ("/runs/a/ckpt", "/runs/a/tb")
 
 
@@ -138,7 +138,7 @@ def test_load_yaml_and_an_empty_file(tmp_path):
 
 def test_yaml_is_validated_like_the_command_line(tmp_path):
     path = write(tmp_path, "fp16: true\nmodel_parallel:\n  bf16: true\n")
-    args = parse_args(argv=["--yaml-cfg", path] + BASE)
+    args = parse_args_list(["--yaml-cfg", path] + BASE)
     with pytest.raises(ValueError, match="--fp16 and --bf16 are both set; choose one"):
         validate_args(args)
 
@@ -146,8 +146,8 @@ def test_yaml_is_validated_like_the_command_line(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("num_layer: 4\n", r"unknown setting num_layer; did you mean num_layers\?"),
     ("language_model:\n  num_layer: 4\n", r"unknown setting language_model.num_layer; did you mean num_layers"),
-    ("model_parallel:\n  cpu_offloading_weights: false\n",
-     r"model_parallel.cpu_offloading_weights: False cannot be set here \(the field has no command-line equivalent"),
+    ("model_parallel:\n  cpu_offloading_weights: true\n",
+     r"model_parallel.cpu_offloading_weights: True cannot be set here \(the field has no command-line equivalent"),
     ("sequence_parallel: 1\n", "sequence_parallel: must be true or false, got 1"),
     ("num_layers: 2.5\n", r"num_layers: 2.5 is not a valid value \(expected int\)"),
     ("lr: fast\n", r"lr: 'fast' is not a valid value"),
@@ -164,15 +164,15 @@ def test_yaml_is_validated_like_the_command_line(tmp_path):
 def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(ValueError, match=message) as error:
-        parse_args(argv=["--yaml-cfg", path])
+        parse_args_list(["--yaml-cfg", path])
     assert path in str(error.value)
 
 
 def test_missing_file():
     with pytest.raises(ValueError, match="--yaml-cfg /no/such/config.yaml: file not found"):
-        parse_args(argv=["--yaml-cfg", "/no/such/config.yaml"])
+        parse_args_list(["--yaml-cfg", "/no/such/config.yaml"])
 
 
 def test_quiet_flags_match_the_quiet_yaml(tmp_path):
-    assert vars(parse_args(argv=QUIET)) == vars(parse_args(argv=["--yaml-cfg", write(tmp_path, QUIET_YAML)])) | {
+    assert vars(parse_args_list(QUIET)) == vars(parse_args_list(["--yaml-cfg", write(tmp_path, QUIET_YAML)])) | {
         "yaml_cfg": None}

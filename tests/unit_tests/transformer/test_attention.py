@@ -82,6 +82,13 @@ def test_attention_matches_explicit_softmax():
     assert bf16_error < 2e-2
 
 
+def _with_context_parallelism():
+    # TransformerConfig itself refuses context_parallel_size > 1; this reaches the attention's own check.
+    config = _config()
+    config.context_parallel_size = 2
+    return config
+
+
 def _errors():
     parallel_state.initialize_model_parallel(1)
     messages = []
@@ -90,7 +97,7 @@ def _errors():
     for call in (
         lambda: attention(q, k, v, torch.zeros(1, 1, S, S)),
         lambda: attention(q, k, v, None, packed_seq_params=object()),
-        lambda: DotProductAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal),
+        lambda: DotProductAttention(_with_context_parallelism(), 1, AttnMaskType.causal),
     ):
         try:
             call()

@@ -1,0 +1,265 @@
+"""Config fields of Megatron-Core features this project does not build yet, and the check that refuses them.
+
+``ModelParallelConfig``, ``TransformerConfig`` and ``MLATransformerConfig`` accept every field Megatron-Core 0.19
+has, with Megatron's defaults, so code written against Megatron constructs them unchanged. A field that belongs to
+a feature listed here must stay at its default: set to anything else it is refused with one ``ValueError`` naming
+the feature, the field and the value, before any model is built or any collective is issued. A feature's row is the
+one place that refuses it; whoever builds the feature removes the row and validates the fields properly instead.
+
+Not listed, and accepted at any value: knobs that only select or tune GPU kernels and communication overlap
+(``*_fusion``, ``tp_comm_*``, ``flash_attention_version``, ...), which have no effect here (the config warns where
+they would be expected to change something), and sub-options that Megatron itself ignores until their feature is
+switched on (``cp_comm_type`` with ``context_parallel_size == 1``, ``cuda_graph_modules`` with
+``cuda_graph_impl='none'``; Megatron-LM's command line passes non-default values of both by default).
+"""
+
+import dataclasses
+from typing import Dict, Tuple
+
+NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
+    "context parallelism": ("context_parallel_size", "hierarchical_context_parallel_sizes"),
+    "hybrid context parallelism": ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank"),
+    "GTP weight rematerialisation": (
+        "tensor_parallel_num_weight_shards",
+        "gtp_weight_remat_size",
+        "expert_tensor_parallel_num_weight_shards",
+        "expert_gtp_weight_remat_size",
+    ),
+    "mixture of experts": (
+        "num_moe_experts",
+        "moe_grad_scale_func",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
+        "moe_shared_expert_overlap",
+        "use_grouped_gemm_for_shared_expert",
+        "moe_shared_expert_glu_interleave_size",
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_router_load_balancing_type",
+        "moe_router_topk",
+        "moe_enable_routing_replay",
+        "moe_router_topk_limited_devices",
+        "moe_router_padding_for_quantization",
+        "moe_router_padding_for_fp8",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "moe_router_pre_softmax",
+        "moe_router_topk_scaling_factor",
+        "moe_router_score_function",
+        "moe_router_dtype",
+        "moe_router_enable_expert_bias",
+        "moe_router_bias_update_rate",
+        "moe_router_quantile_balancing_ema",
+        "moe_router_force_load_balancing",
+        "moe_router_force_biased",
+        "moe_grouped_gemm",
+        "moe_single_grouped_weight",
+        "moe_single_grouped_bias",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_input_jitter_eps",
+        "moe_token_dropping",
+        "moe_token_dispatcher_type",
+        "moe_enable_deepep",
+        "moe_flex_dispatcher_backend",
+        "moe_permute_fusion_into_hybridep",
+        "moe_hybridep_pad_uneven_dispatch_inputs",
+        "moe_per_layer_logging",
+        "moe_expert_capacity_factor",
+        "moe_pad_expert_input_to_capacity",
+        "moe_pad_experts_for_cuda_graph_inference",
+        "moe_token_drop_policy",
+        "moe_layer_recompute",
+        "moe_permute_fusion",
+        "moe_router_fusion",
+        "moe_apply_probs_on_input",
+        "moe_latent_size",
+        "moe_flex_dispatcher_num_sms",
+        "moe_deepep_num_sms",
+        "moe_hybridep_num_sms",
+        "moe_hybridep_num_blocks_permute",
+        "moe_hybridep_num_blocks_unpermute",
+        "moe_hybridep_num_sms_preprocessing",
+        "moe_ncclep_static_shape",
+        "moe_ncclep_zero_copy",
+        "moe_mlp_glu_interleave_size",
+        "moe_expert_rank_capacity_factor",
+    ),
+    "expert-parallel communication overlap": (
+        "overlap_moe_expert_parallel_comm",
+        "delay_wgrad_compute",
+        "overlap_dispatch_backward_with_experts_wgrad",
+        "ep_overlap_early_attn_memory_release",
+        "high_priority_a2a_comm_stream",
+    ),
+    "MoE paged stash": (
+        "moe_paged_stash",
+        "moe_paged_stash_page_size",
+        "moe_paged_stash_buffer_size_factor_cuda",
+        "moe_paged_stash_buffer_size_factor_cpu",
+    ),
+    "multi-token prediction": (
+        "mtp_grad_scale_func",
+        "mtp_standalone",
+        "mtp_num_layers",
+        "mtp_loss_scaling_factor",
+        "mtp_use_repeated_layer",
+        "mtp_detach_heads",
+        "mtp_hybrid_override_pattern",
+    ),
+    "custom pipeline layout": ("pipeline_model_parallel_layout",),
+    "CPU offloading": (
+        "cpu_offloading",
+        "cpu_offloading_num_layers",
+        "_cpu_offloading_context",
+        "cpu_offloading_activations",
+        "cpu_offloading_weights",
+        "cpu_offloading_double_buffering",
+        "cpu_offloading_retain_pinned_cpu_buffers",
+    ),
+    "fine-grained activation offloading": (
+        "fine_grained_activation_offloading",
+        "offload_modules",
+        "min_offloaded_tensor_size",
+        "delay_offload_until_cuda_graph",
+        "delta_offload_bytes_across_pp_ranks",
+        "activation_offload_fraction",
+        "fine_grained_offloading_max_inflight_offloads",
+    ),
+    "multi-latent attention": ("multi_latent_attention",),
+    "sliding-window attention": ("window_size", "window_attn_skip_freq"),
+    "softmax variants (off-by-one, learnable)": ("softmax_type",),
+    "clamped / offset GLU activations": ("glu_linear_offset", "activation_func_clamp_value"),
+    "L2 query/key normalisation": ("qk_l2_norm",),
+    "QK-clip": ("qk_clip", "qk_clip_alpha", "qk_clip_threshold", "log_max_attention_logit"),
+    "attention output gate": ("attention_output_gate",),
+    "layers without RoPE": ("no_rope_freq",),
+    "multimodal RoPE": ("mrope_section",),
+    "experimental attention variants (DeepSeek sparse attention)": (
+        "experimental_attention_variant",
+        "experimental_attention_variant_loss_scale_func",
+        "dsa_indexer_n_heads",
+        "dsa_indexer_head_dim",
+        "dsa_indexer_topk",
+        "dsa_indexer_topk_freq",
+        "dsa_indexer_skip_topk_offset",
+        "dsa_indexer_loss_coeff",
+        "dsa_indexer_use_sparse_loss",
+        "dsa_kernel_backend",
+        "dsa_indexer_rope_interleaved",
+        "dsa_indexer_rotate_activation",
+        "dsa_indexer_scoring_relu",
+        "dsa_indexer_k_norm_epsilon",
+        "dsa_indexer_k_norm_fp32",
+    ),
+    "linear attention (gated delta net)": (
+        "linear_attention_freq",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    ),
+    "meta-device initialisation": ("init_model_with_meta_device",),
+    "maximal update parametrisation (muP)": (
+        "use_mup",
+        "mup_width_mult",
+        "mup_base_hidden_size",
+        "mup_embedding_mult",
+        "mup_output_mult",
+        "mup_base_head_dim",
+        "mup_attn_scale_power",
+    ),
+    "FP8 training": (
+        "fp8",
+        "fp8_recipe",
+        "fp8_param",
+        "fp8_quantizer_factory",
+        "fp8_margin",
+        "fp8_interval",
+        "fp8_amax_history_len",
+        "fp8_amax_compute_algo",
+        "fp8_wgrad",
+        "fp8_output_proj",
+        "fp8_dot_product_attention",
+        "fp8_multi_head_attention",
+        "tp_only_amax_red",
+        "first_last_layers_bf16",
+        "num_layers_at_start_in_bf16",
+        "num_layers_at_end_in_bf16",
+        "activation_func_fp8_input_store",
+    ),
+    "FP4 training": ("fp4", "fp4_recipe", "fp4_param", "fp4_quantizer_factory"),
+    "Kitchen quantization": ("use_kitchen", "use_kitchen_attention", "kitchen_attention_backend", "quant_recipe"),
+    "CUDA graphs": (
+        "enable_cuda_graph",
+        "cuda_graph_use_single_mempool",
+        "cuda_graph_retain_backward_graph",
+        "cuda_graph_warmup_steps",
+        "external_cuda_graph",
+        "cuda_graph_impl",
+        "inference_cuda_graph_scope",
+        "cuda_graph_scope",
+    ),
+    "inference-only execution options": (
+        "flash_decode",
+        "inference_rng_tracker",
+        "inference_sampling_seed",
+        "nccl_all_reduce_for_prefill",
+        "use_inference_optimized_layers",
+        "inference_fuse_tp_communication",
+        "inference_disable_triton_nvls_kernels",
+        "inference_grouped_gemm_backend",
+        "inference_moe_disable_fused_quant_kernels",
+        "inference_moe_token_dispatcher_type",
+        "mlp_chunks_for_prefill",
+        "cache_mla_latents",
+    ),
+    "chunked MLP": ("mlp_chunks_for_training",),
+    "batch-invariant kernels": ("batch_invariant_mode",),
+    "config logger": ("config_logger_dir",),
+    "Mamba / hybrid models": (
+        "is_hybrid_model",
+        "mamba_state_dim",
+        "mamba_head_dim",
+        "mamba_num_groups",
+        "mamba_num_heads",
+        "mamba_training_ssm_states_dtype",
+        "use_mamba_mem_eff_path",
+    ),
+    "heterogeneous layers": ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"),
+}
+"""Feature -> the config fields that must keep their default until the feature is built."""
+
+
+def _field_defaults(config_class: type) -> Dict[str, object]:
+    defaults = {}
+    for field in dataclasses.fields(config_class):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+    return defaults
+
+
+def refuse_features_not_supported_yet(config) -> None:
+    """Raise one ValueError listing every field of ``NOT_SUPPORTED_YET`` that ``config`` sets away from its default.
+
+    Defaults are those of ``config``'s own class, so a subclass that turns a feature on by default (Megatron's
+    ``MLATransformerConfig``) still constructs; the model code refuses to build that feature instead.
+    """
+    defaults = _field_defaults(type(config))
+    problems = []
+    for feature, names in NOT_SUPPORTED_YET.items():
+        changed = [
+            f"{name}={getattr(config, name)!r}"
+            for name in names
+            if name in defaults and getattr(config, name) != defaults[name]
+        ]
+        if changed:
+            problems.append(f"{feature} ({', '.join(changed)})")
+    if problems:
+        raise ValueError(
+            "not supported yet: " + "; ".join(problems) + ". Leave these fields at their defaults "
+            "(this project does not build those features yet)"
+        )
