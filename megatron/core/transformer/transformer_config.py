@@ -221,7 +221,8 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---- numerics ----
     apply_query_key_layer_scaling: bool = False
-    """Scale attention scores by 1/layer_number and back inside softmax (fp16 stability)."""
+    """Scale attention scores by 1/layer_number and back inside softmax (fp16 stability); turns on
+    attention_softmax_in_fp32, with which the result equals unscaled attention."""
     attention_softmax_in_fp32: bool = True
     """Compute the attention softmax in fp32."""
     disable_bf16_reduced_precision_matmul: bool = False
@@ -584,6 +585,10 @@ def _derive_defaults(config: TransformerConfig) -> None:
             f"num_attention_heads ({config.num_attention_heads}) must be a multiple of num_query_groups "
             f"({config.num_query_groups})"
         )
+    # Scaling scores by 1/layer_number and back only keeps fp16 scores in range when the softmax runs in fp32;
+    # with that, the result equals unscaled attention.
+    if config.apply_query_key_layer_scaling:
+        config.attention_softmax_in_fp32 = True
 
 
 def _validate_tensor_parallel_split(config: TransformerConfig) -> None:

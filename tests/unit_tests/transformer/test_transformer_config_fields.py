@@ -95,6 +95,12 @@ def test_sub_options_megatron_ignores_until_their_feature_is_on_are_accepted():
     assert (config.cp_comm_type, config.cuda_graph_modules) == ("p2p", [])
 
 
+def test_query_key_layer_scaling_turns_on_fp32_softmax():
+    config = TransformerConfig(**BASE, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)
+    assert config.attention_softmax_in_fp32 is True
+    assert TransformerConfig(**BASE, attention_softmax_in_fp32=False).attention_softmax_in_fp32 is False
+
+
 def test_transformer_impl():
     assert TransformerConfig(**BASE, transformer_impl="local").transformer_impl == "local"
     with pytest.raises(ValueError, match=r"not supported yet: inference-optimised layers"):
