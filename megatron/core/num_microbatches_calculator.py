@@ -359,7 +359,7 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """
 
     def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool,
-                 rank: int, schedule: str, seq_length: Optional[int] = None):
+                 rank: int, schedule: str, seq_length: Optional[int] = None) -> None:
         super().__init__()
         _check_positive(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size)
         if seq_length is not None:

@@ -22,9 +22,12 @@ Each group gets ``lr * lr_mult`` and ``wd * wd_mult``; a group's own ``max_lr`` 
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple, TypedDict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, TypedDict
 
 from megatron.core.utils import print_rank_0
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class OptimizerParamScheduler:
 
     def __init__(
         self,
-        optimizer,
+        optimizer: "MegatronOptimizer",
         init_lr: float,
         max_lr: float,
         min_lr: float,
@@ -109,7 +112,7 @@ class OptimizerParamScheduler:
         override_opt_param_scheduler: Optional[bool] = False,
         wsd_decay_steps: Optional[int] = None,
         lr_wsd_decay_style: Optional[str] = None,
-    ):
+    ) -> None:
         self.optimizer = optimizer
         self.init_lr = init_lr
         self.max_lr = float(max_lr)

@@ -38,6 +38,7 @@ from megatron.core.optimizer_param_scheduler import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_model_config, get_pg_rank, get_pg_size, is_te_min_version
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,12 @@ __all__ = [
     "count_zeros_fp32",
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
+    "get_model_config",
     "get_mup_config_overrides",
+    "get_pg_rank",
+    "get_pg_size",
     "get_standard_config_overrides",
+    "is_te_min_version",
     "init_optimizer_state",
     "param_group_override_to_tuple",
 ]
@@ -313,21 +318,29 @@ def _build_one(
 ) -> MegatronOptimizer:
     optimizer = _build_torch_optimizer(config, param_groups)
     if config.use_distributed_optimizer:
-        # Each DP rank holds a different shard, so statistics are summed over model- and data-parallel ranks.
-        return DistributedOptimizer(
+        wrapped = DistributedOptimizer(
             optimizer, config, _make_grad_scaler(config), init_optimizer_state, model_chunks, per_model_buffers,
-            data_parallel_group, grad_stats_parallel_group=None, tp_group=tp_group,
+            data_parallel_group, data_parallel_group_gloo=None,
+            data_parallel_group_idx=get_pg_rank(model_parallel_group), distributed_optimizer_instance_id=0,
         )
-    if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(
-            optimizer, config, _make_grad_scaler(config), init_optimizer_state, model_parallel_group, tp_group
+        # Each DP rank holds a different shard, so statistics are summed over model- and data-parallel ranks.
+        grad_stats_parallel_group = None
+    elif config.fp16 or config.bf16:
+        wrapped = Float16OptimizerWithFloat16Params(
+            optimizer, config, _make_grad_scaler(config), init_optimizer_state
         )
-    if config.loss_scale is not None:
+        grad_stats_parallel_group = model_parallel_group
+    elif config.loss_scale is not None:
         raise ValueError(
             f"OptimizerConfig.loss_scale={config.loss_scale} needs fp16 or bf16 (an fp32 model is not loss-scaled); "
             "unset loss_scale or enable fp16/bf16"
         )
-    return FP32Optimizer(optimizer, config, init_optimizer_state, model_parallel_group, tp_group)
+    else:
+        wrapped = FP32Optimizer(optimizer, config, init_optimizer_state)
+        grad_stats_parallel_group = model_parallel_group
+    wrapped.grad_stats_parallel_group = grad_stats_parallel_group
+    wrapped.tp_group = tp_group
+    return wrapped
 
 
 def _buffers_of(chunk: torch.nn.Module, attribute: str, config: OptimizerConfig) -> list:

@@ -9,7 +9,7 @@ distributed optimizer, whose data-parallel ranks each hold a different shard).
 """
 
 import math
-from typing import Iterable, List, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ def _all_reduce(value: torch.Tensor, op, group) -> None:
 
 
 def get_grad_norm_fp32(
-    grads_for_norm: Union[torch.Tensor, Iterable[torch.Tensor]],
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
     norm_type: Union[int, float] = 2,
     grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> float:
@@ -59,7 +59,7 @@ def _grads_of(parameters, use_decoupled_grad: bool) -> List[torch.Tensor]:
 
 
 def clip_grad_by_total_norm_fp32(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    parameters: Union[List[torch.Tensor], torch.Tensor],
     max_norm: Union[int, float],
     total_norm: float,
     use_decoupled_grad: bool = False,
@@ -73,21 +73,26 @@ def clip_grad_by_total_norm_fp32(
 
 
 def count_zeros_fp32(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
-    grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    grad_stats_parallel_group: torch.distributed.ProcessGroup,
     use_decoupled_grad: bool = False,
-    tp_group: Optional[dist.ProcessGroup] = None,
-) -> int:
-    """Number of zero gradient entries across ``grad_stats_parallel_group``, each replicated parameter once."""
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    expert_tp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> float:
+    """Number of zero gradient entries across ``grad_stats_parallel_group`` (None: every rank), each replicated
+    parameter once: dense parameters are replicated across ``tp_group``, expert parameters (``allreduce=False``)
+    across ``expert_tp_group``."""
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     zeros = torch.zeros((), dtype=torch.float32, device=get_current_device())
     for param in _as_list(parameters):
         grad = getattr(param, attr, None)
-        if grad is None or not counts_for_grad_stats(param, tp_group):
+        is_expert = not getattr(param, "allreduce", True)
+        group = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
+        if grad is None or not counts_for_grad_stats(param, group):
             continue
         zeros = zeros + (grad.numel() - torch.count_nonzero(grad))
     _all_reduce(zeros, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return int(zeros.item())
+    return zeros.item()
 
 
 def counts_for_grad_stats(param: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> bool:

@@ -13,7 +13,7 @@ main param, exp_avg, exp_avg_sq) = 6 + 12/d, against 18 without sharding.
 """
 
 from collections import defaultdict
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,30 @@ from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     _require_keys,
     _zero_grad_group_helper,
-    copy_param_attributes,
+    copy_optimizer_param_metadata,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.module import MegatronModule
 
 _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
 # Megatron's name for storing each optimizer-state slice as part of its model parameter's checkpoint entry.
 _SHARDING_TYPE = "fully_sharded_model_space"
+
+
+class Range:
+    """A span ``[start, end)`` of a flat buffer or parameter."""
+
+    def __init__(self, start: int, end: int):
+        self.start = start
+        self.end = end
+        self.size = end - start
+
+    def normalize(self, start: int = 0):
+        """The span of the same size beginning at ``start`` (e.g. the same elements counted from another origin)."""
+        return Range(start, start + self.size)
+
+    def __repr__(self) -> str:
+        return f"Range({self.start}, {self.end})"
 
 
 class ShardRange(NamedTuple):
@@ -58,13 +75,13 @@ def shard_ranges(buffer: _ParamAndGradBuffer, data_parallel_rank: int) -> Dict[t
     ranges = {}
     for bucket in buffer.buckets:
         shard_size = bucket.grad_data.numel() // world_size
-        shard_start = bucket.offset + data_parallel_rank * shard_size
-        shard_end = shard_start + shard_size
+        shard = Range(0, shard_size).normalize(bucket.offset + data_parallel_rank * shard_size)
         for param in bucket.params_list:
-            param_start, param_end, _ = buffer.param_index_map[param]
-            start, end = max(param_start, shard_start), min(param_end, shard_end)
-            if start < end:
-                ranges[param] = ShardRange(start, end, start - param_start, end - param_start)
+            in_buffer = Range(*buffer.param_index_map[param][:2])
+            overlap = Range(max(in_buffer.start, shard.start), min(in_buffer.end, shard.end))
+            if overlap.size > 0:
+                in_param = overlap.normalize(overlap.start - in_buffer.start)
+                ranges[param] = ShardRange(overlap.start, overlap.end, in_param.start, in_param.end)
     return ranges
 
 
@@ -86,25 +103,41 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         model_chunks: the DDP-wrapped model chunks (their parameters are gathered after each step).
         per_model_buffers: ``{chunk index: [buffers]}`` holding every parameter of ``optimizer``.
         data_parallel_group: the group the buffers are sharded over.
-        grad_stats_parallel_group: group for gradient norms and overflow checks (None: every rank).
-        tp_group: tensor-parallel group, to count replicated parameters once.
+        data_parallel_group_gloo: a gloo twin of ``data_parallel_group`` (Megatron gathers legacy checkpoints
+            over it); kept, not needed: every collective here runs on ``data_parallel_group``.
+        data_parallel_group_idx: this rank's index among the model-parallel ranks (which copy of the data-parallel
+            group this is).
+        distributed_optimizer_instance_id: which of several distributed-optimizer instances this is (only one
+            instance is built: 0).
+
+    ``grad_stats_parallel_group`` (None: every rank, since each data-parallel rank holds a different shard) and
+    ``tp_group`` are set by the builder, as for the other optimizers.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
-        grad_scaler: Optional[MegatronGradScaler],
-        init_state_fn: Callable,
-        model_chunks: List[torch.nn.Module],
+        grad_scaler: MegatronGradScaler,
+        init_state_fn: Optional[Callable],
+        model_chunks: List[MegatronModule],
         per_model_buffers: Dict[int, List[_ParamAndGradBuffer]],
-        data_parallel_group: dist.ProcessGroup,
-        grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
-        tp_group: Optional[dist.ProcessGroup] = None,
+        data_parallel_group: torch.distributed.ProcessGroup,
+        data_parallel_group_gloo: Optional[torch.distributed.ProcessGroup],
+        data_parallel_group_idx: int,
+        distributed_optimizer_instance_id: int,
     ):
-        super().__init__(optimizer, config, grad_scaler, init_state_fn, grad_stats_parallel_group, tp_group)
+        if distributed_optimizer_instance_id != 0:
+            raise ValueError(
+                "DistributedOptimizer: not supported yet: several distributed-optimizer instances "
+                f"(distributed_optimizer_instance_id={distributed_optimizer_instance_id})"
+            )
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
         self.model_chunks = list(model_chunks)
         self.data_parallel_group = data_parallel_group
+        self.data_parallel_group_gloo = data_parallel_group_gloo
+        self.data_parallel_group_idx = data_parallel_group_idx
+        self.distributed_optimizer_instance_id = distributed_optimizer_instance_id
         self.buffers = [buffer for buffers in per_model_buffers.values() for buffer in buffers]
         dp_size, dp_rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
         ranges: Dict[torch.nn.Parameter, ShardRange] = {}
@@ -144,7 +177,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def owned_main_params(self) -> List[torch.Tensor]:
         return [entry.main_param for entry in self._entries() if entry.owns_main]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    @property
+    def optimizer_state_keys(self):
+        """Names of the per-parameter optimizer state the torch optimizer keeps (Adam's moments, SGD's momentum)."""
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return ("momentum_buffer",)
+        return ("exp_avg", "exp_avg_sq")
+
+    def get_grad_stats_parallel_group(self) -> torch.distributed.ProcessGroup:
+        """Every data-parallel rank holds a different shard: statistics are summed over the builder's group
+        (None: every rank)."""
+        return self.grad_stats_parallel_group
+
+    def zero_grad(self, set_to_none: bool = True):
         _zero_grad_group_helper([entry.main_param for entry in self._entries()], set_to_none)
         _zero_grad_group_helper([entry.model_param for entry in self._entries()], set_to_none)
 
@@ -157,16 +202,28 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for model_param, main_param, shard, owns_main in self._entries():
             if owns_main:
                 model_param.detach().view(-1)[shard.param_start : shard.param_end].copy_(main_param)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Step this rank's shard, write it into the model's parameter buffer, and have DDP all-gather the updated
+        buffers (at once, or during the next forward with overlap_param_gather)."""
+        updated = super().step_with_ready_grads()
+        self.prepare_model_params_for_param_sync()
         for chunk in self.model_chunks:
             chunk.mark_params_updated(self.buffers)
+        return updated
 
-    def reload_model_params(self) -> None:
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Nothing to prepare before the all-gather: the shard was written into the bf16/fp16/fp32 parameter
+        buffer itself (fp8 parameters, which would be re-quantised here, are not built)."""
+
+    def reload_model_params(self, state_dict=None):
         with torch.no_grad():
             for model_param, main_param, shard, owns_main in self._entries():
                 if owns_main:
                     main_param.copy_(model_param.detach().view(-1)[shard.param_start : shard.param_end])
 
-    def state_dict(self) -> Dict:
+    def state_dict(self):
         """This rank's shard: the torch optimizer state, the fp32 main shards of bf16/fp16 parameters, the scaler."""
         state = {
             "optimizer": self.optimizer.state_dict(),
@@ -178,7 +235,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict):
         if is_sharded_state(state_dict):
             return self._load_sharded_state_dict(state_dict)
         _require_keys(state_dict, ("optimizer", "shard_fp32_from_float16_groups"), type(self).__name__)
@@ -201,11 +258,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def sharded_state_dict(
         self,
-        model_sharded_state_dict: Dict,
+        model_sharded_state_dict: Dict[str, Any] = {},  # noqa: B006 - Megatron's signature; never mutated
         is_loading: bool = False,
         sharding_type: Optional[str] = None,
         metadata: Optional[dict] = None,
-    ) -> Dict:
+    ):
         """This rank's shard as pieces of the global checkpoint, in Megatron's ``fully_sharded_model_space`` layout.
 
         For every parameter piece this rank steps, its fp32 main parameter and Adam's moments are stored as flat
@@ -228,6 +285,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if step is not None:
             for group in param_groups:
                 group["step"] = int(step)
+        state = {
+            "optimizer": {"param_groups": param_groups},
+            "param_state": self.sharded_param_state_fs_model_space(model_sharded_state_dict, is_loading, metadata),
+            "param_state_sharding_type": sharding_type,
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return mark_sharded_state(state)
+
+    def sharded_param_state_fs_model_space(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, metadata: Optional[dict] = None
+    ):
+        """The ``param_state`` part of :meth:`sharded_state_dict`: by optimizer parameter index, the fp32 main
+        shard and optimizer tensors of each parameter piece, as flat slices of the parameter's checkpoint entry."""
         entries = list(self._entries())
         id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, [e.model_param for e in entries])
         param_state = {}
@@ -251,25 +322,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 name: make_sharded_optimizer_tensor(model_sharded, tensor, f"optimizer.state.{name}", **placement)
                 for name, tensor in tensors.items()
             }
-        state = {
-            "optimizer": {"param_groups": param_groups},
-            "param_state": param_state,
-            "param_state_sharding_type": sharding_type,
-        }
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return mark_sharded_state(state)
+        return param_state
+
+    @torch.no_grad()
+    def load_parameter_state_from_fs_model_space(self, state_dict):
+        """Load a loaded ``param_state`` (see :meth:`sharded_param_state_fs_model_space`): the fp32 main shards
+        into the main parameters, the optimizer tensors (e.g. Adam's moments) into the torch optimizer's state."""
+        for index, entry in enumerate(self._entries()):
+            loaded = dict(state_dict[index])
+            fp32_param = loaded.pop("fp32_param", None)
+            if entry.owns_main:
+                entry.main_param.copy_(fp32_param)
+            self.optimizer.state[entry.main_param].update(loaded)
 
     def _load_sharded_state_dict(self, state_dict: Dict) -> None:
         step, saved_groups = saved_step_and_param_groups(state_dict)
-        per_param_state = {}
-        with torch.no_grad():
-            for index, entry in enumerate(self._entries()):
-                loaded = dict(state_dict["param_state"][index])
-                fp32_param = loaded.pop("fp32_param", None)
-                if entry.owns_main:
-                    entry.main_param.copy_(fp32_param)
-                per_param_state[index] = loaded
+        self.load_parameter_state_from_fs_model_space(state_dict["param_state"])
+        per_param_state = {
+            index: dict(self.optimizer.state[entry.main_param]) for index, entry in enumerate(self._entries())
+        }
         load_torch_optimizer_state(self.optimizer, per_param_state, step, saved_groups)
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -286,5 +357,5 @@ def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange) -> _Sh
             f"DistributedOptimizer: parameter of dtype {model_param.dtype} is not supported; "
             "parameters must be float16, bfloat16 or float32"
         )
-    copy_param_attributes(main_param, model_param)
+    copy_optimizer_param_metadata(main_param, model_param)
     return _ShardEntry(model_param, main_param, shard, owns_main)

@@ -13,7 +13,7 @@ Every ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. 
 
 import math
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,18 @@ _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
 _GRAD_STATS_ATTRIBUTES = ("shared", "sequence_parallel", "allreduce", "is_embedding_or_output_parameter")
 
 
-def copy_param_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
     """Give a main (fp32) copy the tensor-parallel and sharing attributes of its model parameter."""
     copy_tensor_model_parallel_attributes(destination, source)
     for attribute in _GRAD_STATS_ATTRIBUTES:
         if hasattr(source, attribute):
             setattr(destination, attribute, getattr(source, attribute))
+
+
+def _skips_update(config: OptimizerConfig, grad_norm: float) -> bool:
+    """A gradient norm above ``grad_norm_skip_threshold`` (e.g. a loss spike) is not applied: it would move the
+    weights and corrupt Adam's moments far more than skipping one step costs."""
+    return grad_norm > config.grad_norm_skip_threshold
 
 
 def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -74,9 +80,10 @@ class MegatronOptimizer(ABC):
         optimizer: the torch optimizer (its param groups carry Megatron's ``wd_mult``/``lr_mult``/... keys).
         config: the OptimizerConfig.
         init_state_fn: ``fn(torch_optimizer, config)`` that creates empty optimizer state (used before loading).
-        grad_stats_parallel_group: the group gradient norms and zero counts are summed over
-            (the model-parallel group; None means every rank).
-        tp_group: the tensor-parallel group, to count replicated parameters once.
+
+    As in Megatron, the builder sets two attributes after construction: ``grad_stats_parallel_group``, the group
+    gradient norms and zero counts are summed over (the model-parallel group; None means every rank), and
+    ``tp_group``, the tensor-parallel group, to count replicated parameters once.
     """
 
     def __init__(
@@ -84,14 +91,13 @@ class MegatronOptimizer(ABC):
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
         init_state_fn: Callable = lambda optimizer, config=None: None,
-        grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
-        tp_group: Optional[dist.ProcessGroup] = None,
     ):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
-        self.grad_stats_parallel_group = grad_stats_parallel_group
-        self.tp_group = tp_group
+        self.grad_stats_parallel_group: Optional[dist.ProcessGroup] = None
+        self.tp_group: Optional[dist.ProcessGroup] = None
+        self._offloaded_state_devices: Optional[Dict[Tuple[int, str], torch.device]] = None
 
     # ---- parameters and gradients ----------------------------------------------------------------------------
 
@@ -99,21 +105,36 @@ class MegatronOptimizer(ABC):
         """The tensors the torch optimizer steps (model parameters, or main copies / shards of them)."""
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
-    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        """Gradients this rank counts in the global norm (replicated and shared parameters counted once)."""
+    def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> List[torch.Tensor]:
+        """Gradients this rank counts in a global norm (replicated and shared parameters counted once).
+
+        Parameters tagged ``param.grad_norm_group = "<name>"`` form a separate norm: they are left out of the
+        main norm (``grad_norm_group=None``) and returned for ``grad_norm_group="<name>"``.
+        """
         return [
             param.grad
             for param in self.get_parameters()
-            if param.grad is not None and counts_for_grad_stats(param, self.tp_group)
+            if param.grad is not None
+            and getattr(param, "grad_norm_group", None) == grad_norm_group
+            and counts_for_grad_stats(param, self.tp_group)
         ]
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """Whether any rank of the grad-stats group holds parameters of ``grad_norm_group`` (the same answer on
+        every rank, so that every rank issues the same collectives for that group's norm)."""
+        local = any(getattr(p, "grad_norm_group", None) == grad_norm_group for p in self.get_parameters())
+        found = torch.tensor([1.0 if local else 0.0], device=get_current_device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
+        return found.item() > 0
 
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.grad_stats_parallel_group
 
-    def get_grad_norm(self) -> float:
+    def get_grad_norm(self):
         """Global L2 norm of the (unscaled) main gradients."""
         return get_grad_norm_fp32(
-            self.get_main_grads_for_grad_norm(), grad_stats_parallel_group=self.get_grad_stats_parallel_group()
+            self.get_grads_for_grad_norm(), grad_stats_parallel_group=self.get_grad_stats_parallel_group()
         )
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -122,7 +143,7 @@ class MegatronOptimizer(ABC):
         clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
-    def count_zeros(self) -> int:
+    def count_zeros(self) -> float:
         return count_zeros_fp32(
             self.get_parameters(), grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
             tp_group=self.tp_group,
@@ -148,35 +169,75 @@ class MegatronOptimizer(ABC):
         """Run the torch optimizer and write the results back to the model; return whether it succeeded."""
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``; an overflow skips the step
-        and returns ``(False, None, None)``."""
+    def step(self):
+        """One optimizer step: ``(update_successful, grad_norm, num_zeros_in_grad)``. An overflow skips the step
+        and returns ``(False, None, None)``; a gradient norm above ``config.grad_norm_skip_threshold`` skips it
+        and returns ``(False, grad_norm, num_zeros_in_grad)``."""
         if self.prepare_grads():
             return False, None, None
-        if self.config.clip_grad > 0.0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        else:
-            grad_norm = self.get_grad_norm()
+        grad_norm = self.get_grad_norm()
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        if _skips_update(self.config, grad_norm):
+            self.zero_grad(set_to_none=True)
+            return False, grad_norm, num_zeros
+        if self.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
     @abstractmethod
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True):
         pass
 
     @abstractmethod
-    def reload_model_params(self) -> None:
-        """Refresh the optimizer's main parameters from the model's (after the model was loaded from disk)."""
+    def reload_model_params(self, state_dict=None):
+        """Refresh the optimizer's main parameters from the model's (after the model was loaded from disk).
+        ``state_dict`` (the loaded model state) is accepted for Megatron's signature: the model parameters already
+        hold it."""
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Get the model parameters ready for their all-gather after a step. Only fp8 parameters need work here
+        (re-quantising from the main copies), and none are built, so there is nothing to do."""
+
+    # ---- optimizer state on the host ---------------------------------------------------------------------------
+
+    def offload_to_cpu(self):
+        """Move the optimizer state (e.g. Adam's moments) to host memory, freeing accelerator memory while the
+        optimizer is idle (e.g. during inference); :meth:`restore_from_cpu` moves it back."""
+        if self._offloaded_state_devices is not None:
+            return
+        self._offloaded_state_devices = {}
+        for state in self.optimizer.state.values():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self._offloaded_state_devices[id(state), name] = value.device
+                    state[name] = value.to("cpu")
+
+    def restore_from_cpu(self):
+        """Move the state that :meth:`offload_to_cpu` offloaded back to where it was."""
+        if self._offloaded_state_devices is None:
+            return
+        for state in self.optimizer.state.values():
+            for name, value in state.items():
+                device = self._offloaded_state_devices.get((id(state), name))
+                if device is not None:
+                    state[name] = value.to(device)
+        self._offloaded_state_devices = None
 
     # ---- state -----------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def state_dict(self) -> Dict:
+    def state_dict(self):
         pass
 
     @abstractmethod
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict):
         pass
+
+    @abstractmethod
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, metadata: Optional[dict] = None
+    ) -> Dict[str, Any]:
+        """This optimizer's state as pieces of the global (dist_checkpointing) checkpoint."""
 
     def owned_main_params(self) -> List[torch.Tensor]:
         """Main parameters this optimizer allocated itself (not views of the model's parameters)."""
@@ -214,20 +275,18 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def __init__(
         self,
-        optimizer,
+        optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
         grad_scaler: Optional[MegatronGradScaler],
         init_state_fn: Callable,
-        grad_stats_parallel_group=None,
-        tp_group=None,
     ):
-        super().__init__(optimizer, config, init_state_fn, grad_stats_parallel_group, tp_group)
+        super().__init__(optimizer, config, init_state_fn)
         if config.fp16 and grad_scaler is None:
             raise ValueError("fp16 training needs a grad scaler (ConstantGradScaler or DynamicGradScaler)")
         self.grad_scaler = grad_scaler
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=get_current_device())
 
-    def get_loss_scale(self) -> torch.Tensor:
+    def get_loss_scale(self):
         if self.grad_scaler is None:
             return super().get_loss_scale()
         return self.grad_scaler.scale
@@ -268,20 +327,28 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model_params()
         return True
 
+    @torch.no_grad()
+    def step(self):
+        """Unscale the main gradients and skip the step on an overflow (fp16), then clip and step the main
+        parameters and copy them into the model; ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        return super().step()
+
+    @abstractmethod
+    def reload_model_params(self, state_dict=None):
+        pass
+
 
 class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """Steps fp32 main copies of a bf16/fp16 model's parameters (fp32 model parameters are stepped as they are)."""
 
     def __init__(
         self,
-        optimizer,
+        optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
-        grad_scaler: Optional[MegatronGradScaler],
+        grad_scaler: MegatronGradScaler,
         init_state_fn: Callable,
-        grad_stats_parallel_group=None,
-        tp_group=None,
     ):
-        super().__init__(optimizer, config, grad_scaler, init_state_fn, grad_stats_parallel_group, tp_group)
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
         self.float16_groups: List[List[torch.nn.Parameter]] = []
         self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp32_groups: List[List[torch.nn.Parameter]] = []
@@ -292,7 +359,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     continue
                 if param.dtype in _FLOAT16_DTYPES:
                     main_param = param.detach().clone().float()
-                    copy_param_attributes(main_param, param)
+                    copy_optimizer_param_metadata(main_param, param)
                     group["params"][i] = main_param
                     float16_params.append(param)
                     main_params.append(main_param)
@@ -312,7 +379,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     def owned_main_params(self) -> List[torch.Tensor]:
         return [p for group in self.fp32_from_float16_groups for p in group]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none=True):
         for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
             for group in groups:
                 _zero_grad_group_helper(group, set_to_none)
@@ -334,13 +401,17 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                 model_param.data.copy_(main_param)
         _release_main_grad_aliases(self.fp32_from_fp32_groups)
 
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, state_dict=None):
         with torch.no_grad():
             for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
                 for model_param, main_param in zip(model_group, main_group):
                     main_param.copy_(model_param)
 
-    def state_dict(self) -> Dict:
+    def state_dict(self, is_loading: bool = False):
+        """The torch optimizer's state, the fp32 main copies and the loss scaler. With ``is_loading``, empty
+        optimizer state is created first, so that the result holds a tensor for everything a checkpoint fills."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
         state = {
             "optimizer": self.optimizer.state_dict(),
             "fp32_from_fp16_params": [[p.detach() for p in group] for group in self.fp32_from_float16_groups],
@@ -349,7 +420,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict):
         if is_sharded_state(state_dict):
             return self._load_sharded_state_dict(state_dict)
         _require_keys(state_dict, ("optimizer", "fp32_from_fp16_params"), type(self).__name__)
@@ -376,7 +447,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         }
         return [model_of_main.get(id(param), param) for param in self.get_parameters()]
 
-    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, metadata=None) -> Dict:
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, metadata: Optional[dict] = None
+    ):
         """This optimizer's state as pieces of the global checkpoint, keyed by the model parameters' keys.
 
         Adam's moments are stored as ``optimizer.state.<name>.<param key>`` and the fp32 main copies of fp16/bf16
@@ -439,7 +512,20 @@ def _require_keys(state_dict: Dict, keys, owner: str) -> None:
 class FP32Optimizer(MegatronOptimizer):
     """An fp32 model stepped directly by the torch optimizer (no main copies, no loss scaling)."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn: Callable):
+        super().__init__(optimizer, config, init_state_fn)
+        self._unit_scale = torch.tensor([1.0], dtype=torch.float32, device=get_current_device())
+
+    def get_loss_scale(self):
+        """Always 1.0: an fp32 model is not loss-scaled."""
+        return self._unit_scale
+
+    @torch.no_grad()
+    def step(self):
+        """Clip, then step the model parameters; ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        return super().step()
+
+    def zero_grad(self, set_to_none=True):
         for group in self.optimizer.param_groups:
             _zero_grad_group_helper(group["params"], set_to_none)
 
@@ -456,18 +542,20 @@ class FP32Optimizer(MegatronOptimizer):
         _release_main_grad_aliases([group["params"] for group in self.optimizer.param_groups])
         return True
 
-    def reload_model_params(self) -> None:
-        pass
+    def reload_model_params(self, state_dict=None):
+        """Nothing to refresh: the torch optimizer steps the model parameters themselves."""
 
-    def state_dict(self) -> Dict:
+    def state_dict(self):
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: Dict) -> None:
+    def load_state_dict(self, state_dict):
         if is_sharded_state(state_dict):
             return self._load_sharded_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict)
 
-    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, metadata=None) -> Dict:
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, metadata: Optional[dict] = None
+    ):
         """The torch optimizer's state with each per-parameter tensor stored as ``optimizer.state.<name>.<param
         key>``, sharded like its parameter (see Float16OptimizerWithFloat16Params.sharded_state_dict)."""
         if is_loading:
@@ -479,6 +567,39 @@ class FP32Optimizer(MegatronOptimizer):
     def _load_sharded_state_dict(self, state_dict: Dict) -> None:
         step, saved_groups = saved_step_and_param_groups(state_dict)
         load_torch_optimizer_state(self.optimizer, _per_param_tensors(state_dict["state"]), step, saved_groups)
+
+
+class ProxyDict:
+    """A read/write view of several dicts with disjoint keys as one (ChainedOptimizer.state): a lookup or an
+    update goes to the dict that holds the key."""
+
+    def __init__(self, inner_dicts: List[dict]):
+        self._inner_dicts = inner_dicts
+
+    def _owner(self, key) -> dict:
+        for inner in self._inner_dicts:
+            if key in inner:
+                return inner
+        raise KeyError(key)
+
+    def __getitem__(self, key):
+        return self._owner(key)[key]
+
+    def __setitem__(self, key, value):
+        self._owner(key)[key] = value
+
+    def __contains__(self, key) -> bool:
+        return any(key in inner for inner in self._inner_dicts)
+
+    def __iter__(self):
+        return (key for inner in self._inner_dicts for key in inner)
+
+    def __len__(self) -> int:
+        return sum(len(inner) for inner in self._inner_dicts)
+
+    def items(self):
+        """(key, value) pairs of every inner dict in turn."""
+        return ((key, value) for inner in self._inner_dicts for key, value in inner.items())
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -500,18 +621,37 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @property
     def state(self):
-        return {key: value for opt in self.chained_optimizers for key, value in opt.state.items()}
+        """One live view of every chained optimizer's per-parameter state."""
+        return ProxyDict([opt.state for opt in self.chained_optimizers])
 
-    def get_parameters(self) -> List[torch.Tensor]:
+    def get_parameters(self) -> List[torch.nn.Parameter]:
         return [param for opt in self.chained_optimizers for param in opt.get_parameters()]
 
-    def get_loss_scale(self) -> torch.Tensor:
+    def get_loss_scale(self):
         return self.chained_optimizers[0].get_loss_scale()
 
-    def get_grad_norm(self) -> float:
+    def get_grad_stats_parallel_group(self) -> torch.distributed.ProcessGroup:
+        """The one group all chained optimizers reduce statistics over (see grads_states_parallel_group_is_shared)."""
+        if not self.grads_states_parallel_group_is_shared():
+            raise ValueError(
+                "ChainedOptimizer: the chained optimizers reduce gradient statistics over different groups; ask "
+                "each of .chained_optimizers"
+            )
+        return self.chained_optimizers[0].get_grad_stats_parallel_group()
+
+    def grads_states_parallel_group_is_shared(self):
+        """Whether every chained optimizer reduces gradient statistics over the same group."""
+        groups = [opt.get_grad_stats_parallel_group() for opt in self.chained_optimizers]
+        return all(group is groups[0] for group in groups)
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        # Every chained optimizer answers, so that each one's collective runs on every rank.
+        return any([opt.has_grad_norm_group(grad_norm_group) for opt in self.chained_optimizers])
+
+    def get_grad_norm(self):
         return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
 
-    def count_zeros(self) -> int:
+    def count_zeros(self):
         return sum(opt.count_zeros() for opt in self.chained_optimizers)
 
     @torch.no_grad()
@@ -524,32 +664,48 @@ class ChainedOptimizer(MegatronOptimizer):
     def step_with_ready_grads(self) -> bool:
         return all([opt.step_with_ready_grads() for opt in self.chained_optimizers])
 
+    def prepare_model_params_for_param_sync(self) -> None:
+        for opt in self.chained_optimizers:
+            opt.prepare_model_params_for_param_sync()
+
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+    def step(self):
+        """One step of every chained optimizer, clipped and skipped on the global norm of all of them."""
         if self.prepare_grads():
             return False, None, None
         grad_norm = self.get_grad_norm()
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        if any(_skips_update(opt.config, grad_norm) for opt in self.chained_optimizers):
+            self.zero_grad(set_to_none=True)
+            return False, grad_norm, num_zeros
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none=True):
         for opt in self.chained_optimizers:
             opt.zero_grad(set_to_none)
 
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, state_dict=None):
         for opt in self.chained_optimizers:
-            opt.reload_model_params()
+            opt.reload_model_params(state_dict)
+
+    def offload_to_cpu(self):
+        for opt in self.chained_optimizers:
+            opt.offload_to_cpu()
+
+    def restore_from_cpu(self):
+        for opt in self.chained_optimizers:
+            opt.restore_from_cpu()
 
     def state_bytes(self) -> int:
         return sum(opt.state_bytes() for opt in self.chained_optimizers)
 
-    def state_dict(self) -> List[Dict]:
+    def state_dict(self):
         return [opt.state_dict() for opt in self.chained_optimizers]
 
-    def load_state_dict(self, state_dict: List[Dict]) -> None:
+    def load_state_dict(self, state_dict):
         if is_sharded_state(state_dict):  # a single chained optimizer's sharded state (see sharded_state_dict)
             state_dict = [state_dict]
         elif isinstance(state_dict, dict):  # several sharded states, by optimizer index
@@ -562,7 +718,7 @@ class ChainedOptimizer(MegatronOptimizer):
         for opt, opt_state in zip(self.chained_optimizers, state_dict):
             opt.load_state_dict(opt_state)
 
-    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, **kwargs) -> Dict:
+    def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, **kwargs):
         """Each chained optimizer's sharded state, by index, its keys prefixed ``chained_<index>.`` (a single
         optimizer's state is returned as it is)."""
         if len(self.chained_optimizers) == 1:

@@ -145,7 +145,7 @@ def _clip_and_count_under_tensor_parallel():
     counted = [p.grad for p in (split, replicated, shared) if counts_for_grad_stats(p)]
     norm = get_grad_norm_fp32(counted)
     inf_norm = get_grad_norm_fp32(counted, norm_type=float("inf"))
-    zeros = count_zeros_fp32([split, replicated, shared])
+    zeros = count_zeros_fp32([split, replicated, shared], None)
     clip_grad_by_total_norm_fp32([split, replicated], max_norm=norm / 2, total_norm=norm)
     with pytest.raises(ValueError, match="norm_type must be positive"):
         get_grad_norm_fp32(counted, norm_type=0)
