@@ -14,12 +14,11 @@ class CheckpointingException(Exception):
 
 @dataclass
 class CheckpointingConfig:
-    """What ``metadata.json`` records: which backend wrote the shards, and its format version."""
+    """What ``metadata.json`` records: which backend wrote the shards, and its format version. (Checkpoints of
+    earlier versions also name a ``common_backend`` for their ``common.pt``; reading ignores it.)"""
 
     sharded_backend: str
     sharded_backend_version: int = 1
-    common_backend: str = "torch"
-    common_backend_version: int = 1
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:

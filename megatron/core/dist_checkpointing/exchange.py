@@ -58,7 +58,7 @@ def raise_gathered_errors(errors: List[Optional[str]], what: str) -> None:
     raise CheckpointingException(f"{what} failed on {len(failed)} ranks:\n{details}")
 
 
-def gather_and_raise_errors(local_error: Optional[BaseException], what: str) -> None:
-    """Collective: raise on every rank if ``local_error`` is set on any rank."""
+def gather_and_raise_errors(local_error: Optional[BaseException], what: str, group=None) -> None:
+    """Collective over ``group``: raise on every rank if ``local_error`` is set on any rank."""
     message = None if local_error is None else describe_error(local_error)
-    raise_gathered_errors(all_gather_objects(message), what)
+    raise_gathered_errors(all_gather_objects(message, group), what)

@@ -1,8 +1,10 @@
 """Save and load sharded state dicts: the entry points of ``megatron.core.dist_checkpointing``.
 
-A checkpoint directory holds the sharded data (``torch_dist``: DCP ``.distcp`` files and ``.metadata``), the
-non-sharded state in ``common.pt`` and, written last, ``metadata.json`` naming the backend. ``metadata.json`` is the
-completion marker: a directory without it is not a (complete) distributed checkpoint.
+A checkpoint directory holds the sharded data (``torch_dist``: DCP ``.distcp`` files and ``.metadata``) and,
+written last, ``metadata.json`` naming the backend. As in Megatron-Core 0.19 the non-sharded ("common") state is
+saved among the sharded data, as the ShardedObject ``common_state`` (see ``strategies/common.py``); a legacy
+``common.pt`` is read instead when a checkpoint has one. ``metadata.json`` is the completion marker: a directory
+without it is not a (complete) distributed checkpoint.
 
 Every function here that takes part in collectives is called on all ranks; an error on any rank is raised on every
 rank at the same point (see ``exchange.py``), so a bad request never leaves the other ranks hanging.
@@ -12,7 +14,9 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional, Tuple, Union
 
-from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, maybe_load_config, save_config
+from torch.distributed import ProcessGroup
+
+from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, save_config
 from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
 from .mapping import (
@@ -30,64 +34,89 @@ from .mapping import (
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
-    LoadCommonStrategy,
     LoadShardedStrategy,
-    SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
     get_default_strategy,
 )
-from .strategies.torch import DCP_METADATA_FNAME
+from .strategies.common import (
+    COMMON_STATE_FNAME,
+    COMMON_STATE_KEY,
+    TorchCommonLoadStrategy,
+    common_state_sharded_object,
+    has_legacy_common_state,
+)
+from .strategies.torch import DCP_METADATA_FNAME, check_async_strategy
 from .validation import (
     StrictHandling,
     determine_missing_and_unexpected_keys,
     mismatch_message,
     parse_strict_flag,
+    save_integrity_manifest,
     validate_sharding_integrity,
+    verify_checkpoint,
+    verify_integrity_manifest,
+    warn_about_common_differences,
 )
 
 logger = logging.getLogger(__name__)
 
+# Where save() puts the caller's content_metadata in the common state (Megatron's key).
+CONTENT_METADATA_KEY = "content_metadata"
 
-def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
-    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist") -> SaveShardedStrategy:
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, 1)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadShardedStrategy:
-    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path, None] = None) -> LoadShardedStrategy:
+    """The strategy that reads ``checkpoint_dir`` (checked to be a complete checkpoint), or the ``torch_dist``
+    default when no directory is given."""
+    if checkpoint_dir is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)
 
 
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: str,
     sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
-    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
+    async_strategy: Optional[str] = "nvrx",
+    verify_integrity: bool = False,
 ) -> Optional[AsyncRequest]:
     """Collective: save ``sharded_state_dict`` into the existing directory ``checkpoint_dir``.
 
     ShardedTensors and ShardedObjects are written by their main replicas (or spread over their holders with a
     :class:`FullyParallelSaveStrategyWrapper`); ShardedTensorFactories are built first; LocalNonpersistentObjects are
-    dropped; every other value is the common state, saved by rank 0. With ``validate_access_integrity`` the ranks
-    check together that the pieces of every tensor are covered exactly once, and rank 0 warns about common-state
-    values that differ between ranks (after ``preprocess_common_before_consistancy_check``, which can drop values
-    expected to differ). With ``async_sharded_save`` the data is staged (copied) and the returned
-    :class:`AsyncRequest` does the writing; schedule it on an ``AsyncCallsQueue``. ``metadata.json`` is written only
-    after every rank's shards are on disk. The caller's ``sharded_state_dict`` is not modified.
+    dropped; every other value is the common state, saved from rank 0 as the ShardedObject ``common_state``
+    (``content_metadata``, when given, is stored in it under ``"content_metadata"``; read it back with
+    :func:`load_content_metadata`). With ``validate_access_integrity`` the ranks check together that the pieces of
+    every tensor are covered exactly once, and rank 0 warns about common-state values that differ between ranks
+    (after ``preprocess_common_before_consistancy_check``, which can drop values expected to differ). With
+    ``async_sharded_save`` the data is staged (copied) and the returned :class:`AsyncRequest` does the writing
+    (``async_strategy``: 'mcore', or 'nvrx', which falls back to 'mcore' here); schedule it on an
+    ``AsyncCallsQueue``. ``metadata.json`` is written only after every rank's shards are on disk; with
+    ``verify_integrity`` rank 0 then writes the integrity manifest that ``load(..., verify_integrity=True)`` checks.
+    The caller's ``sharded_state_dict`` is not modified.
     """
     checkpoint_dir = Path(checkpoint_dir)
     sharded_strategy = _resolve_strategy(sharded_strategy, StrategyAction.SAVE_SHARDED, ("torch_dist", 1))
-    common_strategy = _resolve_strategy(common_strategy, StrategyAction.SAVE_COMMON, ("torch", 1))
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(
             f"async_sharded_save needs an AsyncSaveShardedStrategy, got {type(sharded_strategy).__name__}"
         )
     rank = get_rank()
-    local_error, shards, common_state_dict, compared_common = None, [], {}, None
+    local_error, shards, compared_common, sharded_part = None, [], None, {}
     try:
+        if async_sharded_save:
+            check_async_strategy(async_strategy)
         sharded_part, common_state_dict = _split_for_save(sharded_state_dict)
+        if content_metadata is not None:
+            common_state_dict[CONTENT_METADATA_KEY] = content_metadata
         shards = list(nested_values(sharded_part))
         for shard in shards:
             _check_saveable(shard)
@@ -95,9 +124,11 @@ def save(
             compared_common = common_state_dict
             if preprocess_common_before_consistancy_check is not None:
                 compared_common = preprocess_common_before_consistancy_check(common_state_dict)
+        common_object = common_state_sharded_object(common_state_dict, rank)
+        shards.append(common_object)
+        sharded_part = {"sharded": sharded_part, COMMON_STATE_KEY: common_object}
         if rank == 0:
             _prepare_directory(checkpoint_dir)
-            common_strategy.save_common(common_state_dict, checkpoint_dir)
     except Exception as error:
         local_error = error
     gathered = all_gather_objects(
@@ -111,23 +142,23 @@ def save(
     if validate_access_integrity:
         validate_sharding_integrity([entry[1] for entry in gathered])
         if rank == 0:
-            _warn_about_common_differences([entry[2] for entry in gathered])
+            warn_about_common_differences([entry[2] for entry in gathered])
 
-    config = CheckpointingConfig(
-        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-    )
+    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
 
     def write_config() -> None:
         error = None
         if rank == 0:
             try:
                 save_config(config, checkpoint_dir)
+                if verify_integrity:
+                    save_integrity_manifest(str(checkpoint_dir))
             except Exception as caught:
                 error = caught
         gather_and_raise_errors(error, f"writing {checkpoint_dir / CONFIG_FNAME}")
 
     if async_sharded_save:
-        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        request = sharded_strategy.async_save(sharded_part, checkpoint_dir, async_strategy)
         request.add_finalize_fn(write_config)
         return request
     sharded_strategy.save(sharded_part, checkpoint_dir)
@@ -153,6 +184,10 @@ def _split_for_save(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateD
 
 
 def _check_saveable(shard: ShardedBase) -> None:
+    if shard.key == COMMON_STATE_KEY:
+        raise CheckpointingException(
+            f"the key {COMMON_STATE_KEY!r} is reserved for the checkpoint's common state; rename that entry"
+        )
     if not isinstance(shard, (ShardedTensor, ShardedObject)):
         raise CheckpointingException(f"cannot save {type(shard).__name__} {shard.key!r}")
     shard.validate_metadata_integrity()
@@ -162,45 +197,36 @@ def _check_saveable(shard: ShardedBase) -> None:
 
 def _prepare_directory(checkpoint_dir: Path) -> None:
     """Rank 0, before anyone writes: the directory must exist; completion markers of an older save in it are removed
-    first, so a save interrupted from here on never leaves a directory that looks complete."""
+    first, so a save interrupted from here on never leaves a directory that looks complete (and a legacy
+    ``common.pt``, which loading would prefer to the new common state)."""
     if not checkpoint_dir.is_dir():
         raise CheckpointingException(
             f"checkpoint directory {checkpoint_dir} does not exist; create it before saving"
         )
-    stale = [checkpoint_dir / CONFIG_FNAME, checkpoint_dir / DCP_METADATA_FNAME]
+    stale = [checkpoint_dir / CONFIG_FNAME, checkpoint_dir / DCP_METADATA_FNAME, checkpoint_dir / COMMON_STATE_FNAME]
     if any(path.exists() for path in stale):
         logger.warning("overwriting the checkpoint in %s", checkpoint_dir)
         for path in stale:
             path.unlink(missing_ok=True)
 
 
-def _warn_about_common_differences(common_state_dicts) -> None:
-    reference = common_state_dicts[0]
-    for rank, other in enumerate(common_state_dicts[1:], start=1):
-        only_rank0, only_other, mismatched = diff(reference, other)
-        if only_rank0 or only_other or mismatched:
-            logger.warning(
-                "the common state of rank %d differs from rank 0's, which is the one saved: only on rank 0 %s, "
-                "only on rank %d %s, different values %s",
-                rank, only_rank0, rank, only_other, mismatched,
-            )
-
-
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: str,
     sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    verify_integrity: bool = False,
+    process_group: Optional[ProcessGroup] = None,
 ):
-    """Collective: load the pieces ``sharded_state_dict`` describes from ``checkpoint_dir``, whatever layout
-    saved it.
+    """Collective over ``process_group`` (None: all ranks): load the pieces ``sharded_state_dict`` describes from
+    ``checkpoint_dir``, whatever layout saved it.
 
     Returns the checkpoint's common state with every ShardedTensor replaced by its tensor (its ``data`` filled in
     place, or a new CPU tensor when ``data`` is None), every ShardedObject by its object, every factory by its merged
     tensor and every LocalNonpersistentObject unwrapped. With a ``RETURN_*`` ``strict`` mode returns
-    ``(state_dict, missing_keys, unexpected_keys)``. The caller's ``sharded_state_dict`` is not modified.
+    ``(state_dict, missing_keys, unexpected_keys)``. With ``verify_integrity`` the checkpoint's files are first
+    checked against the integrity manifest its save wrote. The caller's ``sharded_state_dict`` is not modified.
     """
     strict = parse_strict_flag(strict)
     checkpoint_dir = Path(checkpoint_dir)
@@ -208,10 +234,10 @@ def load(
     need_global_keys = StrictHandling.requires_global_app_metadata(strict)
     local_error, shards, checkpoint_keys = None, [], set()
     try:
-        sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
-            checkpoint_dir, sharded_strategy, common_strategy
-        )
-        common_state_dict = common_strategy.load_common(checkpoint_dir)
+        sharded_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+        if verify_integrity:
+            verify_integrity_manifest(str(checkpoint_dir))
+        common_state_dict = _load_common_state(checkpoint_dir, sharded_strategy)
         structure = dict_list_map_outplace(lambda leaf: leaf, sharded_state_dict)
         factories, _ = extract_matching_values(
             structure, lambda leaf: isinstance(leaf, ShardedTensorFactory), return_lists_as_dicts=True
@@ -225,7 +251,8 @@ def load(
         )
         shards = list(nested_values(to_load))
         if check_keys:
-            checkpoint_keys = {sh.key for sh in sharded_strategy.load_sharded_metadata(checkpoint_dir).values()}
+            stored = sharded_strategy.load_sharded_metadata(checkpoint_dir).values()
+            checkpoint_keys = {sh.key for sh in stored if sh.key != COMMON_STATE_KEY}
     except Exception as error:
         local_error = error
     local_keys = {shard.key for shard in shards}
@@ -235,7 +262,8 @@ def load(
             [shard.without_data() for shard in shards] if validate_access_integrity else None,
             local_keys if need_global_keys else None,
             local_keys - checkpoint_keys if check_keys else set(),
-        )
+        ),
+        process_group,
     )
     raise_gathered_errors([entry[0] for entry in gathered], f"loading checkpoint {checkpoint_dir}")
     if validate_access_integrity:
@@ -254,7 +282,7 @@ def load(
         if strict == StrictHandling.IGNORE_ALL:
             missing_keys, unexpected_keys = set(), set()
 
-    loaded = sharded_strategy.load(to_load, checkpoint_dir)
+    loaded = _read_shards(sharded_strategy, to_load, checkpoint_dir, process_group)
     merge(common_state_dict, loaded)
     state_dict = apply_factory_merges(common_state_dict, factories)
     merge(state_dict, dict_list_map_outplace(lambda obj: obj.unwrap(), nonpersistent))
@@ -262,6 +290,24 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return state_dict, missing_keys, unexpected_keys
     return state_dict
+
+
+def _read_shards(strategy: LoadShardedStrategy, to_load, checkpoint_dir: Path, process_group) -> StateDict:
+    """``strategy.load``; with a process group, this rank's read with the errors gathered over that group."""
+    if process_group is None:
+        return strategy.load(to_load, checkpoint_dir)
+    if not hasattr(strategy, "load_local"):
+        raise CheckpointingException(
+            f"load(process_group=...) needs a strategy that reads on each rank alone (load_local), such as "
+            f"torch_dist's; {type(strategy).__name__} has none"
+        )
+    loaded, error = None, None
+    try:
+        loaded = strategy.load_local(to_load, checkpoint_dir)
+    except Exception as caught:
+        error = caught
+    gather_and_raise_errors(error, f"loading {checkpoint_dir}", process_group)
+    return loaded
 
 
 def _report_mismatch(strict: StrictHandling, missing_keys, unexpected_by_rank, checkpoint_dir: Path) -> None:
@@ -294,57 +340,86 @@ def _restore_lists(loaded, template):
 def verify_checkpoint_and_load_strategy(
     checkpoint_dir: Union[str, Path],
     sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
-) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """The strategies to read ``checkpoint_dir`` with (the defaults for the backend its ``metadata.json`` names),
-    after checking that it is a complete distributed checkpoint they can read."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
-    config = maybe_load_config(checkpoint_dir)
-    if config is None:
-        raise CheckpointingException(
-            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing (the save did not finish, "
-            "or the directory holds another format)"
-        )
+) -> LoadShardedStrategy:
+    """The strategy to read ``checkpoint_dir`` with (the default for the backend its ``metadata.json`` names),
+    after checking that it is a complete distributed checkpoint that strategy can read."""
+    config = verify_checkpoint(str(checkpoint_dir))
     if sharded_strategy is None:
         sharded_strategy = (config.sharded_backend, config.sharded_backend_version)
-    if common_strategy is None:
-        common_strategy = (config.common_backend, config.common_backend_version)
     sharded_strategy = _resolve_strategy(sharded_strategy, StrategyAction.LOAD_SHARDED, None)
-    common_strategy = _resolve_strategy(common_strategy, StrategyAction.LOAD_COMMON, None)
-    for strategy, backend, version in (
-        (sharded_strategy, config.sharded_backend, config.sharded_backend_version),
-        (common_strategy, config.common_backend, config.common_backend_version),
-    ):
-        strategy.check_backend_compatibility(backend)
-        strategy.check_version_compatibility(version)
-    return sharded_strategy, common_strategy
+    sharded_strategy.check_backend_compatibility(config.sharded_backend)
+    sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+    return sharded_strategy
+
+
+def _load_common_state(checkpoint_dir: Path, sharded_strategy: LoadShardedStrategy) -> StateDict:
+    """The legacy ``common.pt`` when the checkpoint has one, else the ``common_state`` object of the shards."""
+    if has_legacy_common_state(checkpoint_dir):
+        return TorchCommonLoadStrategy("torch", 1).load_common(checkpoint_dir)
+    stored = sharded_strategy.load_sharded_metadata(checkpoint_dir)
+    request = common_state_sharded_object(None, 0)
+    if request.unique_key not in stored:
+        raise CheckpointingException(
+            f"the checkpoint {checkpoint_dir} has no common state: neither {request.unique_key!r} in its sharded "
+            f"files nor a legacy {COMMON_STATE_FNAME}"
+        )
+    if not hasattr(sharded_strategy, "load_local"):
+        raise CheckpointingException(
+            f"{type(sharded_strategy).__name__} cannot read the common state of {checkpoint_dir} on one rank"
+        )
+    common_state_dict = sharded_strategy.load_local({COMMON_STATE_KEY: request}, checkpoint_dir)[COMMON_STATE_KEY]
+    if not isinstance(common_state_dict, dict):
+        raise CheckpointingException(
+            f"the common state {request.unique_key!r} of checkpoint {checkpoint_dir} is corrupt: it holds a "
+            f"{type(common_state_dict).__name__}, not a dict"
+        )
+    return common_state_dict
 
 
 def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
-    """The common (non-sharded) state of a checkpoint; no collective."""
-    return verify_checkpoint_and_load_strategy(checkpoint_dir)[1].load_common(Path(checkpoint_dir))
+    """The common (non-sharded) state of a checkpoint, read by this rank alone (no collective): from a legacy
+    ``common.pt`` when there is one, else from the ``common_state`` object stored with the shards."""
+    checkpoint_dir = Path(checkpoint_dir)
+    return _load_common_state(checkpoint_dir, verify_checkpoint_and_load_strategy(checkpoint_dir))
+
+
+def load_content_metadata(
+    checkpoint_dir: Optional[str] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """The ``content_metadata`` given to :func:`save`, or None when it was saved without; read from the common
+    state of ``checkpoint_dir``, or taken from an already loaded common state (``preloaded_state_dict``)."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise CheckpointingException("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
 def load_tensors_metadata(
-    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+    checkpoint_dir: str, sharded_strategy: Union[LoadShardedStrategy, None] = None
 ) -> ShardedStateDict:
     """``{key: data-less ShardedTensor}`` for every stored tensor (global shape and dtype; offsets zero); no
     collective. The keys are the ShardedTensor keys, not state dict keys."""
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
     return strategy.load_tensors_metadata(Path(checkpoint_dir))
 
 
 def load_sharded_metadata(
-    checkpoint_dir: Union[str, Path], sharded_strategy: Union[LoadShardedStrategy, None] = None
+    checkpoint_dir: str, sharded_strategy: Union[LoadShardedStrategy, None] = None
 ) -> ShardedStateDict:
     """:func:`load_tensors_metadata` plus ``{unique_key: data-less ShardedObject}`` for stored objects."""
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
     return strategy.load_sharded_metadata(Path(checkpoint_dir))
 
 
-def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+def load_plain_tensors(checkpoint_dir: str) -> StateDict:
     """``{key: whole tensor}`` for every stored tensor, read by this rank alone (no collective)."""
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
     return strategy.load_local(strategy.load_tensors_metadata(Path(checkpoint_dir)), Path(checkpoint_dir))
+
+
+def remove_sharded_tensors(checkpoint_dir: str, key_prefix: str) -> None:
+    """Drop the stored tensors whose key starts with ``key_prefix`` from the checkpoint (one rank; e.g. to make a
+    weights-only checkpoint from a training one without rewriting the data files)."""
+    strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    strategy.remove_sharded_tensors(str(checkpoint_dir), key_prefix)

@@ -1,14 +1,22 @@
-"""Checks on sharded state dicts: do the ranks' pieces tile every tensor exactly once, and do the requested keys
-match the checkpoint's (with Megatron's strictness modes)."""
+"""Checks on sharded state dicts and checkpoints: do the ranks' pieces tile every tensor exactly once, do the requested
+keys match the checkpoint's (with Megatron's strictness modes), are the checkpoint's files those its save wrote."""
 
+import hashlib
+import json
 import logging
+import os
 from collections import defaultdict
 from enum import Enum
 from math import prod
-from typing import Dict, List, Set, Tuple, Union
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+from torch.distributed import ProcessGroup
 
 from .boxes import Box, sharded_tensor_boxes
-from .core import CheckpointingException
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, maybe_load_config
+from .dict_utils import diff, extract_matching_values, nested_values
+from .exchange import all_gather_objects, get_rank
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
@@ -59,9 +67,14 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
         raise ValueError(f"strict={strict!r} is not a strictness mode; choose one of {choices}") from None
 
 
-def validate_sharding_integrity(global_metadata: GlobalMetadata) -> None:
+def validate_sharding_integrity(global_metadata: GlobalMetadata, common_state_dict: Dict[str, Any] = None) -> None:
     """Raise unless, for every key, all ranks agree on its kind, global shape and dtype, and the main replicas
-    (replica_id 0) of its pieces cover it exactly once."""
+    (replica_id 0) of its pieces cover it exactly once. With ``common_state_dict`` (then a collective) rank 0 also
+    warns about common-state values that differ between ranks (rank 0's copy is the one saved)."""
+    if common_state_dict is not None:
+        gathered = all_gather_objects(common_state_dict)
+        if get_rank() == 0:
+            warn_about_common_differences(gathered)
     by_key: Dict[str, List[Tuple[int, ShardedBase]]] = defaultdict(list)
     for rank, shards in enumerate(global_metadata):
         for shard in shards:
@@ -195,3 +208,161 @@ def mismatch_message(missing_keys: Set[str], unexpected_keys_by_rank: Dict[int, 
         if keys:
             parts.append(f"keys requested by rank {rank} that are not in the checkpoint (unexpected): {sorted(keys)}")
     return "; ".join(parts)
+
+
+def warn_about_common_differences(common_state_dicts: List[Dict[str, Any]]) -> None:
+    """Log, for each rank whose common state differs from rank 0's, which keys differ."""
+    reference = common_state_dicts[0]
+    for rank, other in enumerate(common_state_dicts[1:], start=1):
+        only_rank0, only_other, mismatched = diff(reference, other)
+        if only_rank0 or only_other or mismatched:
+            logger.warning(
+                "the common state of rank %d differs from rank 0's, which is the one saved: only on rank 0 %s, "
+                "only on rank %d %s, different values %s",
+                rank, only_rank0, rank, only_other, mismatched,
+            )
+
+
+def determine_global_metadata(
+    sharded_state_dict: Dict[str, Any], process_group: Optional[ProcessGroup] = None
+) -> Tuple[List[ShardedBase], GlobalMetadata]:
+    """Collective over ``process_group``: (this rank's data-less shards, every rank's)."""
+    local_metadata = [shard.without_data() for shard in nested_values(sharded_state_dict)]
+    return local_metadata, all_gather_objects(local_metadata, process_group)
+
+
+def adjust_non_strict_load(sharded_state_dict: Dict[str, Any], sharded_keys_to_remove: Set[str]) -> Dict[str, Any]:
+    """``sharded_state_dict`` without the shards whose key is in ``sharded_keys_to_remove`` (they are not loaded)."""
+    _, kept = extract_matching_values(
+        sharded_state_dict, lambda leaf: isinstance(leaf, ShardedBase) and leaf.key in sharded_keys_to_remove
+    )
+    return kept
+
+
+def maybe_report_missing_and_unexpected_keys(
+    missing_keys: Set[str], unexpected_keys: Set[str], raise_error: bool = True
+) -> None:
+    """Raise a CheckpointingException (or, with ``raise_error=False``, log a warning) describing the mismatch;
+    nothing when both sets are empty."""
+    message = mismatch_message(missing_keys, {get_rank(): unexpected_keys})
+    if not message:
+        return
+    if raise_error:
+        raise CheckpointingException(f"the load request does not match the checkpoint: {message}")
+    logger.warning("skipping mismatched keys: %s", message)
+
+
+def validate_integrity_and_strict_load(
+    sharded_state_dict: Dict[str, Any],
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    local_metadata: Optional[List[ShardedBase]] = None,
+    global_metadata: Optional[GlobalMetadata] = None,
+    ckpt_sharded_metadata: Optional[Dict[str, ShardedBase]] = None,
+) -> Tuple[Dict[str, Any], Set[str], Set[str]]:
+    """Apply ``strict`` to a load request: returns (the request without the unexpected keys unless a RAISE mode
+    raised, missing keys, unexpected keys). ``ckpt_sharded_metadata`` (what :func:`load_sharded_metadata` returns)
+    is needed by every mode but ASSUME_OK_UNEXPECTED; the global metadata is gathered when a mode or
+    ``validate_access_integrity`` needs it and it is not given (a collective then)."""
+    missing_keys, unexpected_keys = set(), set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        if ckpt_sharded_metadata is None:
+            raise CheckpointingException(f"strict={strict.value!r} needs the checkpoint's sharded metadata")
+        if local_metadata is None:
+            local_metadata = [shard.without_data() for shard in nested_values(sharded_state_dict)]
+        checkpoint_keys = {shard.key for shard in ckpt_sharded_metadata.values()}
+        local_keys = {shard.key for shard in local_metadata}
+        global_keys = checkpoint_keys
+        if StrictHandling.requires_global_app_metadata(strict):
+            if global_metadata is None:
+                _, global_metadata = determine_global_metadata(sharded_state_dict)
+            global_keys = {shard.key for shards in global_metadata for shard in shards}
+        missing_keys, unexpected_keys = determine_missing_and_unexpected_keys(
+            checkpoint_keys, local_keys, global_keys
+        )
+        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.LOG_UNEXPECTED,
+                      StrictHandling.RETURN_UNEXPECTED):
+            missing_keys = set()
+        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=True)
+        if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=False)
+        if unexpected_keys:
+            sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected_keys)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing_keys, unexpected_keys = set(), set()
+    if validate_access_integrity:
+        if global_metadata is None:
+            _, global_metadata = determine_global_metadata(sharded_state_dict)
+        validate_sharding_integrity(global_metadata)
+    return sharded_state_dict, missing_keys, unexpected_keys
+
+
+def verify_checkpoint(checkpoint_dir: str) -> CheckpointingConfig:
+    """The config of ``checkpoint_dir``'s ``metadata.json``; raises unless it is a complete distributed
+    checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing (the save did not finish, "
+            "or the directory holds another format)"
+        )
+    return config
+
+
+# The integrity manifest (this project's file name): size and SHA-256 of every other file of the checkpoint.
+INTEGRITY_MANIFEST_FNAME = "integrity_manifest.json"
+
+
+def _file_digests(checkpoint_dir: Path) -> Dict[str, Dict[str, Any]]:
+    digests = {}
+    for path in sorted(checkpoint_dir.iterdir()):
+        if not path.is_file() or path.name == INTEGRITY_MANIFEST_FNAME:
+            continue
+        sha = hashlib.sha256()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                sha.update(block)
+        digests[path.name] = {"size": path.stat().st_size, "sha256": sha.hexdigest()}
+    return digests
+
+
+def save_integrity_manifest(checkpoint_dir: str) -> None:
+    """Write the manifest of ``checkpoint_dir``'s files (one rank, after every file is written)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / INTEGRITY_MANIFEST_FNAME
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        json.dump(_file_digests(checkpoint_dir), file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def verify_integrity_manifest(checkpoint_dir: str) -> None:
+    """Raise, naming the files, unless ``checkpoint_dir``'s files are exactly those its manifest lists, with the
+    same sizes and SHA-256 digests."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / INTEGRITY_MANIFEST_FNAME
+    if not path.exists():
+        raise CheckpointingException(
+            f"{path} is missing: the checkpoint was saved without verify_integrity=True, so it cannot be verified"
+        )
+    try:
+        with open(path) as file:
+            expected = json.load(file)
+    except ValueError as error:
+        raise CheckpointingException(f"{path} is not valid JSON ({error})") from error
+    actual = _file_digests(checkpoint_dir)
+    problems = [f"{name} is missing" for name in sorted(expected.keys() - actual.keys())]
+    problems += [
+        f"{name} differs ({actual[name]['size']} bytes, expected {expected[name]['size']})"
+        for name in sorted(expected.keys() & actual.keys()) if actual[name] != expected[name]
+    ]
+    if problems:
+        raise CheckpointingException(
+            f"the checkpoint {checkpoint_dir} does not match its integrity manifest: {'; '.join(problems)}"
+        )

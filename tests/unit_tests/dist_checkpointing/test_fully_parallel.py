@@ -25,10 +25,12 @@ def _replicated(key_index, replica_id):
 
 
 def _writers(checkpoint_dir):
-    """{(key, offset): writing rank} and {rank: bytes written}."""
+    """{(key, offset): writing rank} and {rank: bytes written} of the tensors (not the common_state object)."""
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
     writers, written = {}, defaultdict(int)
     for index, info in metadata.storage_data.items():
+        if index.offset is None:
+            continue
         rank = int(re.match(r"__(\d+)_", info.relative_path).group(1))
         writers[(index.fqn, tuple(index.offset))] = rank
         entry = metadata.state_dict_metadata[index.fqn]

@@ -22,6 +22,7 @@ from megatron.core.dist_checkpointing import (
     load_tensors_metadata,
     save,
 )
+from tests.unit_tests.dist_checkpointing.dcp_file_helpers import load_plain_objects
 
 
 def _split_rows(key, data, replica_id, flattened_range):
@@ -86,18 +87,21 @@ def test_load_fills_the_given_tensors_in_place_or_allocates(tmp_path):
 
 def test_files_are_megatron_torch_dist_layout(tmp_path):
     _saved(tmp_path)
-    assert {".metadata", "common.pt", "metadata.json"} <= set(os.listdir(tmp_path))
+    assert {".metadata", "metadata.json"} <= set(os.listdir(tmp_path)) and "common.pt" not in os.listdir(tmp_path)
     assert any(name.startswith("__0_") and name.endswith(".distcp") for name in os.listdir(tmp_path))
     config = json.loads((tmp_path / "metadata.json").read_text())
-    assert config["sharded_backend"] == "torch_dist" and config["sharded_backend_version"] == 1
+    assert config == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}  # Megatron-Core 0.19's fields
     metadata = FileSystemReader(tmp_path).read_metadata().state_dict_metadata
     assert sorted(metadata) == [
-        "decoder.fc1.bottom", "decoder.fc1.top", "decoder.layers.bias", "embedding.weight", "rng_state/shard_0_1"
+        "common_state/shard_0_1", "decoder.fc1.bottom", "decoder.fc1.top", "decoder.layers.bias", "embedding.weight",
+        "rng_state/shard_0_1",
     ]
     stacked = metadata["decoder.layers.bias"]
     assert tuple(stacked.size) == (2, 3)
     assert [(tuple(c.offsets), tuple(c.sizes)) for c in stacked.chunks] == [((0, 0), (1, 3)), ((1, 0), (1, 3))]
-    assert torch.load(tmp_path / "common.pt", weights_only=False) == {"iteration": 7, "args": {"lr": 0.1}}
+    # The common state is stored like every ShardedObject: the bytes of torch.save([state]).
+    common = load_plain_objects(tmp_path)["common_state/shard_0_1"]
+    assert common == [{"iteration": 7, "args": {"lr": 0.1}}]
 
 
 def test_pytorch_dcp_tools_read_the_checkpoint(tmp_path):

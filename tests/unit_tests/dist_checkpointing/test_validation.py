@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing import (
     load_common_state_dict,
     save,
 )
+from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 from megatron.core.dist_checkpointing.validation import parse_strict_flag
 
 
@@ -116,21 +117,42 @@ def test_megatron_metadata_json_with_only_the_sharded_fields_loads(checkpoint):
 
 
 def test_missing_or_corrupt_files(checkpoint):
+    metadata = (checkpoint / ".metadata").read_bytes()
     (checkpoint / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointingException, match=r"\.metadata is corrupt"):
         load({"a": _piece("a", 4, 0, 1)}, checkpoint)
     (checkpoint / ".metadata").unlink()
     with pytest.raises(CheckpointingException, match=r"\.metadata is missing: the checkpoint .* is incomplete"):
         load({"a": _piece("a", 4, 0, 1)}, checkpoint)
-    (checkpoint / "common.pt").unlink()
-    with pytest.raises(CheckpointingException, match="common.pt is missing"):
+    for shard_file in checkpoint.glob("*.distcp"):
+        shard_file.unlink()
+    (checkpoint / ".metadata").write_bytes(metadata)
+    with pytest.raises(CheckpointingException, match=r"rank 0 could not read .*__0_0.distcp: the file is missing"):
         load_common_state_dict(checkpoint)
 
 
 def test_truncated_shard_file(checkpoint):
     for shard_file in checkpoint.glob("*.distcp"):
         shard_file.write_bytes(shard_file.read_bytes()[:20])
-    with pytest.raises(CheckpointingException, match="reading the shards of .* failed .*missing, truncated or corrupt"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"rank 0 could not read .*__0_0.distcp: the file is truncated \(20 bytes, the checkpoint needs \d+\)\. "
+        r"The checkpoint .* is damaged; load an earlier checkpoint \(--ckpt-step",
+    ):
+        load({"a": _piece("a", 4, 0, 1), "b": _piece("b", 4, 0, 1)}, checkpoint)
+
+
+def test_corrupt_bytes_inside_a_shard_file_name_the_file(checkpoint):
+    metadata = read_dcp_metadata(checkpoint)
+    (index,) = [i for i in metadata.storage_data if i.fqn == "b"]
+    info = metadata.storage_data[index]
+    shard_file = checkpoint / info.relative_path
+    content = bytearray(shard_file.read_bytes())
+    content[info.offset : info.offset + info.length] = bytes(info.length)  # same length, nothing readable
+    shard_file.write_bytes(bytes(content))
+    with pytest.raises(
+        CheckpointingException, match=rf"rank 0 could not read .*{shard_file.name}: its content is corrupt"
+    ):
         load({"a": _piece("a", 4, 0, 1), "b": _piece("b", 4, 0, 1)}, checkpoint)
 
 

@@ -1,4 +1,4 @@
-"""Strategy interfaces: how the sharded part and the common part of a checkpoint are stored.
+"""Strategy interfaces: how the sharded part of a checkpoint is stored (and a legacy common part read).
 
 ``save``/``load`` in ``serialization.py`` take a strategy object or a ``(backend, version)`` tuple; ``None`` means
 the default for the backend, which :func:`get_default_strategy` looks up.
@@ -102,13 +102,9 @@ class LoadShardedStrategy(_Strategy):
         """Like :meth:`load_tensors_metadata`, plus ``{unique_key: data-less ShardedObject}`` for stored objects."""
 
 
-class SaveCommonStrategy(_Strategy):
-    @abstractmethod
-    def save_common(self, common_state_dict: CommonStateDict, checkpoint_dir: Path) -> None:
-        """Write the non-sharded state (called on rank 0 only)."""
-
-
 class LoadCommonStrategy(_Strategy):
+    """Reads a legacy separately stored common state (``common.pt``); new checkpoints keep it in the shards."""
+
     @abstractmethod
     def load_common(self, checkpoint_dir: Path) -> CommonStateDict:
         """Read the non-sharded state."""

@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Hashable, List, Optional, Tuple
 
+from torch.distributed import ProcessGroup
+
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..exchange import all_gather_objects, get_rank
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
@@ -50,17 +52,24 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     choice made at the first save is reused (the state dict structure must then stay the same)."""
 
     def __init__(
-        self, strategy: AsyncSaveShardedStrategy, parallelization_group=None, do_cache_distribution: bool = False
+        self,
+        strategy: AsyncSaveShardedStrategy,
+        parallelization_group: Optional[ProcessGroup] = None,
+        do_cache_distribution: bool = False,
+        backend: str = "torch_dist",
+        version: int = 1,
     ):
-        super().__init__(strategy.backend, strategy.version)
+        super().__init__(backend, version)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.cached_writers: Optional[Dict[ShardId, int]] = None
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"
+    ) -> AsyncRequest:
         self.apply_saving_parallelization(sharded_state_dict)
-        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
+        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         self.apply_saving_parallelization(sharded_state_dict)

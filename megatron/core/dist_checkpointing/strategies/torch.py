@@ -3,7 +3,8 @@
 On disk (the layout Megatron-LM's ``torch_dist`` backend writes): ``__<rank>_<n>.distcp`` files holding each rank's
 pieces, and ``.metadata`` (a pickled ``torch.distributed.checkpoint.Metadata``) mapping every ShardedTensor key to
 its global shape, dtype and stored chunks, and every ShardedObject ``unique_key`` to its bytes (``torch.save`` of a
-one-element list, as Megatron stores them). Prepended axes are real axes of the stored tensor. Flattened pieces are
+one-element list, as Megatron stores them; the checkpoint's common state is one of them, ``common_state/shard_0_1``).
+Every pickled part is read back with the safe-globals allow-list (``safe_load.py``). Prepended axes are real axes of the stored tensor. Flattened pieces are
 stored as the rectangular boxes they consist of (see ``boxes.py``), so the file holds the plain global tensor.
 
 Saving plans every rank's writes locally, with no collective before the write; one all-gather at finalisation gives
@@ -13,6 +14,7 @@ only the stored chunks that intersect it: any saved layout reads into any reques
 
 import io
 import logging
+import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,7 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, dict_list_map_outplace, nested_values
 from ..exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..safe_load import CorruptCheckpointError, safe_pickle_load, safe_torch_load
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy
 
@@ -87,14 +90,57 @@ class _StagedDataPlanner(SavePlanner):
         return self.data[write_item.index]
 
 
+ASYNC_STRATEGIES = ("nvrx", "mcore")
+
+
+def check_async_strategy(async_strategy: str) -> None:
+    """``'mcore'`` is the built-in background writer. ``'nvrx'`` (NVIDIA Resiliency Extension's writer) is not
+    available here, so, as Megatron does when that package is missing, it falls back to ``'mcore'``."""
+    if async_strategy not in ASYNC_STRATEGIES:
+        raise CheckpointingException(
+            f"async_strategy={async_strategy!r} is not one of {', '.join(map(repr, ASYNC_STRATEGIES))}"
+        )
+
+
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
-    """Write each rank's main replicas (replica_id 0) with DCP's filesystem writer, ``thread_count`` files per rank."""
+    """Write each rank's main replicas (replica_id 0) with DCP's filesystem writer, ``thread_count`` files per rank.
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2):
+    ``cached_metadata`` (Megatron reuses its global save plan between saves) is accepted and has no effect: this
+    writer plans locally, without a collective, every time. ``keep_only_main_replica=False``, ``separation_hint``
+    and ``cpu_shm_mode`` are refused as not supported yet.
+    """
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 1,
+        cached_metadata: bool = False,
+        separation_hint: Optional[str] = None,
+        cpu_shm_mode: bool = False,
+    ):
         super().__init__(backend, version)
+        unsupported = {
+            "writing every replica": ("keep_only_main_replica", keep_only_main_replica, True),
+            "separate files per key prefix": ("separation_hint", separation_hint, None),
+            "staging in shared memory": ("cpu_shm_mode", cpu_shm_mode, False),
+        }
+        for feature, (name, value, default) in unsupported.items():
+            if value != default:
+                raise ValueError(f"TorchDistSaveShardedStrategy: not supported yet: {feature} ({name}={value!r})")
+        if thread_count < 1:
+            raise ValueError(f"TorchDistSaveShardedStrategy: thread_count={thread_count} must be at least 1")
+        self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+        self.cpu_shm_mode = cpu_shm_mode
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"
+    ) -> AsyncRequest:
+        check_async_strategy(async_strategy)
         return self._plan(sharded_state_dict, Path(checkpoint_dir), copy_data=True)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
@@ -193,10 +239,11 @@ class _PendingObject:
 
 
 class _TargetsPlanner(LoadPlanner):
-    """Reads each chunk straight into a view of the requested tensor; unpickles objects."""
+    """Reads each chunk straight into a view of the requested tensor; unpickles objects with the allow-list."""
 
-    def __init__(self, targets: Dict[str, torch.Tensor]):
+    def __init__(self, targets: Dict[str, torch.Tensor], files: "_ShardFiles"):
         self.targets = targets
+        self.files = files
         self.objects: Dict[str, object] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
@@ -212,8 +259,7 @@ class _TargetsPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        # ShardedObjects are arbitrary Python objects (RNG states, ...): load only trusted checkpoints.
-        stored = torch.load(value, map_location="cpu", weights_only=False)
+        stored = self.files.load_object(read_item.storage_index.fqn, value)
         self.objects[read_item.dest_index.fqn] = stored[0] if isinstance(stored, list) and len(stored) == 1 else stored
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -233,21 +279,45 @@ def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
         raise CheckpointingException(
             f"{path} is missing: the checkpoint {checkpoint_dir} is incomplete (its save did not finish)"
         )
-    try:
-        return FileSystemReader(checkpoint_dir).read_metadata()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
-        raise CheckpointingException(f"{path} is corrupt ({type(error).__name__}: {error})") from error
+    # Read with the allow-list: torch's own reader would unpickle whatever the file names.
+    with open(path, "rb") as file:
+        metadata = safe_pickle_load(file, str(path))
+    if not isinstance(metadata, Metadata):
+        raise CheckpointingException(f"{path} is corrupt (it holds a {type(metadata).__name__}, not DCP Metadata)")
+    return metadata
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
-    """Read exactly the requested pieces from a ``torch_dist`` checkpoint, whatever layout saved it."""
+    """Read exactly the requested pieces from a ``torch_dist`` checkpoint, whatever layout saved it.
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1):
-        super().__init__(backend, version)
+    With ``cache_metadata`` the ``.metadata`` read for a checkpoint directory is kept for the next call on the same
+    directory. ``stream_ckpt_dequant`` concerns FP8 tensors, which this project does not store; it has no effect.
+    ``checkpoint_name`` names the checkpoint in error messages (default: its directory).
+    """
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def __init__(self, cache_metadata: bool = False, stream_ckpt_dequant: bool = True, checkpoint_name: str = None):
+        super().__init__("torch_dist", 1)
+        self.cache_metadata = cache_metadata
+        self.stream_ckpt_dequant = stream_ckpt_dequant
+        self.checkpoint_name = checkpoint_name
+        self._cached: Optional[Tuple[Path, Metadata]] = None
+
+    def _metadata(self, checkpoint_dir: Path, metadata: Optional[Metadata] = None) -> Metadata:
+        if metadata is not None:
+            return metadata
+        checkpoint_dir = Path(checkpoint_dir)
+        if self.cache_metadata and self._cached is not None and self._cached[0] == checkpoint_dir:
+            return self._cached[1]
+        metadata = read_dcp_metadata(checkpoint_dir)
+        if self.cache_metadata:
+            self._cached = (checkpoint_dir, metadata)
+        return metadata
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "mcore") -> StateDict:
+        """Collective. Reading is synchronous whatever ``async_strategy`` ('mcore' or 'nvrx') names."""
         loaded, error = None, None
         try:
+            check_async_strategy(async_strategy)
             loaded = self.load_local(sharded_state_dict, Path(checkpoint_dir))
         except Exception as caught:
             error = caught
@@ -256,9 +326,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         """:meth:`load` on this rank alone (no collective): errors are raised here only."""
-        metadata = read_dcp_metadata(checkpoint_dir)
-        reader = FileSystemReader(checkpoint_dir)
-        reader.set_up_storage_reader(metadata, get_rank() == 0)
+        checkpoint_dir = Path(checkpoint_dir)
+        metadata = self._metadata(checkpoint_dir)
         read_items: List[ReadItem] = []
         targets: Dict[str, torch.Tensor] = {}
 
@@ -270,20 +339,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"cannot load {type(leaf).__name__} {getattr(leaf, 'key', leaf)!r}")
 
         loaded = dict_list_map_outplace(plan, sharded_state_dict)
-        planner = _TargetsPlanner(targets)
-        try:
-            reader.read_data(LoadPlan(read_items), planner).wait()
-        except Exception as error:
-            raise CheckpointingException(
-                f"reading the shards of {checkpoint_dir} failed ({type(error).__name__}: {error}); the files are "
-                "missing, truncated or corrupt"
-            ) from error
+        files = _ShardFiles(checkpoint_dir, metadata, self.checkpoint_name)
+        files.check_sizes(read_items)
+        planner = _TargetsPlanner(targets, files)
+        files.read(read_items, planner)
         return dict_list_map_inplace(
             lambda x: planner.objects[x.name] if isinstance(x, _PendingObject) else x, loaded
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        metadata = read_dcp_metadata(checkpoint_dir)
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata = None) -> ShardedStateDict:
+        metadata = self._metadata(checkpoint_dir, metadata)
         return {
             key: _whole_tensor(key, entry)
             for key, entry in metadata.state_dict_metadata.items()
@@ -291,7 +356,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         }
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        metadata = read_dcp_metadata(checkpoint_dir)
+        metadata = self._metadata(checkpoint_dir)
         entries = {}
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
@@ -299,6 +364,108 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             else:
                 entries[key] = ShardedObject.empty_from_unique_key(key)
         return entries
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Drop every stored tensor whose key starts with ``key_prefix`` from the checkpoint's ``.metadata`` (one
+        rank, no collective): later loads no longer see them. Their bytes stay in the ``.distcp`` files."""
+        checkpoint_dir = Path(checkpoint_dir)
+        metadata = read_dcp_metadata(checkpoint_dir)
+        removed = {
+            key for key, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata) and key.startswith(key_prefix)
+        }
+        for key in removed:
+            del metadata.state_dict_metadata[key]
+            if metadata.planner_data:
+                metadata.planner_data.pop(key, None)
+        if metadata.storage_data:
+            metadata.storage_data = {
+                index: info for index, info in metadata.storage_data.items() if index.fqn not in removed
+            }
+        path = checkpoint_dir / DCP_METADATA_FNAME
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "wb") as file:
+            pickle.dump(metadata, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        self._cached = None
+
+
+class _ShardFiles:
+    """The ``.distcp`` files a load reads: checked before reading, and named (with the rank) in every error."""
+
+    def __init__(self, checkpoint_dir: Path, metadata: Metadata, checkpoint_name: Optional[str]):
+        self.checkpoint_dir = checkpoint_dir
+        self.metadata = metadata
+        self.name = checkpoint_name or str(checkpoint_dir)
+
+    def file_of(self, index: MetadataIndex) -> Path:
+        return self.checkpoint_dir / self.metadata.storage_data[index].relative_path
+
+    def load_object(self, fqn: str, value: io.BytesIO):
+        """Unpickle a ShardedObject's bytes with the allow-list; damage is reported like a damaged file."""
+        path = self.file_of(MetadataIndex(fqn))
+        try:
+            return safe_torch_load(value, f"ShardedObject {fqn!r} in {path} of checkpoint {self.name}")
+        except CorruptCheckpointError as error:
+            raise self._damaged(path, str(error)) from error
+
+    def _damaged(self, path: Path, problem: str) -> CheckpointingException:
+        return CheckpointingException(
+            f"rank {get_rank()} could not read {path}: {problem}. The checkpoint {self.name} is damaged; load an "
+            "earlier checkpoint (--ckpt-step <iteration>, or write its iteration into "
+            "latest_checkpointed_iteration.txt) or delete this checkpoint directory and resume from the previous one"
+        )
+
+    def check_sizes(self, read_items: List[ReadItem]) -> None:
+        """Missing or truncated files are found from the stored offsets, before reading anything."""
+        needed: Dict[Path, int] = {}
+        for item in read_items:
+            info = self.metadata.storage_data.get(item.storage_index)
+            if info is None:
+                raise CheckpointingException(
+                    f"{self.checkpoint_dir / DCP_METADATA_FNAME} has no file entry for {item.storage_index.fqn!r}: "
+                    f"the checkpoint {self.name} is corrupt"
+                )
+            path = self.checkpoint_dir / info.relative_path
+            needed[path] = max(needed.get(path, 0), info.offset + info.length)
+        for path, size in needed.items():
+            if not path.exists():
+                raise self._damaged(path, "the file is missing")
+            actual = path.stat().st_size
+            if actual < size:
+                raise self._damaged(path, f"the file is truncated ({actual} bytes, the checkpoint needs {size})")
+
+    def read(self, read_items: List[ReadItem], planner: LoadPlanner) -> None:
+        try:
+            self._read(read_items, planner)
+        except CheckpointingException:
+            raise
+        except Exception as error:
+            raise self._damaged(self._failing_file(read_items, planner, error), _short(error)) from error
+
+    def _read(self, read_items: List[ReadItem], planner: LoadPlanner) -> None:
+        reader = FileSystemReader(self.checkpoint_dir)
+        reader.set_up_storage_reader(self.metadata, get_rank() == 0)
+        reader.read_data(LoadPlan(read_items), planner).wait()
+
+    def _failing_file(self, read_items: List[ReadItem], planner: LoadPlanner, error: Exception) -> Path:
+        """The first file whose items fail when read on their own (the reader does not say which one failed)."""
+        by_file: Dict[Path, List[ReadItem]] = {}
+        for item in read_items:
+            by_file.setdefault(self.file_of(item.storage_index), []).append(item)
+        for path, items in by_file.items():
+            try:
+                self._read(items, planner)
+            except Exception:
+                return path
+        return next(iter(by_file), self.checkpoint_dir)
+
+
+def _short(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"its content is corrupt ({type(error).__name__}{': ' + text[0][:200] if text else ''})"
 
 
 def _whole_tensor(key: str, entry: TensorStorageMetadata) -> ShardedTensor:
@@ -375,4 +542,4 @@ def _plan_tensor_read(
 
 
 register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))
-register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy("torch_dist", 1))
+register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
