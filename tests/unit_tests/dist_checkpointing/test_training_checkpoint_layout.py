@@ -22,8 +22,8 @@ from tests.unit_tests.test_utilities import REPO_ROOT
 
 
 def test_names_follow_megatron_lm():
-    assert get_checkpoint_name("/ckpt", 100) == "/ckpt/iter_0000100"
-    assert get_checkpoint_name("/ckpt", 100, release=True) == "/ckpt/release"
+    assert get_checkpoint_name("/ckpt", 100, return_base_dir=True) == "/ckpt/iter_0000100"
+    assert get_checkpoint_name("/ckpt", 100, release=True, return_base_dir=True) == "/ckpt/release"
     assert get_checkpoint_tracker_filename("/ckpt") == "/ckpt/latest_checkpointed_iteration.txt"
 
 
@@ -57,7 +57,7 @@ def test_missing_tracker(tmp_path):
 
 
 def _save_iteration(root, iteration, value):
-    checkpoint_dir = get_checkpoint_name(root, iteration)
+    checkpoint_dir = get_checkpoint_name(root, iteration, return_base_dir=True)
     os.makedirs(checkpoint_dir, exist_ok=True)
     state = {
         "w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(value))),
@@ -75,12 +75,12 @@ def test_find_checkpoint_to_load(tmp_path):
     assert find_checkpoint_to_load(tmp_path, iteration=10) == (str(tmp_path / "iter_0000010"), 10, False)
     with pytest.raises(CheckpointingException, match=r"checkpoint .*iter_0000030 \(requested\) does not exist"):
         find_checkpoint_to_load(tmp_path, iteration=30)
-    os.remove(tmp_path / "iter_0000020" / "common.pt")
+    os.remove(tmp_path / "iter_0000020" / ".metadata")
     os.remove(tmp_path / "iter_0000020" / "metadata.json")
     with pytest.raises(
         CheckpointingException,
         match=r"checkpoint .*iter_0000020 \(named by .*latest_checkpointed_iteration.txt\) is incomplete: "
-        r"metadata.json, common.pt missing",
+        r"metadata.json, .metadata missing",
     ):
         find_checkpoint_to_load(tmp_path)
     (tmp_path / "iter_0000010" / "metadata.json").write_text("{")
