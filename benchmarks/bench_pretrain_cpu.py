@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT))  # the functional tests' torchrun launcher an
 
 from megatron.core.tokenizers.build import vocab_size_with_padding  # noqa: E402
 from megatron.training import builtin_data  # noqa: E402
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import parse_args_list, validate_args  # noqa: E402
 from megatron.training.flops import measured_cpu_matmul_peak_flops, num_floating_point_operations  # noqa: E402
 from tests.functional_tests.harness import CPU_FLAGS, builtin_data_flags, run_pretrain  # noqa: E402
 
@@ -167,7 +167,7 @@ def pretrain_step_times(layout_flags, nproc, threads_per_rank, iters, log_interv
 
 def flops_per_iteration() -> float:
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        args = validate_args(parse_args(argv=MODEL_FLAGS + CPU_FLAGS + builtin_data_flags() + ["--train-iters", "1"]))
+        args = validate_args(parse_args_list(MODEL_FLAGS + CPU_FLAGS + builtin_data_flags() + ["--train-iters", "1"]))
     args.padded_vocab_size = vocab_size_with_padding(VOCAB, args, logging_enabled=False)
     return num_floating_point_operations(args, GLOBAL_BATCH)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.core.tokenizers import build_tokenizer  # noqa: E402
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import parse_args_list, validate_args  # noqa: E402
 from megatron.training.layout_report import describe_parallel_layout_for_args  # noqa: E402
 from megatron.training.theoretical_memory_usage import report_theoretical_memory  # noqa: E402
 
@@ -35,7 +35,7 @@ def add_report_args(parser):
 
 def resolve_args(argv=None):
     """Megatron-LM's args for the run described by ``argv``, validated, with the padded vocabulary size."""
-    args = parse_args(extra_args_provider=add_report_args, argv=argv)
+    args = parse_args_list(argv, extra_args_provider=add_report_args)
     if args.report_world_size is not None:
         args.world_size = args.report_world_size
     # A report trains nothing: validate_args then needs no data or training length, as for --dry-run.

@@ -22,6 +22,7 @@ import textwrap
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 
 from megatron.core.activations import squared_relu
@@ -30,6 +31,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import openai_gelu
 
 _NOT_GIVEN = object()
 
@@ -93,7 +95,7 @@ def enum_by_name(enum_class: type):
             names = ", ".join(member.name for member in enum_class)
             raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {names})") from None
 
-    convert.__name__ = enum_class.__name__
+    convert.__name__ = "enum_type_handler"  # Megatron-LM's name for this argparse type
     return convert
 
 
@@ -150,8 +152,6 @@ def add_field_argument(
 # ---------------------------------------------------------------------------------------------------------------
 
 TRANSFORMER_CONFIG_RENAMES = {
-    "layernorm_epsilon": "norm_epsilon",
-    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
     "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
     "num_moe_experts": "num_experts",
@@ -198,18 +198,36 @@ def core_transformer_config_from_args(args, config_class=None):
         kwargs["bias_activation_fusion"] = args.bias_gelu_fusion
     if args.squared_relu:
         kwargs["activation_func"] = squared_relu
+    if args.openai_gelu:
+        kwargs["activation_func"] = openai_gelu
     return config_class(**kwargs)
+
+
+# Megatron-LM's dtype flags take names; the configs hold torch dtypes (fp8 optimizer states are stored as uint8).
+_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
+_OPTIMIZER_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 
 
 def core_ddp_config_from_args(args) -> DistributedDataParallelConfig:
     """The DistributedDataParallelConfig of Megatron-LM's ``get_model`` (``--ddp-*``, ``--overlap-*`` and the rest)."""
     kwargs = config_kwargs_from_args(DistributedDataParallelConfig, args, DDP_CONFIG_RENAMES)
+    if not getattr(args, "use_megatron_fsdp", False):
+        # Megatron-LM's FSDP flags (whose defaults differ from the config's, e.g. the sharding strategy) are read
+        # only by Megatron FSDP; plain DDP keeps the config's own values.
+        for name in list(kwargs):
+            if name == "data_parallel_sharding_strategy" or name.startswith("megatron_fsdp_"):
+                del kwargs[name]
     return DistributedDataParallelConfig(**kwargs)
 
 
 def core_optimizer_config_from_args(args) -> OptimizerConfig:
-    """The OptimizerConfig of Megatron-LM's ``get_megatron_optimizer_config``: every field read by name."""
-    return OptimizerConfig(**config_kwargs_from_args(OptimizerConfig, args))
+    """The OptimizerConfig of Megatron-LM's ``get_megatron_optimizer_config``: every field read by name, the dtype
+    flags (``--main-grads-dtype fp32``, ...) turned into torch dtypes."""
+    kwargs = config_kwargs_from_args(OptimizerConfig, args)
+    for name in _OPTIMIZER_DTYPE_FIELDS:
+        if isinstance(kwargs.get(name), str):
+            kwargs[name] = _DTYPE_NAMES[kwargs[name]]
+    return OptimizerConfig(**kwargs)
 
 
 def get_blend_and_blend_per_split(args) -> Tuple[Optional[tuple], Optional[List[Optional[tuple]]]]:

@@ -2,8 +2,10 @@
 
 Runs on every rank before any process group exists, so a bad command line fails at once (never as a hang). Each
 check is a small function over the argument namespace; each failure is a ``ValueError`` that names the flags, the
-values and the fix. Settings that cannot apply on this machine (fused kernels, the nccl backend without a GPU,
-Transformer Engine when it is not installed) are turned off with one warning instead.
+values and the fix. First come Megatron-LM's flags for what this project does not do (the tables of
+``arguments_*_flags``): a feature not built yet is refused ("not supported yet: <feature> (--flag)"), a GPU-kernel or
+vendor-service knob is reset with one warning. Settings that cannot apply on this machine (fused kernels, the nccl
+backend without a GPU, Transformer Engine when it is not installed) are turned off with one warning too.
 """
 
 import importlib.util
@@ -15,8 +17,15 @@ import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.transformer.transformer_block import layers_per_virtual_stage
+from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
+from megatron.core.tokenizers.build import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
+from megatron.training.arguments_support import (
+    FlagTable,
+    ignore_flags_without_effect,
+    refuse_features_not_built,
+    value,
+)
 
 SUPPORTED_CKPT_FORMATS = ("torch_dist",)
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
@@ -50,6 +59,29 @@ _FUSION_SWITCHES = {
     "cross_entropy_loss_fusion": "no --cross-entropy-loss-fusion",
 }
 
+# Megatron-LM's flags that no longer work, and what to use instead (validate_args names the replacement).
+DEPRECATED_FLAGS = {
+    "--batch-size": "--micro-batch-size",
+    "--warmup": "--lr-warmup-fraction",
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--checkpoint-activations": "--recompute-activations, or --recompute-granularity with --recompute-method",
+}
+
+# Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
+# with the implemented ones in arguments.py; these rows only carry their defaults).
+_NOT_BUILT_SETTINGS = (
+    FlagTable("distributed", (value("--context-parallel-size", int, 1),), not_supported="context parallelism"),
+    FlagTable("moe", (value("--num-experts", int, None), value("--expert-model-parallel-size", int, 1)),
+              not_supported="mixture of experts (MoE)"),
+    FlagTable("distributed", (value("--num-distributed-optimizer-instances", int, 1),),
+              not_supported="several distributed-optimizer instances"),
+)
+_UNSUPPORTED_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
+_UNSUPPORTED_POSITION_EMBEDDINGS = {
+    "yarn": "YaRN rotary embeddings", "mrope": "multimodal rotary embeddings (mrope)",
+    "relative": "relative position embeddings (T5)",
+}
+
 # Which flags each tokenizer needs.
 _TOKENIZER_FILES = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
@@ -72,6 +104,8 @@ def validate_args(args, defaults={}):
     The padded vocabulary size is set later, when the tokenizer is built.
     """
     _apply_script_defaults(args, defaults)
+    _check_flag_support(args)
+    _apply_aliases(args)
     _check_required(args)
     _check_integer_ranges(args)
     _validate_parallel_layout(args)
@@ -121,6 +155,47 @@ def _apply_script_defaults(args, defaults) -> None:
             print(f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}", flush=True)
 
 
+def _check_flag_support(args) -> None:
+    """Megatron-LM's flags for what is not here: deprecated ones name their replacement, features not built yet are
+    refused, knobs without effect are reset with a warning (see arguments_support)."""
+    from megatron.training.arguments import FLAG_TABLES, TOKENIZER_TYPES
+
+    for flag, replacement in DEPRECATED_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
+            raise ValueError(f"{flag} is no longer valid; use {replacement}")
+    if args.num_experts == 0:
+        args.num_experts = None
+    unsupported_values = {
+        "optimizer": {name: f"the {name} optimizer" for name in _UNSUPPORTED_OPTIMIZERS},
+        "position_embedding_type": _UNSUPPORTED_POSITION_EMBEDDINGS,
+        "transformer_impl": {"inference_optimized": "inference-optimized layers"},
+        "tokenizer_type": {
+            name: f"the {name}" for name in TOKENIZER_TYPES if name not in BUILT_TOKENIZER_TYPES
+        },
+    }
+    refuse_features_not_built(args, FLAG_TABLES + _NOT_BUILT_SETTINGS, unsupported_values)
+    ignore_flags_without_effect(args, FLAG_TABLES)
+
+
+def _apply_aliases(args) -> None:
+    """Megatron-LM's second names of --seq-length and --num-layers, and its deprecated position-embedding flags."""
+    for name, alias in (("seq_length", "encoder_seq_length"), ("num_layers", "encoder_num_layers")):
+        given, aliased = getattr(args, name), getattr(args, alias)
+        if given is not None and aliased is not None and given != aliased:
+            raise ValueError(
+                f"{_flag(name)} ({given}) and {_flag(alias)} ({aliased}) are two names for one setting; give one"
+            )
+        setattr(args, name, given if given is not None else aliased)
+        setattr(args, alias, getattr(args, name))
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type not in ("rope", "none"):
+        raise ValueError(
+            "--no-position-embedding is deprecated: use --position-embedding-type rope or none (with "
+            f"--position-embedding-type {args.position_embedding_type} the model has a position embedding)"
+        )
+
+
 def _check_required(args) -> None:
     missing = [_flag(name) for name in _REQUIRED if getattr(args, name) is None]
     if missing:
@@ -146,19 +221,6 @@ def _validate_parallel_layout(args) -> None:
             f"launch a multiple of {model_parallel_size} processes or change the parallel sizes"
         )
     args.data_parallel_size = args.world_size // model_parallel_size
-    if cp > 1:
-        raise ValueError(
-            f"--context-parallel-size {cp}: context parallelism is not implemented in this project yet; "
-            "use --context-parallel-size 1"
-        )
-    if args.num_experts == 0:
-        args.num_experts = None
-    if args.num_experts is not None or args.expert_model_parallel_size > 1:
-        raise ValueError(
-            f"--num-experts {args.num_experts} / --expert-model-parallel-size {args.expert_model_parallel_size}: "
-            "MoE layers are not implemented in this project yet; drop --num-experts and use "
-            "--expert-model-parallel-size 1"
-        )
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     if args.sequence_parallel and tp == 1:
@@ -268,17 +330,6 @@ def layers_per_virtual_stage_naming_flags(vpp_flag: str, **split) -> List[int]:
 
 
 def _validate_batch_size(args) -> None:
-    if args.rampup_batch_size is not None:
-        try:
-            values = [int(value) for value in args.rampup_batch_size]
-        except (TypeError, ValueError):
-            values = []
-        if len(values) != 3:
-            raise ValueError(
-                "--rampup-batch-size takes three integers, <start batch size> <increment> <ramp-up samples>, got "
-                f"{args.rampup_batch_size!r}"
-            )
-        args.rampup_batch_size = values
     slice_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = slice_size
@@ -474,16 +525,6 @@ def _validate_weight_decay(args) -> None:
 def _validate_data_parallel(args) -> None:
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
-    if args.num_distributed_optimizer_instances != 1:
-        raise ValueError(
-            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} is not supported; "
-            "use 1"
-        )
-    if args.data_parallel_sharding_strategy != "no_shard":
-        raise ValueError(
-            f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (Megatron FSDP) is not "
-            "supported; use no_shard, with --use-distributed-optimizer for sharded optimizer state"
-        )
 
 
 def _validate_data(args) -> None:

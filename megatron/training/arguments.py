@@ -13,7 +13,10 @@ apply on this machine.
 """
 
 import argparse
+import ast
+import difflib
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -21,34 +24,110 @@ from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatr
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.optimizer.optimizer_config import SUPPORTED_OPTIMIZERS, OptimizerConfig
-from megatron.core.optimizer_param_scheduler import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
-from megatron.core.tokenizers.build import TOKENIZER_TYPES
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import LR_DECAY_STYLES, WD_INCR_STYLES
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import argument_validation
 from megatron.training.argument_utils import (
     add_field_argument,
     core_ddp_config_from_args,
     core_gpt_dataset_config_from_args,
     core_optimizer_config_from_args,
     core_transformer_config_from_args,
+    enum_by_name,
     get_blend_and_blend_per_split,
 )
-from megatron.training.argument_validation import validate_args
+from megatron.training.arguments_model_flags import TABLES as MODEL_FLAG_TABLES
+from megatron.training.arguments_run_flags import TABLES as RUN_FLAG_TABLES
+from megatron.training.arguments_service_flags import TABLES as SERVICE_FLAG_TABLES
+from megatron.training.arguments_support import add_flag_tables, argument_group
 from megatron.training.yaml_arguments import yaml_settings
 
 __all__ = [
-    "parse_args", "build_parser", "add_megatron_arguments", "validate_args",
+    "parse_args", "parse_args_list", "parse_and_validate_args", "build_parser", "add_megatron_arguments",
+    "validate_args", "moe_freq_type", "la_freq_type", "no_rope_freq_type", "tuple_type",
     # The config builders, importable from here as in Megatron-LM.
     "core_transformer_config_from_args", "core_ddp_config_from_args", "core_optimizer_config_from_args",
     "core_gpt_dataset_config_from_args", "get_blend_and_blend_per_split",
 ]
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+# Megatron-LM's choices; the values not built yet are refused by validate_args (argument_validation).
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "mrope", "relative", "none")
+OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")
+TOKENIZER_TYPES = (
+    "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+    "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer",
+)
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+FLAG_TABLES = MODEL_FLAG_TABLES + RUN_FLAG_TABLES + SERVICE_FLAG_TABLES
+"""Every Megatron-LM flag this project does not implement, with what setting it does here (arguments_support)."""
+
+
+def _layer_pattern(text: str, flag_kind: str):
+    """An int N (every N-th layer) or a per-layer list written as a Python expression of int lists, ``*`` and
+    ``+`` (``"([1]*3+[0])*2"``), evaluated without ``eval``."""
+
+    def evaluate(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [evaluate(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(node)
+
+    try:
+        result = evaluate(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a {flag_kind} pattern: give an integer or a list expression such as '([1]*3+[0])*2'"
+        ) from None
+    if not isinstance(result, (int, list)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {flag_kind} pattern")
+    return result
+
+
+def moe_freq_type(x):
+    """``--moe-layer-freq``: every N-th layer is an MoE layer (int), or one 0/1 per layer (list expression)."""
+    return _layer_pattern(x, "layer frequency")
+
+
+def la_freq_type(x):
+    """``--linear-attention-freq``: every N-th layer uses linear attention (int), or one 0/1 per layer (list)."""
+    return _layer_pattern(x, "linear-attention frequency")
+
+
+def no_rope_freq_type(x):
+    """``--no-rope-freq``: every N-th layer has no rotary embedding (int), or one 0/1 per layer (list)."""
+    return _layer_pattern(x, "no-rope frequency")
+
+
+def tuple_type(x):
+    """``--window-size``: ``"(left, right)"`` or ``"left,right"`` -> a tuple of ints (-1: unbounded)."""
+    try:
+        parts = [int(part) for part in str(x).strip().strip("()").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{x!r} is not a tuple of integers such as '(128, 0)'") from None
+    return tuple(parts)
+
+
+def _parse_cuda_graph_modules_arg(x):
+    """``--cuda-graph-modules``: one module name (CUDA graphs have no effect here, so any name is accepted)."""
+    return str(x)
+
+
+NAMED_TYPES = {
+    function.__name__: function
+    for function in (moe_freq_type, la_freq_type, no_rope_freq_type, tuple_type, _parse_cuda_graph_modules_arg)
+}
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add all of Megatron-LM's arguments (the ones this project implements) to ``parser``."""
+    """Add all of Megatron-LM's arguments to ``parser``: the ones this project implements, in Megatron-LM's
+    groups, then the tables of the ones it does not (accepted, refused or ignored when set: see arguments_support)."""
     parser = _add_network_size_args(parser)
     parser = _add_regularization_args(parser)
     parser = _add_training_args(parser)
@@ -64,27 +143,61 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser = _add_logging_args(parser)
     parser = _add_transformer_engine_args(parser)
     parser = _add_experimental_args(parser)
-    return parser
+    parser = _add_deprecated_args(parser)
+    return add_flag_tables(parser, FLAG_TABLES, NAMED_TYPES)
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse with short errors: an unknown flag gets one line with the closest known flag, and no error prints
+    the usage (with 800 flags it would bury the message); ``--help`` still lists every flag."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self._exit_on_unknown(unknown)
+        return parsed
+
+    def _exit_on_unknown(self, unknown: List[str]) -> None:
+        known = [option for action in self._actions for option in action.option_strings]
+        lines = []
+        for item in unknown:
+            if not item.startswith("-"):
+                continue  # the value of the unknown flag before it
+            flag = item.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            lines.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+        if not lines:
+            lines = [f"unexpected argument(s): {' '.join(unknown)}"]
+        self.exit(2, "\n".join(lines) + "\n")
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     """The argument parser ``parse_args`` uses, with ``extra_args_provider(parser)`` applied when given."""
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = MegatronArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     parser = add_megatron_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
 
 
-def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv: Optional[List[str]] = None):
-    """Parse the command line (``argv``, default ``sys.argv[1:]``) into Megatron-LM's argument namespace.
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    """Parse the command line (``sys.argv[1:]``) into Megatron-LM's argument namespace (see ``parse_args_list``)."""
+    return parse_args_list(sys.argv[1:], extra_args_provider, ignore_unknown_args)
+
+
+def parse_args_list(argv: List[str], extra_args_provider=None, ignore_unknown_args=False):
+    """``parse_args`` of the argument list ``argv`` instead of ``sys.argv[1:]``.
 
     With ``--yaml-cfg FILE`` the file's settings replace the defaults and flags given on the command line still win.
     ``rank`` and ``world_size`` come from torchrun's ``RANK`` and ``WORLD_SIZE`` (0 and 1 without them). The result
-    still has to go through ``validate_args``.
+    still has to go through ``validate_args``. An unknown flag exits with status 2 and one line naming the closest
+    known flag (unless ``ignore_unknown_args``).
     """
     parser = build_parser(extra_args_provider)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = list(argv)
 
     def parse():
         if ignore_unknown_args:
@@ -100,6 +213,34 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv: Option
     return args
 
 
+def validate_args(args, defaults={}):
+    """Megatron-LM's ``validate_args``: refuse flags for features not built yet, ignore (with a warning) flags that
+    have no effect here, check every setting and fill in the derived values. See ``argument_validation``."""
+    return argument_validation.validate_args(args, defaults)
+
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    """``parse_args``, then (with ``--use-checkpoint-args``) the model arguments from the checkpoint, then
+    ``validate_args``: the validated namespace Megatron-LM's ``initialize_megatron`` starts from."""
+    args = parse_args(extra_args_provider, ignore_unknown_args)
+    if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
+    return validate_args(args, args_defaults)
+
+
+def validate_model_config_args_from_heterogeneous_config(args):
+    """Megatron-LM's check of the arguments against a heterogeneous layer config (``--heterogeneous-layers-config-
+    path``); such configs are not supported yet, so a run that names one is refused."""
+    if args.heterogeneous_layers_config_path is not None or args.heterogeneous_layers_config_encoded_json is not None:
+        raise ValueError(
+            "not supported yet: heterogeneous layer configurations (--heterogeneous-layers-config-path / "
+            "--heterogeneous-layers-config-encoded-json). Remove the flag."
+        )
+    return args
+
+
 def _add_network_size_args(parser):
     group = parser.add_argument_group(title="network size")
     add_field_argument(group, TransformerConfig, "num_layers", default=None)
@@ -107,7 +248,7 @@ def _add_network_size_args(parser):
     add_field_argument(group, TransformerConfig, "ffn_hidden_size", help_suffix=" With --swiglu: 2/3 of that, "
                        "rounded down to a multiple of 64.")
     add_field_argument(group, TransformerConfig, "num_attention_heads", default=None)
-    add_field_argument(group, TransformerConfig, "attention_backend")
+    add_field_argument(group, TransformerConfig, "attention_backend", choices=list(AttnBackend))
     add_field_argument(group, TransformerConfig, "kv_channels")
     group.add_argument("--group-query-attention", action="store_true",
                        help="Use grouped-query attention with --num-query-groups key/value heads.")
@@ -131,12 +272,20 @@ def _add_network_size_args(parser):
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary to a multiple of this value times the tensor-parallel size.")
     add_field_argument(group, TransformerConfig, "normalization", choices=["LayerNorm", "RMSNorm"])
-    add_field_argument(group, TransformerConfig, "layernorm_epsilon", flags=["--norm-epsilon"], dest="norm_epsilon")
-    add_field_argument(group, TransformerConfig, "layernorm_zero_centered_gamma", flags=["--apply-layernorm-1p"],
-                       dest="apply_layernorm_1p")
+    add_field_argument(group, TransformerConfig, "layernorm_epsilon", flags=["--norm-epsilon"])
+    add_field_argument(group, TransformerConfig, "layernorm_zero_centered_gamma", flags=["--apply-layernorm-1p"])
     add_field_argument(group, TransformerConfig, "apply_residual_connection_post_layernorm")
     group.add_argument("--squared-relu", action="store_true", help="Use squared ReLU instead of GELU in the MLP.")
     group.add_argument("--swiglu", action="store_true", help="Use a gated MLP with SiLU (SwiGLU) instead of GELU.")
+    group.add_argument("--openai-gelu", action="store_true",
+                       help="Use the tanh approximation of GELU (OpenAI's GPT-2 formula) in the MLP.")
+    group.add_argument("--encoder-num-layers", type=int, default=None,
+                       help="Another name for --num-layers (give one of them).")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Deprecated: use --position-embedding-type. Accepted with rope (which adds no position "
+                       "embedding table); refused otherwise.")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Deprecated: same as --position-embedding-type rope.")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Give the output layer its own weights instead of sharing the input embedding's.")
     add_field_argument(group, TransformerConfig, "qk_layernorm")
@@ -166,7 +315,7 @@ def _add_training_args(parser):
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="Samples per optimizer step over all data-parallel ranks; a multiple of "
                        "--micro-batch-size times the data-parallel size (default: exactly that product).")
-    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+    group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                        help="Ramp the global batch size up: <start batch size> <increment> <ramp-up samples>, "
                        "e.g. '16 8 300000' with --global-batch-size 1024.")
     group.add_argument("--decrease-batch-size-if-needed", action="store_true",
@@ -177,7 +326,7 @@ def _add_training_args(parser):
     add_field_argument(group, TransformerConfig, "recompute_granularity", choices=["full", "selective"])
     add_field_argument(group, TransformerConfig, "recompute_method", choices=["uniform", "block"])
     add_field_argument(group, TransformerConfig, "recompute_num_layers")
-    add_field_argument(group, TransformerConfig, "recompute_modules", nargs="*")
+    add_field_argument(group, TransformerConfig, "recompute_modules", nargs="+")
     add_field_argument(group, TransformerConfig, "distribute_saved_activations", default=False)
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad",
@@ -192,7 +341,9 @@ def _add_training_args(parser):
     group.add_argument("--exit-duration-in-mins", type=int, default=None,
                        help="Exit (after saving, with --save) once training has run this many minutes.")
     group.add_argument("--exit-signal-handler", action="store_true",
-                       help="On SIGTERM, save a checkpoint and exit cleanly.")
+                       help="On the --exit-signal (SIGTERM), save a checkpoint and exit cleanly.")
+    group.add_argument("--exit-signal", type=enum_by_name(signal.Signals), default=signal.SIGTERM,
+                       choices=list(signal.Signals), help="The signal --exit-signal-handler catches, by name.")
     group.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs to this directory.")
     add_field_argument(group, TransformerConfig, "masked_softmax_fusion", default=True)
     group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
@@ -206,7 +357,8 @@ def _add_training_args(parser):
                        help="Do not use apex's persistent layer-norm kernel.")
     add_field_argument(group, TransformerConfig, "add_bias_linear", flags=["--disable-bias-linear"])
     add_field_argument(group, TransformerConfig, "add_qkv_bias")
-    add_field_argument(group, OptimizerConfig, "optimizer", choices=SUPPORTED_OPTIMIZERS)
+    add_field_argument(group, OptimizerConfig, "optimizer", choices=OPTIMIZERS,
+                       help_suffix=" (adam and sgd here; the others are not supported yet).")
     group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="single: one pass in order; cyclic: reshuffled every epoch; external: the dataset "
                        "provider returns iterators (default: single).")
@@ -220,7 +372,7 @@ def _add_training_args(parser):
                        "around evaluation instead, at the same time on every rank.")
     group.add_argument("--manual-gc-interval", type=int, default=0,
                        help="Iterations between manual garbage collections (0: only around evaluation).")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    group.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                        help="With --manual-gc, do not collect around evaluation.")
     add_field_argument(group, ModelParallelConfig, "use_cpu_initialization", default=None)
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
@@ -239,6 +391,7 @@ def _add_initialization_args(parser):
     group.add_argument("--data-parallel-random-init", action="store_true",
                        help="Initialise the weights differently on each data-parallel rank.")
     add_field_argument(group, TransformerConfig, "init_method_std")
+    add_field_argument(group, ModelParallelConfig, "perform_initialization", flags=["--no-initialization"])
     return parser
 
 
@@ -247,7 +400,8 @@ def _add_learning_rate_args(parser):
     add_field_argument(group, OptimizerConfig, "lr")
     group.add_argument("--lr-decay-style", type=str, default="linear", choices=LR_DECAY_STYLES,
                        help="Learning-rate decay after warm-up.")
-    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential", choices=WSD_DECAY_STYLES,
+    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"],
                        help="Decay of the annealing phase of the WSD schedule.")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iterations to decay the learning rate over (default: --train-iters).")
@@ -293,13 +447,18 @@ def _add_checkpointing_args(parser):
                        help="Directory of a pretrained checkpoint to finetune from (when --load has none).")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Take the model arguments from the checkpoint given by --load.")
+    group.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                       "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                       dest="use_tokenizer_model_from_checkpoint_args",
+                       help="With --use-checkpoint-args, keep this command line's --tokenizer-model. (This project's "
+                       "--use-checkpoint-args never takes the tokenizer model path from the checkpoint.)")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
                        help="With --load, exit when no checkpoint is found instead of starting from scratch.")
     group.add_argument("--ckpt-step", type=int, default=None,
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
-    group.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=CKPT_FORMATS,
                        help="Checkpoint format; this project reads and writes torch_dist.")
-    group.add_argument("--async-save", action="store_true", default=None,
+    group.add_argument("--async-save", action="store_true",
                        help="Write checkpoints in the background (torch_dist only).")
     group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="ckpt_fully_parallel_save_deprecated",
                        help="Deprecated and ignored: fully parallel save is the default (see "
@@ -347,13 +506,14 @@ def _add_distributed_args(parser):
                        default=True)
     add_field_argument(group, ModelParallelConfig, "overlap_p2p_comm_warmup_flush",
                        flags=["--overlap-p2p-communication-warmup-flush"])
-    group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
+    group.add_argument("--distributed-backend", type=str, default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend; nccl needs GPUs and falls back to gloo (with a warning) "
                        "on a machine without CUDA.")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout of torch.distributed collectives, in minutes.")
     add_field_argument(group, DistributedDataParallelConfig, "overlap_grad_reduce")
-    group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce",
+    group.add_argument("--no-align-grad-reduce", "--disable-align-grad-reduce", action="store_false",
+                       dest="align_grad_reduce",
                        help="With --overlap-grad-reduce and pipeline parallelism, let each stage launch its gradient "
                        "reductions on its own instead of all stages together.")
     add_field_argument(group, DistributedDataParallelConfig, "bucket_size", flags=["--ddp-bucket-size"],
@@ -372,7 +532,8 @@ def _add_distributed_args(parser):
     add_field_argument(group, DistributedDataParallelConfig, "use_distributed_optimizer")
     add_field_argument(group, DistributedDataParallelConfig, "num_distributed_optimizer_instances")
     add_field_argument(group, DistributedDataParallelConfig, "data_parallel_sharding_strategy",
-                       choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+                       choices=["no_shard", "optim", "optim_grads", "optim_grads_params"], default="optim_grads_params",
+                       help_suffix=" Read only with --use-megatron-fsdp (not supported yet).")
     add_field_argument(group, DistributedDataParallelConfig, "gradient_reduce_div_fusion")
     add_field_argument(group, ModelParallelConfig, "context_parallel_size")
     return parser
@@ -381,7 +542,8 @@ def _add_distributed_args(parser):
 def _add_validation_args(parser):
     group = parser.add_argument_group(title="validation")
     group.add_argument("--eval-iters", type=int, default=100, help="Iterations of each validation/test run.")
-    group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between two validation runs.")
+    group.add_argument("--eval-interval", type=int, default=None,
+                       help="Iterations between two validation runs (default: no validation during training).")
     group.add_argument("--skip-train", action="store_true",
                        help="Skip the training loop: only evaluate (if asked) and exit.")
     return parser
@@ -403,10 +565,12 @@ def _add_data_args(parser):
     group.add_argument("--per-split-data-args-path", type=str, default=None,
                        help="JSON file with 'train', 'valid' and 'test' keys holding per-split data-path lists.")
     add_field_argument(group, BlendedMegatronDatasetConfig, "path_to_cache", flags=["--data-cache-path"],
-                       dest="data_cache_path")
+                       dest="data_cache_path", type=None)
     add_field_argument(group, BlendedMegatronDatasetConfig, "mmap_bin_files")
     add_field_argument(group, BlendedMegatronDatasetConfig, "mock", flags=["--mock-data"], dest="mock_data")
     group.add_argument("--seq-length", type=int, default=None, help="Tokens per training sequence.")
+    group.add_argument("--encoder-seq-length", type=int, default=None,
+                       help="Another name for --seq-length (give one of them).")
     group.add_argument("--num-workers", type=int, default=2, help="Data-loader worker processes.")
     for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         add_field_argument(group, GPTDatasetConfig, name)
@@ -426,10 +590,12 @@ def _add_tokenizer_args(parser):
     group.add_argument("--vocab-extra-ids", type=int, default=0,
                        help="Extra sentinel tokens added to a SentencePiece vocabulary.")
     group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES,
-                       help="Tokenizer to build.")
+                       help="Tokenizer to build (Megatron-LM's choices; the BERT, multimodal and SFT ones are not "
+                       "supported yet).")
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="Tokenizer model file or directory (SentencePiece, Hugging Face, tiktoken).")
-    group.add_argument("--tiktoken-pattern", type=str, default=None, help="TikTokenizer pattern: v1 or v2.")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                       help="TikTokenizer pattern: v1 or v2.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
                        help="Special tokens reserved at the start of a TikTokenizer vocabulary.")
     group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
@@ -462,18 +628,19 @@ def _add_logging_args(parser):
     group.add_argument("--tensorboard-queue-size", type=int, default=1000,
                        help="TensorBoard events queued before a flush to disk.")
     group.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write the timers to TensorBoard.")
-    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+    group.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                       action="store_false",
                        dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TensorBoard.")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="Write the validation perplexity to TensorBoard.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory usage to TensorBoard.")
     group.add_argument("--log-world-size-to-tensorboard", action="store_true",
                        help="Write the world size to TensorBoard.")
-    group.add_argument("--wandb-project", type=str, default="",
+    group.add_argument("--wandb-project", type=str, default=None,
                        help="Weights & Biases project (empty: no W&B). Set WANDB_MODE=offline to log offline.")
-    group.add_argument("--wandb-entity", type=str, default="", help="Weights & Biases entity (team or user).")
-    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
-    group.add_argument("--wandb-save-dir", type=str, default="",
+    group.add_argument("--wandb-entity", type=str, default=None, help="Weights & Biases entity (team or user).")
+    group.add_argument("--wandb-exp-name", type=str, default=None, help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default=None,
                        help="Local directory for Weights & Biases files (default: <--save>/wandb).")
     group.add_argument("--logging-level", type=int, default=None, help="Python logging level (e.g. 20 for INFO).")
     group.add_argument("--peak-flops", type=float, default=None,
@@ -484,10 +651,22 @@ def _add_logging_args(parser):
 
 def _add_transformer_engine_args(parser):
     group = parser.add_argument_group(title="Transformer-Engine")
-    group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+    group.add_argument("--transformer-impl", type=str, default="local",
+                       choices=["local", "transformer_engine", "inference_optimized"],
                        help="Transformer implementation: local (pure PyTorch) or transformer_engine (NVIDIA "
                        "Transformer Engine, optional here; without it, local runs with a warning). Megatron-LM's "
                        "default is transformer_engine; this project's is local.")
+    return parser
+
+
+def _add_deprecated_args(parser):
+    """Megatron-LM's renamed flags: accepted so that validate_args can name their replacement."""
+    group = argument_group(parser, "deprecated")
+    for flag, replacement in argument_validation.DEPRECATED_FLAGS.items():
+        if flag == "--checkpoint-activations":
+            group.add_argument(flag, action="store_true", help=f"No longer valid: use {replacement}.")
+        else:
+            group.add_argument(flag, type=int, default=None, help=f"No longer valid: use {replacement}.")
     return parser
 
 

@@ -34,9 +34,50 @@ _ENV_VARIABLE = re.compile(r"\$\{([^}]*)\}")
 
 def load_yaml(yaml_path: str) -> argparse.Namespace:
     """The argument namespace ``parse_args`` gives for ``--yaml-cfg yaml_path`` and no other flag."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_args_list
 
-    return parse_args(argv=["--yaml-cfg", yaml_path])
+    return parse_args_list(["--yaml-cfg", yaml_path])
+
+
+def validate_yaml(args, defaults={}):
+    """Megatron-LM's validation of a ``--yaml-cfg`` run. Here the file's settings are already merged into the
+    argument namespace (as the parser's defaults), so this is ``validate_args``."""
+    from megatron.training.arguments import validate_args
+
+    return validate_args(args, defaults)
+
+
+def core_config_from_args(args, dataclass=TransformerConfig) -> Dict[str, Any]:
+    """``{field: value}`` for every field of ``dataclass`` that ``args`` has an attribute of the same name for."""
+    fields = dataclasses.fields(dataclass)
+    return {field.name: getattr(args, field.name) for field in fields if hasattr(args, field.name)}
+
+
+def core_transformer_config_from_yaml(args, transfomer_key="language_model") -> TransformerConfig:
+    """The TransformerConfig of a ``--yaml-cfg`` run. The ``language_model:`` section (``transfomer_key``, Megatron-
+    LM's spelling) is merged into the flat arguments when the file is read, so the config is built from them exactly
+    as for a command line (``core_transformer_config_from_args``)."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    if transfomer_key != "language_model":
+        raise ValueError(f"the transformer settings are read from the language_model section, not {transfomer_key!r}")
+    return core_transformer_config_from_args(args)
+
+
+def env_constructor(loader, node) -> str:
+    """A PyYAML constructor expanding ``${VAR}`` in a scalar from the environment (for a loader that registers it,
+    as Megatron-LM does with ``yaml.add_constructor``); a variable that is not set is a ValueError naming it."""
+    return _substitute_environment(loader.construct_scalar(node))
+
+
+def _substitute_environment(text: str) -> str:
+    def substitute(match):
+        name = match.group(1)
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} (in {text!r}) is not set")
+        return os.environ[name]
+
+    return _ENV_VARIABLE.sub(substitute, text)
 
 
 def yaml_settings(yaml_path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
@@ -78,14 +119,10 @@ def _expand_environment(value, yaml_path: str):
     if isinstance(value, list):
         return [_expand_environment(item, yaml_path) for item in value]
     if isinstance(value, str):
-
-        def substitute(match):
-            name = match.group(1)
-            if name not in os.environ:
-                raise ValueError(f"{yaml_path}: environment variable {name} (in {value!r}) is not set")
-            return os.environ[name]
-
-        return _ENV_VARIABLE.sub(substitute, value)
+        try:
+            return _substitute_environment(value)
+        except ValueError as error:
+            raise ValueError(f"{yaml_path}: {error}") from None
     return value
 
 
@@ -158,8 +195,10 @@ class _SettingsReader:
             if not isinstance(value, bool):
                 raise ValueError(f"{self.yaml_path}: {where}: must be true or false, got {value!r}")
             return value
-        if action.nargs in ("*", "+"):
+        if action.nargs in ("*", "+") or isinstance(action.nargs, int):
             items = value.split() if isinstance(value, str) else value if isinstance(value, list) else [value]
+            if isinstance(action.nargs, int) and len(items) != action.nargs:
+                raise ValueError(f"{self.yaml_path}: {where}: takes {action.nargs} values, got {value!r}")
             return [self._convert_one(where, action, item) for item in items]
         return self._convert_one(where, action, value)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training import builtin_data
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args_list, validate_args
 from tests.functional_tests.harness import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -78,7 +78,7 @@ def _parse_and_validate(megatron_args, world_size, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
     try:
-        args = parse_args(argv=megatron_args)
+        args = parse_args_list(megatron_args)
     except SystemExit:
         pytest.fail(f"pretrain_gpt.py rejects the arguments (see the usage error above): {' '.join(megatron_args)}")
     with warnings.catch_warnings():
