@@ -433,6 +433,16 @@ def _schedule_groups(pg_collection, p2p_communicator, config):
     return pg_collection, p2p_communicator
 
 
+def _pipeline_position(pg_collection, p2p_communicator):
+    """``(rank, size)`` of this pipeline stage; without explicit groups ``parallel_state``'s (0, 1 before it is
+    initialised)."""
+    if p2p_communicator is not None:
+        return p2p_communicator.current_stage, p2p_communicator.total_stages
+    if pg_collection is not None:
+        return pg_collection.pp.rank(), pg_collection.pp.size()
+    return parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
+
+
 def _cp_size(pg_collection) -> int:
     if pg_collection is None or pg_collection.cp is None:
         return parallel_state.get_context_parallel_world_size()
@@ -553,7 +563,8 @@ def forward_backward_pipelining_without_interleaving(
         tp_group=groups.tp,
         cp_group=groups.cp,
     )
-    recv_shapes, send_shapes = _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes)
+    # One tensor travels each way, so the communicator is given single shapes and answers with bare tensors.
+    (recv_shape,), (send_shape,) = _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes)
     if forward_only:
         num_warmup = num_microbatches
     else:
@@ -603,7 +614,7 @@ def forward_backward_pipelining_without_interleaving(
 
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for microbatch in range(num_warmup):
-            input_tensor = p2p.recv_forward(recv_shapes, first_stage)
+            input_tensor = p2p.recv_forward(recv_shape, first_stage)
             output_tensor = run_forward(microbatch, input_tensor)
             p2p.send_forward(output_tensor, last_stage)
             if not forward_only:
@@ -611,26 +622,26 @@ def forward_backward_pipelining_without_interleaving(
 
         input_tensor = None
         if num_steady > 0:
-            input_tensor = p2p.recv_forward(recv_shapes, first_stage)
+            input_tensor = p2p.recv_forward(recv_shape, first_stage)
         for step in range(num_steady):
             last_step = step == num_steady - 1
             output_tensor = run_forward(num_warmup + step, input_tensor)
             if forward_only:
                 p2p.send_forward(output_tensor, last_stage)
                 if not last_step:
-                    input_tensor = p2p.recv_forward(recv_shapes, first_stage)
+                    input_tensor = p2p.recv_forward(recv_shape, first_stage)
                 continue
-            output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shapes, last_stage)
+            output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shape, last_stage)
             stash(input_tensor, output_tensor)
             input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=last_step and num_warmup == 0)
             if last_step:
                 p2p.send_backward(input_tensor_grad, first_stage)
             else:
-                input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, recv_shapes, first_stage)
+                input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, recv_shape, first_stage)
 
     if not forward_only:
         for step in range(num_warmup):
-            output_tensor_grad = p2p.recv_backward(send_shapes, last_stage)
+            output_tensor_grad = p2p.recv_backward(send_shape, last_stage)
             input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=step == num_warmup - 1)
             p2p.send_backward(input_tensor_grad, first_stage)
     grad_sync.enable()
@@ -693,16 +704,17 @@ def forward_backward_pipelining_with_interleaving(
             "overlap_p2p_comm=True and batch_p2p_comm=True cannot be combined (Megatron-LM turns batching off when "
             "overlapping); set batch_p2p_comm=False"
         )
-    groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
-    plan = InterleavedPlan(
+    pp_rank, pp_size = _pipeline_position(pg_collection, p2p_communicator)
+    plan = InterleavedPlan(  # validates the layout before any group is needed
         num_microbatches=num_microbatches,
         num_model_chunks=len(model),
         microbatch_group_size=config.microbatch_group_size_per_vp_stage,
-        pp_rank=p2p.current_stage,
-        pp_size=p2p.total_stages,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
         vp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         forward_only=forward_only,
     )
+    groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
     (tensor_shape,) = get_tensor_shapes(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,

@@ -7,8 +7,8 @@ arrives before the pass that needs it, and that no set of ranks waits on each ot
 
 import pytest
 
-from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan, get_schedule_table
-from megatron.core.pipeline_parallel.schedules import get_schedule_table as exported_table
+from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
+from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
 
 
 def _plans(pp, vp, m, group=None, forward_only=False):
@@ -32,7 +32,6 @@ def test_schedule_table_groups_microbatches_per_chunk():
     assert get_schedule_table(5, 2, 3) == [
         (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)
     ]
-    assert exported_table is get_schedule_table
 
 
 def test_warmup_follows_the_published_formula():
@@ -41,6 +40,35 @@ def test_warmup_follows_the_published_formula():
     assert [plan.num_warmup for plan in _plans(4, 2, 4)] == [8, 8, 6, 4]
     assert [plan.num_warmup for plan in _plans(4, 3, 9, group=5)] == [16, 14, 12, 10]
     assert [plan.num_warmup for plan in _plans(2, 2, 4, forward_only=True)] == [8, 8]
+
+
+class _Stages:
+    """What get_pp_rank_microbatches reads from a P2PCommunicator."""
+
+    def __init__(self, rank, size, vp_size):
+        self.current_stage, self.total_stages, self.virtual_pipeline_model_parallel_size = rank, size, vp_size
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_get_pp_rank_microbatches_matches_the_plan(forward_only):
+    for pp, vp, m, group in [(4, 2, 8, 4), (4, 2, 4, 4), (4, 3, 9, 5), (2, 2, 4, 2), (3, 3, 3, 3)]:
+        for plan in _plans(pp, vp, m, group, forward_only):
+            total, all_in_warmup, warmup, remaining = get_pp_rank_microbatches(
+                m, vp, group, forward_only=forward_only, p2p_communicator=_Stages(plan.pp_rank, pp, vp)
+            )
+            assert (total, warmup, remaining) == (m * vp, plan.num_warmup, m * vp - plan.num_warmup)
+            assert all_in_warmup == (plan.num_warmup == m * vp)
+
+
+def test_get_pp_rank_microbatches_without_interleaving():
+    # 1F1B: p - r - 1 forward passes before the first backward, capped at m.
+    counts = [get_pp_rank_microbatches(3, 1, None, p2p_communicator=_Stages(r, 4, None)) for r in range(4)]
+    assert counts == [(3, True, 3, 0), (3, False, 2, 1), (3, False, 1, 2), (3, False, 0, 3)]
+    # No pipelining: one pass warms up; overlapping MoE communication adds one.
+    assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=_Stages(0, 1, None)) == (3, False, 1, 2)
+    assert get_pp_rank_microbatches(
+        3, 1, None, overlap_moe_expert_parallel_comm=True, p2p_communicator=_Stages(3, 4, None)
+    ) == (3, False, 1, 2)
 
 
 VALID = [

@@ -1,11 +1,12 @@
-"""Point-to-point pipeline communication: every function against its partner, shapes, ordering, errors, hangs."""
+"""Point-to-point pipeline communication (P2PCommunicator): every method against its partner, shapes, ordering,
+errors, hangs."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import p2p_communication as p2p
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, is_single_shape
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import DistributedTestError, Utils, run_distributed
 
@@ -21,30 +22,47 @@ def _tensor(tag: float, shape=SHAPE):
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + 1000 * tag
 
 
+def _communicator(config):
+    return P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+
+
 def _two_stage_exchanges(batch_p2p_comm: bool):
-    """Each pairing of functions between stage 0 and stage 1, in the order a 1F1B step uses them."""
+    """Each pairing of methods between stage 0 and stage 1, in the order a 1F1B step uses them."""
     Utils.initialize_model_parallel(1, 2)
-    config = _config(batch_p2p_comm=batch_p2p_comm)
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    got = {}
-    if rank == 0:
-        got["recv_forward_on_first"] = p2p.recv_forward(SHAPE, config)
-        p2p.send_forward(_tensor(1), config)
-        got["grad"] = p2p.send_forward_recv_backward(_tensor(2), SHAPE, config)
-        got["next_input_on_first"] = p2p.send_backward_recv_forward(_tensor(3), SHAPE, config)
-        got["recv_backward"] = p2p.recv_backward(SHAPE, config)
+    p2p = _communicator(_config(batch_p2p_comm=batch_p2p_comm))
+    first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
+    got = {"stage": (p2p.current_stage, p2p.total_stages, first, last)}
+    if first:
+        got["recv_forward_on_first"] = p2p.recv_forward(SHAPE, first)
+        p2p.send_forward(_tensor(1), last)
+        got["grad"] = p2p.send_forward_recv_backward(_tensor(2), SHAPE, last)
+        got["next_input_on_first"] = p2p.send_backward_recv_forward(_tensor(3), SHAPE, first)
+        got["recv_backward"] = p2p.recv_backward(SHAPE, last)
+        # Lists of shapes answer with lists; a None shape is skipped.
+        got["listed_grads"] = p2p.send_forward_recv_backward([_tensor(7), None], [SHAPE, None], last)
     else:
-        got["input"] = p2p.recv_forward(SHAPE, config)
-        got["input_2"] = p2p.recv_forward(SHAPE, config)
-        p2p.send_backward(_tensor(4), config)
-        got["grad_on_last"] = p2p.send_forward_recv_backward(_tensor(5), SHAPE, config)
-        p2p.send_backward(_tensor(6), config)
-    return {k: (None if v is None else (v.detach().clone(), v.requires_grad)) for k, v in got.items()}
+        got["input"] = p2p.recv_forward(SHAPE, first)
+        got["input_2"] = p2p.recv_forward(SHAPE, first)
+        p2p.send_backward(_tensor(4), first)
+        got["grad_on_last"] = p2p.send_forward_recv_backward(_tensor(5), SHAPE, last)
+        p2p.send_backward(_tensor(6), first)
+        got["listed_inputs"] = p2p.recv_forward([SHAPE, None], first)
+        p2p.send_backward([_tensor(8)], first)
+        # The ends' own directions do nothing (a call here would hang: the other stage posts nothing more).
+        got["ends"] = (p2p.recv_backward([SHAPE], last), p2p.send_forward(_tensor(0), last))
+
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone(), v.requires_grad
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    return {k: plain(v) for k, v in got.items()}
 
 
 @pytest.mark.parametrize("batch_p2p_comm", [True, False])
 def test_one_f_one_b_pairs(batch_p2p_comm):
     first, last = run_distributed(2, _two_stage_exchanges, batch_p2p_comm)
+    assert first["stage"] == (0, 2, True, False) and last["stage"] == (1, 2, False, True)
     # Nothing arrives before the first stage or after the last.
     assert first["recv_forward_on_first"] is None and first["next_input_on_first"] is None
     assert last["grad_on_last"] is None
@@ -52,19 +70,32 @@ def test_one_f_one_b_pairs(batch_p2p_comm):
     assert torch.equal(last["input_2"][0], _tensor(2))
     assert torch.equal(first["grad"][0], _tensor(4)) and not first["grad"][1]
     assert torch.equal(first["recv_backward"][0], _tensor(6))
+    assert torch.equal(last["listed_inputs"][0][0], _tensor(7)) and last["listed_inputs"][1] is None
+    assert torch.equal(first["listed_grads"][0][0], _tensor(8)) and first["listed_grads"][1] is None
+    assert last["ends"] == ([None], None)
+
+
+def test_is_single_shape():
+    assert is_single_shape(torch.Size([3, 2])) and is_single_shape([3, 2, 4]) and is_single_shape((3, 2))
+    assert not is_single_shape([(3, 2), (3, 2)]) and not is_single_shape([torch.Size([3])])
+    assert not is_single_shape(None) and not is_single_shape([None])
 
 
 def _ring_exchange(variable: bool):
     """Interleaved-style calls around a ring of 4: everyone sends both ways and receives both ways at once."""
     Utils.initialize_model_parallel(1, 4)
-    config = _config(variable_seq_lengths=variable)
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    p2p = _communicator(_config(variable_seq_lengths=variable))
+    rank = p2p.current_stage
     shape = (2 + rank, 2, 4) if variable else SHAPE  # with variable lengths every rank sends its own length
     activation, grad = p2p.send_forward_backward_recv_forward_backward(
-        _tensor(rank, shape), -_tensor(rank, shape), recv_prev=True, recv_next=True, tensor_shape=SHAPE, config=config
+        _tensor(rank, shape), -_tensor(rank, shape), recv_prev=True, recv_next=True, tensor_shape=SHAPE
     )
-    forward_only = p2p.send_forward_recv_forward(_tensor(10 + rank, shape), True, SHAPE, config)
-    backward_only = p2p.send_backward_recv_backward(-_tensor(10 + rank, shape), True, SHAPE, config)
+    forward_only = p2p.send_forward_recv_forward(_tensor(10 + rank, shape), True, SHAPE)
+    backward_only, requests = p2p.send_backward_recv_backward(
+        -_tensor(10 + rank, shape), True, SHAPE, overlap_p2p_comm=True
+    )
+    for request in requests:  # overlap_p2p_comm hands back the requests instead of waiting
+        request.wait()
     return [t.detach() for t in (activation, grad, forward_only, backward_only)]
 
 
@@ -84,13 +115,14 @@ def test_ring_exchange_wraps_around(variable):
 def _same_peer_both_directions():
     """With two stages the previous and next rank coincide: activation and gradient must not be swapped."""
     Utils.initialize_model_parallel(1, 2)
-    rank = parallel_state.get_pipeline_model_parallel_rank()
     config = _config()
+    p2p = _communicator(config)
+    rank = p2p.current_stage
     results = []
     for batch in (True, False):
         config.batch_p2p_comm = batch
         activation, grad = p2p.send_forward_backward_recv_forward_backward(
-            _tensor(rank), -_tensor(rank), recv_prev=True, recv_next=True, tensor_shape=SHAPE, config=config
+            _tensor(rank), -_tensor(rank), recv_prev=True, recv_next=True, tensor_shape=SHAPE
         )
         results.append((activation.detach(), grad))
     return results
@@ -106,11 +138,11 @@ def test_two_stages_keep_activation_and_gradient_apart():
 
 def _both_stages_wait_to_receive():
     Utils.initialize_model_parallel(1, 2)
-    config = _config()
-    if parallel_state.get_pipeline_model_parallel_rank() == 0:
-        p2p.recv_backward(SHAPE, config)  # stage 1 never sends a gradient...
+    p2p = _communicator(_config())
+    if p2p.is_pp_first_stage:
+        p2p.recv_backward(SHAPE, is_last_stage=False)  # stage 1 never sends a gradient...
     else:
-        p2p.recv_forward(SHAPE, config)  # ...and stage 0 never sends an activation
+        p2p.recv_forward(SHAPE, is_first_stage=False)  # ...and stage 0 never sends an activation
     return "done"
 
 
@@ -120,38 +152,45 @@ def test_a_hang_fails_and_names_the_rank():
 
 
 # ---- errors, raised before anything is posted (so no peer is left waiting on a half-made call) -------------------
+# The group is never asked for ranks before these checks, so a communicator without a real group suffices.
+
+
+def _unconnected(**overrides):
+    return P2PCommunicator(pp_group=None, config=_config(**overrides))
 
 
 def test_pipeline_dtype_is_required():
-    config = _config()
-    config.pipeline_dtype = None
+    p2p = _unconnected()
+    p2p.config.pipeline_dtype = None
     with pytest.raises(ValueError, match="config.pipeline_dtype is None"):
-        p2p.send_forward(_tensor(0), config, is_last_stage=False)
+        p2p.send_forward(_tensor(0), is_last_stage=False)
 
 
 def test_ring_exchange_kernel_is_rejected():
     with pytest.raises(ValueError, match="use_ring_exchange_p2p=True needs a custom ring-exchange kernel"):
-        p2p.recv_forward(SHAPE, _config(use_ring_exchange_p2p=True), is_first_stage=False)
+        _unconnected(use_ring_exchange_p2p=True).recv_forward(SHAPE, is_first_stage=False)
 
 
 def test_sent_dtype_must_be_pipeline_dtype():
     with pytest.raises(ValueError, match="activation sent to the next stage has dtype torch.float64"):
-        p2p.send_forward(_tensor(0).double(), _config(), is_last_stage=False)
+        _unconnected().send_forward(_tensor(0).double(), is_last_stage=False)
 
 
 def test_sent_shape_must_match_unless_lengths_vary():
     with pytest.raises(ValueError, match=r"has shape \(3, 2, 4\) but the pipeline expects \(5, 2, 4\).*variable_seq"):
-        p2p.send_forward_recv_backward(_tensor(0), (5, 2, 4), _config(), is_last_stage=False)
+        _unconnected().send_forward_recv_backward(_tensor(0), (5, 2, 4), is_last_stage=False)
     with pytest.raises(ValueError, match=r"gradient sent to the previous stage has 2 dimensions \(6, 4\)"):
-        p2p.send_backward_recv_forward(
-            _tensor(0, (6, 4)), SHAPE, _config(variable_seq_lengths=True), is_first_stage=False
+        _unconnected(variable_seq_lengths=True).send_backward_recv_forward(
+            _tensor(0, (6, 4)), SHAPE, is_first_stage=False
         )
 
 
-def test_single_direction_functions_do_nothing_at_the_ends():
-    config = _config()
-    assert p2p.recv_forward(SHAPE, config, is_first_stage=True) is None
-    assert p2p.recv_backward(SHAPE, config, is_last_stage=True) is None
-    assert p2p.send_forward(_tensor(0), config, is_last_stage=True) is None
-    assert p2p.send_backward(_tensor(0), config, is_first_stage=True) is None
+def test_single_direction_methods_do_nothing_at_the_ends():
+    p2p = _unconnected()
+    assert p2p.recv_forward(SHAPE, is_first_stage=True) is None
+    assert p2p.recv_backward([SHAPE, SHAPE], is_last_stage=True) == [None, None]
+    assert p2p.send_forward(_tensor(0), is_last_stage=True) is None
+    assert p2p.send_backward(_tensor(0), is_first_stage=True) is None
+    assert p2p.send_forward_recv_backward(_tensor(0), SHAPE, is_last_stage=True) is None
+    assert p2p.send_backward_recv_forward(_tensor(0), SHAPE, is_first_stage=True) is None
     assert not dist.is_initialized()  # nothing tried to communicate

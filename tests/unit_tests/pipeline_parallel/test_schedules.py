@@ -5,6 +5,7 @@ runs in the test process itself (no communication needed).
 """
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -116,7 +117,7 @@ def _reference(name):
     return losses, model.global_grads()
 
 
-def _divide_by_tokens(model, num_tokens):
+def _divide_by_tokens(model, num_tokens, pg_collection=None, force_all_reduce=False):
     for chunk in model:
         for param in chunk.parameters():
             param.grad /= num_tokens
@@ -261,17 +262,22 @@ def test_no_sync_is_held_for_all_but_the_last_microbatch_and_finalize_runs_once(
 
     model, config = _single_stage(
         no_sync_func=no_sync,
-        finalize_model_grads_func=lambda chunks, num_tokens: events.append(("finalize", len(chunks), num_tokens)),
+        finalize_model_grads_func=lambda chunks, num_tokens, pg_collection, force_all_reduce: events.append(
+            ("finalize", len(chunks), num_tokens, force_all_reduce)
+        ),
     )
     _run_single(model, num_microbatches=3)
     # The no_sync context wraps micro-batches 0 and 1; micro-batch 2's backward runs with reduction enabled.
-    assert events == ["enter", "exit", ("finalize", 1, None)]
+    assert events == ["enter", "exit", ("finalize", 1, None, False)]
+    events.clear()
+    _run_single(model, num_microbatches=1, force_all_reduce=True)
+    assert events == [("finalize", 1, None, True)]  # the schedule hands force_all_reduce on
 
 
 def test_per_token_loss_hands_the_token_count_to_finalize():
     seen = []
     model, _ = _single_stage(
-        calculate_per_token_loss=True, finalize_model_grads_func=lambda chunks, num_tokens: seen.append(num_tokens)
+        calculate_per_token_loss=True, finalize_model_grads_func=lambda chunks, num_tokens, **_: seen.append(num_tokens)
     )
     losses = _run_single(model)
     assert seen[0] == sum(int(l["loss"][1]) for l in losses)
@@ -396,7 +402,7 @@ def test_unsupported_step_options_are_rejected():
         _call(forward_backward_no_pipelining, model)
     model, config = _single_stage()
     with pytest.raises(ValueError, match="checkpoint_activations_microbatch .* is not supported"):
-        schedules.forward_step(toy.forward_step_func(), iter([]), model, 1, None, [], config, False, True)
+        schedules.forward_step(toy.forward_step_func(), iter([]), model, 1, None, [], config, 1, False, True)
 
 
 def test_deallocating_a_view_is_an_error():
@@ -406,3 +412,144 @@ def test_deallocating_a_view_is_an_error():
     view = base[1:]
     deallocate_output_tensor(view, deallocate_pipeline_outputs=False)  # off: nothing happens
     assert view.shape == (3, 4)
+
+
+# ---- Megatron's helper functions -----------------------------------------------------------------------------------
+
+
+class _Sized:
+    """Stands in for a process group where only the size is read."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_tensor_shapes_use_explicit_groups():
+    config = types.SimpleNamespace(sequence_parallel=True, hidden_size=8)  # all get_tensor_shapes reads
+    shapes = get_tensor_shapes(
+        seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config, tp_group=_Sized(2), cp_group=_Sized(4)
+    )
+    assert shapes == [(2, 2, 8)]  # 16 / cp 4 / tp 2
+
+
+def test_custom_backward_ignores_the_freed_output_shape():
+    weight = torch.randn(3, requires_grad=True)
+    output = weight * 2
+    output.data = torch.empty((1,))  # what a freed stage output looks like in Megatron
+    with pytest.raises(RuntimeError):
+        torch.autograd.backward(output, grad_tensors=torch.ones(3), retain_graph=True)
+    schedules.custom_backward(output, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(weight.grad, torch.tensor([2.0, 4.0, 6.0]))
+    loss = (weight * weight).sum()
+    weight.grad = None
+    schedules.custom_backward(loss, None)  # a scalar loss gets gradient one
+    assert torch.allclose(weight.grad, 2 * weight.detach())
+    with pytest.raises(ValueError, match="a gradient is needed for a non-scalar output"):
+        schedules.custom_backward(weight * 3, None)
+
+
+def test_backward_step_goes_through_custom_backward_when_outputs_are_freed():
+    model, config = _single_stage(deallocate_pipeline_outputs=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    output = x * 5
+    deallocate_output_tensor(output, True)
+    grad = schedules.backward_step(x, output, torch.ones(2, 3), config)
+    assert torch.equal(grad, torch.full((2, 3), 5.0))
+
+
+def test_get_tensor_device():
+    assert schedules.get_tensor_device(torch.zeros(1)) == torch.device("cpu")
+    assert schedules.get_tensor_device({"vision": torch.zeros(1), "text": torch.zeros(2)}) == torch.device("cpu")
+    with pytest.raises(ValueError, match="empty dict"):
+        schedules.get_tensor_device({})
+
+
+def test_forward_step_calc_loss_scales_as_megatron():
+    _, config = _single_stage()
+    store = []
+    loss = torch.tensor(6.0)
+    # Legacy (loss, dict): times the context-parallel size, over the micro-batches.
+    out, tokens = schedules.forward_step_calc_loss(
+        None, loss, lambda o: (o, {"l": o}), config, None, False, 3, store, cp_group_size=2, is_last_stage=True
+    )
+    assert out.item() == pytest.approx(4.0) and tokens.item() == 0 and store == [{"l": loss}]
+    # (loss, num_tokens, dict): over the tokens and the micro-batches.
+    out, tokens = schedules.forward_step_calc_loss(
+        None, loss, lambda o: (o, torch.tensor(4), {}), config, None, False, 3, store, cp_group_size=2,
+        is_last_stage=True,
+    )
+    assert out.item() == pytest.approx(0.5) and tokens.item() == 4
+    # Off the last stage the output passes through untouched.
+    out, tokens = schedules.forward_step_calc_loss(
+        None, loss, None, config, None, False, 3, store, cp_group_size=2, is_last_stage=False
+    )
+    assert out is loss and tokens.item() == 0 and len(store) == 2
+
+
+def test_get_forward_backward_func_refuses_multi_module_schedules():
+    with pytest.raises(ValueError, match=r"not supported yet: multi-module pipeline schedules"):
+        get_forward_backward_func(pp_size=2, schedule_pg_collection=object())
+
+
+def test_adjust_tensor_shapes_fn_is_refused_where_nothing_is_exchanged():
+    model, _ = _single_stage()
+    with pytest.raises(ValueError, match="adjust_tensor_shapes_fn is not supported by forward_backward_no_pipelining"):
+        _call(forward_backward_no_pipelining, model, adjust_tensor_shapes_fn=lambda r, s: (r, s))
+
+
+def _one_f_one_b_with_explicit_groups():
+    """1F1B given pg_collection, a P2PCommunicator and an adjust_tensor_shapes_fn, against the defaults."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    Utils.initialize_model_parallel(1, 2)
+    config = toy.toy_config(4, 2)
+    chunks = toy.build_chunks(config)
+    batches = toy.make_microbatches(3)
+    seen = []
+
+    def adjust(recv_shapes, send_shapes):
+        seen.append((list(recv_shapes), list(send_shapes)))
+        return recv_shapes, send_shapes
+
+    def run(**kwargs):
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        losses = forward_backward_pipelining_without_interleaving(
+            forward_step_func=toy.forward_step_func(),
+            data_iterator=toy.iterators(batches, 1),
+            model=chunks,
+            num_microbatches=3,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            **kwargs,
+        )
+        return losses, toy.gather_grads(chunks)
+
+    default = run()
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "pp"])
+    explicit = run(
+        pg_collection=pgs,
+        p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config),
+        adjust_tensor_shapes_fn=adjust,
+    )
+    error = None
+    try:
+        run(adjust_tensor_shapes_fn=lambda r, s: (r + r, s))
+    except ValueError as e:
+        error = str(e)
+    return default, explicit, seen, error
+
+
+def test_1f1b_with_explicit_groups_and_shape_adjustment():
+    for default, explicit, seen, error in run_distributed(2, _one_f_one_b_with_explicit_groups):
+        assert len(default[0]) == len(explicit[0])
+        for a, b in zip(default[0], explicit[0]):
+            assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a.values(), b.values()))
+        assert default[1].keys() == explicit[1].keys()
+        assert all(torch.equal(a, b) for k in default[1] for a, b in zip(default[1][k], explicit[1][k]))
+        assert seen == [([(SEQ, MBS, 8)], [(SEQ, MBS, 8)])]
+        assert "adjust_tensor_shapes_fn must return one receive shape" in error
