@@ -25,9 +25,15 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
+from megatron.core.distributed.param_and_grad_buffer import (
+    _ParamAndGradBuffer,
+    group_params_for_buffers,
+    partition_buckets,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import synchronize_device
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +48,27 @@ class DistributedDataParallel(MegatronModule):
         config: the model's TransformerConfig / ModelParallelConfig (``calculate_per_token_loss`` is read from it).
         ddp_config: how to bucket and reduce.
         module: the model chunk to wrap.
-        disable_bucketing: put all parameters of a dtype in one bucket (no overlap with backward).
+        disable_bucketing: put all parameters of a dtype in one bucket, and all buckets in one group (no overlap
+            with backward).
         pg_collection: explicit groups (``dp_cp`` and ``expt_dp`` are used); default the parallel_state groups.
+        full_param_layout: a layout of every parameter precomputed by the optimizer (not supported yet: must be
+            None; the buffers lay themselves out).
     """
 
     def __init__(
         self,
-        config,
+        config: TransformerConfig,
         ddp_config: DistributedDataParallelConfig,
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        full_param_layout=None,
     ):
+        if full_param_layout is not None:
+            raise ValueError(
+                "not supported yet: a precomputed parameter layout "
+                f"(full_param_layout={type(full_param_layout).__name__}); pass None"
+            )
         super().__init__(config)
         self.module = module
         self.ddp_config = ddp_config
@@ -79,11 +94,13 @@ class DistributedDataParallel(MegatronModule):
 
         self.buffers = self._allocate_buffers(dense, self.dp_cp_group, dense_factor)
         self.expert_parallel_buffers = self._allocate_buffers(expert, self.expt_dp_group, expert_factor)
-        self.bucket_groups = partition_buckets(self.buffers, self.param_to_name, lambda: self.iteration)
+        self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
         self.expert_parallel_bucket_groups = partition_buckets(
-            self.expert_parallel_buffers, self.param_to_name, lambda: self.iteration
+            self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing
         )
         self._all_bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        for group in self._all_bucket_groups:
+            group.iteration = lambda: self.iteration  # named in NaN reports
         # Parameters are gathered in forward order, the reverse of the (backward-ordered) bucket groups.
         forward_order = list(reversed(self.bucket_groups)) + list(reversed(self.expert_parallel_bucket_groups))
         for current, following in zip(forward_order, forward_order[1:]):
@@ -129,16 +146,12 @@ class DistributedDataParallel(MegatronModule):
 
     def _allocate_buffers(self, params: List[torch.nn.Parameter], group, scaling_factor: float):
         """One buffer per (param dtype, grad dtype), keeping the parameters' registration order."""
-        by_dtype = {}
-        for param in params:
-            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
         return [
             _ParamAndGradBuffer(
-                self.ddp_config, param_dtype, grad_dtype, dtype_params, group, self.bucket_size,
+                self.ddp_config, key.param_dtype, key.grad_dtype, dtype_params, group, self.bucket_size,
                 self.param_to_name, scaling_factor,
             )
-            for (param_dtype, grad_dtype), dtype_params in by_dtype.items()
+            for key, (dtype_params, _) in group_params_for_buffers(params, self.ddp_config.grad_reduce_in_fp32).items()
         ]
 
     # ---- hooks -----------------------------------------------------------------------------------------------
@@ -164,7 +177,7 @@ class DistributedDataParallel(MegatronModule):
             module.register_forward_pre_hook(self._wait_for_params_before_forward) for module in self.module.modules()
         ]
 
-    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+    def disable_forward_pre_hook(self, param_sync: bool = True):
         """Remove the forward pre-hooks; with ``param_sync`` first gather every parameter (e.g. before saving)."""
         for handle in self._param_gather_hooks:
             handle.remove()
@@ -195,16 +208,51 @@ class DistributedDataParallel(MegatronModule):
             if group.grad_reduce_handles is None:
                 group.start_grad_sync()
 
-    def finish_grad_sync(self) -> None:
-        """Complete the reduction of every bucket (launching those that have not been launched)."""
-        for group in self._all_bucket_groups:
-            group.finish_grad_sync()
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        """Complete the reduction of every bucket (launching those that have not been launched).
 
-    def start_param_sync(self, *unused, force_sync: bool = False) -> None:
-        """All-gather the updated parameters (distributed optimizer): blocking with ``force_sync``, else async."""
+        ``force_all_reduce``: with the distributed optimizer, leave every rank the fully reduced gradients (an
+        all-reduce) instead of only its shard (a reduce-scatter).
+        """
         for group in self._all_bucket_groups:
-            if force_sync or not group.param_gather_dispatched:
+            group.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        """All-gather the updated parameters (distributed optimizer): blocking with ``force_sync``, else async.
+
+        Bucket groups whose gather has already been dispatched this step are skipped unless ``force_sync`` or
+        ``force_dispatch`` (which gathers them again, e.g. after parameters were changed outside the optimizer).
+        """
+        for group in self._all_bucket_groups:
+            if force_sync or force_dispatch or not group.param_gather_dispatched:
                 group.start_param_sync(force_sync=force_sync)
+
+    def reset_param_sync_dispatch_state(self):
+        """Forget which parameter all-gathers were dispatched, so the next forward (``overlap_param_gather``) or
+        ``start_param_sync`` dispatches every bucket group again."""
+        for group in self._all_bucket_groups:
+            group.param_gather_dispatched = False
+
+    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
+        """Release the memory of every gradient buffer (e.g. while the model only runs inference).
+
+        The buffers' storage shrinks to nothing while ``param.main_grad`` and the buckets' views stay valid objects;
+        reading them before :meth:`restore_grad_buffers` is an error. ``synchronize`` first waits for queued device
+        work; ``empty_cache`` hands the freed memory back to the device allocator.
+        """
+        if synchronize:
+            synchronize_device()
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.offload_grad_data()
+        if empty_cache and torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
+
+    def restore_grad_buffers(self, synchronize: bool = True) -> None:
+        """Give the gradient buffers their memory back, zeroed; every existing view sees it again."""
+        if synchronize:
+            synchronize_device()
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.restore_grad_data()
 
     def mark_params_updated(self, buffers=None) -> None:
         """Called by the distributed optimizer after a step: parameter shards changed and must be gathered.
@@ -220,7 +268,7 @@ class DistributedDataParallel(MegatronModule):
             groups = [g for g in self._all_bucket_groups if any(id(b) in updated for b in g.buckets)]
         for group in groups:
             if self.ddp_config.overlap_param_gather:
-                group.param_gather_dispatched = False
+                group.param_gather_dispatched = False  # gathered just before the forward needs it
             else:
                 group.start_param_sync(force_sync=True)
 

@@ -1,7 +1,9 @@
 """DistributedDataParallelConfig: how gradients are bucketed and reduced across data-parallel ranks."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
+
+import torch
 
 
 @dataclass
@@ -27,20 +29,64 @@ class DistributedDataParallelConfig:
     """Megatron's fault-injection check for unexpectedly large gradients (not supported: must be False)."""
     bucket_size: Optional[int] = None
     """Elements per bucket (None: max(40M, 1M x DP size) when overlapping the reduction, one bucket otherwise)."""
+    num_buckets: Optional[int] = None
+    """A fixed number of buckets instead of a bucket size (not supported yet: must be None)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad buckets to a multiple of 2^16 elements as well (faster NCCL reduce-scatter for some DP sizes)."""
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """Reduce-scatter low-precision gradients accumulating in fp32 (not supported yet: must be False)."""
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
+    """Parameters (by name pattern) whose gradients accumulate locally in fp32 (not supported yet: must be ())."""
     average_in_collective: bool = False
     """Average inside the collective (ReduceOp.AVG) instead of scaling gradients by 1/DP before summing."""
     fp8_param_gather: bool = False
-    """All-gather FP8 parameters (needs Transformer Engine FP8; not supported: must be False)."""
+    """All-gather FP8 parameters (needs Transformer Engine FP8; not supported yet: must be False)."""
+    fp4_param_gather: bool = False
+    """All-gather FP4 parameters (not supported yet: must be False)."""
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Reuse the gradient buffer for MXFP8 parameter all-gathers (not supported yet: must be False)."""
     use_megatron_fsdp: bool = False
-    """Megatron FSDP (not supported: must be False)."""
+    """Megatron FSDP (not supported yet: must be False)."""
     use_custom_fsdp: bool = False
-    """Deprecated name of use_megatron_fsdp (not supported: must be False)."""
+    """Deprecated name of use_megatron_fsdp (not supported yet: must be False)."""
     data_parallel_sharding_strategy: str = "no_shard"
     """FSDP sharding strategy; only 'no_shard' (plain DDP / distributed optimizer) is supported."""
     gradient_reduce_div_fusion: bool = True
     """Fuse the 1/DP scaling into the collective where the backend can (a hint; results are the same)."""
+    suggested_communication_unit_size: Optional[int] = None
+    """FSDP communication unit size (not supported yet: must be None)."""
+    keep_fp8_transpose_cache: bool = False
+    """Keep FP8 weight transposes between steps under FSDP (not supported yet: must be False)."""
+    nccl_ub: bool = False
+    """NCCL user-buffer registration of the communication buffers (not supported yet: must be False)."""
+    fsdp_double_buffer: bool = False
+    """FSDP double buffering of gathered parameters (not supported yet: must be False)."""
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    """FSDP double-buffer fallback to a persistent buffer (not supported yet: must be False)."""
+    fsdp_all_gather_in_start_param_sync: bool = True
+    """FSDP: all-gather in start_param_sync (FSDP is not supported yet: must stay True)."""
+    outer_dp_sharding_strategy: str = "no_shard"
+    """Hybrid FSDP's outer data-parallel sharding (not supported yet: must be 'no_shard')."""
+    disable_symmetric_registration: bool = False
+    """Turn off NCCL symmetric-memory registration. Accepted either way: no buffer is ever registered here."""
+    fsdp_manual_registration: bool = False
+    """FSDP manual NCCL buffer registration (not supported yet: must be False)."""
+    delay_wgrad_compute: bool = False
+    """Delay weight-gradient computation to overlap it with communication (not supported yet: must be False)."""
+    megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32
+    """Megatron FSDP main-parameter dtype (FSDP is not supported yet: must stay torch.float32)."""
+    megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = None
+    """Megatron FSDP main-gradient dtype (not supported yet: must be None)."""
+    megatron_fsdp_grad_comm_dtype: Optional[torch.dtype] = None
+    """Megatron FSDP gradient-communication dtype (not supported yet: must be None)."""
+    megatron_fsdp_use_decoupled_grad: bool = False
+    """Megatron FSDP decoupled gradients (not supported yet: must be False)."""
+    megatron_fsdp_cuda_graph_mode: bool = False
+    """Megatron FSDP CUDA-graph mode (not supported yet: must be False)."""
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    """Megatron FSDP fine-grained parameter gather (not supported yet: must be False)."""
+    megatron_fsdp_max_pool_double_buffer: bool = False
+    """Megatron FSDP max-pool double buffer (not supported yet: must be False)."""
 
     def __post_init__(self):
         _reject_unsupported(self)
@@ -55,18 +101,45 @@ class DistributedDataParallelConfig:
             )
 
 
+# field -> (feature, Megatron's default): a field that differs from its default is refused.
+_UNSUPPORTED = {
+    "num_buckets": ("a fixed number of gradient buckets", None),
+    "reduce_scatter_with_fp32_accumulation": ("reduce-scatter with fp32 accumulation", False),
+    "param_name_patterns_for_fp32_local_accumulation": ("fp32 local gradient accumulation", ()),
+    "check_for_large_grads": ("large-gradient fault detection", False),
+    "fp8_param_gather": ("FP8 parameter all-gather", False),
+    "fp4_param_gather": ("FP4 parameter all-gather", False),
+    "reuse_grad_buf_for_mxfp8_param_ag": ("mxfp8 parameter all-gather in the gradient buffer", False),
+    "use_megatron_fsdp": ("Megatron FSDP", False),
+    "use_custom_fsdp": ("Megatron FSDP", False),
+    "num_distributed_optimizer_instances": ("several distributed-optimizer instances", 1),
+    "data_parallel_sharding_strategy": ("FSDP sharding (use use_distributed_optimizer for ZeRO-1)", "no_shard"),
+    "suggested_communication_unit_size": ("FSDP communication units", None),
+    "keep_fp8_transpose_cache": ("FP8 transpose cache under FSDP", False),
+    "nccl_ub": ("NCCL user buffers", False),
+    "fsdp_double_buffer": ("FSDP double buffering", False),
+    "fsdp_db_use_persist_buf_on_alloc_fail": ("FSDP double buffering", False),
+    "fsdp_all_gather_in_start_param_sync": ("Megatron FSDP", True),
+    "outer_dp_sharding_strategy": ("hybrid FSDP", "no_shard"),
+    "fsdp_manual_registration": ("FSDP manual buffer registration", False),
+    "delay_wgrad_compute": ("delayed weight-gradient compute", False),
+    "megatron_fsdp_main_params_dtype": ("Megatron FSDP", torch.float32),
+    "megatron_fsdp_main_grads_dtype": ("Megatron FSDP", None),
+    "megatron_fsdp_grad_comm_dtype": ("Megatron FSDP", None),
+    "megatron_fsdp_use_decoupled_grad": ("Megatron FSDP", False),
+    "megatron_fsdp_cuda_graph_mode": ("Megatron FSDP", False),
+    "megatron_fsdp_enable_fine_grained_param_gather": ("Megatron FSDP", False),
+    "megatron_fsdp_max_pool_double_buffer": ("Megatron FSDP", False),
+}
+
+
 def _reject_unsupported(config: DistributedDataParallelConfig) -> None:
-    for name in ("check_for_large_grads", "fp8_param_gather", "use_megatron_fsdp", "use_custom_fsdp"):
-        if getattr(config, name):
-            raise ValueError(f"DistributedDataParallelConfig.{name}=True is not supported; leave it False")
-    if config.num_distributed_optimizer_instances != 1:
-        raise ValueError(
-            f"DistributedDataParallelConfig.num_distributed_optimizer_instances="
-            f"{config.num_distributed_optimizer_instances} is not supported; use 1"
-        )
-    if config.data_parallel_sharding_strategy != "no_shard":
-        raise ValueError(
-            f"DistributedDataParallelConfig.data_parallel_sharding_strategy="
-            f"{config.data_parallel_sharding_strategy!r} is not supported; use 'no_shard' (with "
-            "use_distributed_optimizer=True for ZeRO-1 sharding)"
-        )
+    for name, (feature, default) in _UNSUPPORTED.items():
+        value = getattr(config, name)
+        if isinstance(value, list):  # a list of name patterns means the same as the tuple
+            value = tuple(value)
+        if value != default:
+            raise ValueError(
+                f"DistributedDataParallelConfig: not supported yet: {feature} ({name}={value!r}); "
+                f"leave it at {default!r}"
+            )

@@ -3,15 +3,19 @@
 Called once per training step (the pipeline schedules call it through ``config.finalize_model_grads_func``):
 
 1. finish the data-parallel reduction of every model chunk that is wrapped in our ``DistributedDataParallel``;
-2. all-reduce the gradients of parameters whose gradient is partial across tensor-parallel ranks (norms and
-   row-parallel biases under sequence parallelism, q/k layernorms) over the TP group;
-3. all-reduce the gradient of the tied word embedding over the embedding group (first and last pipeline stage);
+2. all-reduce the gradients of parameters that are replicated, not split, across tensor-parallel ranks but whose
+   gradient each rank holds only part of (norms and row-parallel biases under sequence parallelism, q/k
+   layernorms: parameters marked ``sequence_parallel=True``) over the TP group;
+3. all-reduce the gradient of the tied word embedding over the embedding group (first and last pipeline stage),
+   and of learned absolute position embeddings over the position-embedding group;
 4. with per-token loss, divide every gradient by the number of tokens in the global batch.
+
+:func:`reset_model_temporary_tensors` clears per-step router statistics (MoE) before the next step.
 
 It works on plain modules too (reading ``param.grad``) as well as on DDP-wrapped ones (reading ``param.main_grad``).
 """
 
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,10 +23,13 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 
+def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
+    """Name of the attribute holding the gradient the optimizer reads: DDP's ``main_grad`` if set, else ``grad``."""
+    return "main_grad" if getattr(param, "main_grad", None) is not None else "grad"
+
+
 def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The gradient the optimizer will read: DDP's ``main_grad`` when present, else ``.grad``."""
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
+    return getattr(param, _get_main_grad_attr(param))
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
@@ -44,7 +51,7 @@ def _find_attr(module: torch.nn.Module, attr: str):
 def _groups(pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
     if pg_collection is not None:
         return pg_collection
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "embd", "dp_cp"])
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "embd", "pos_embd", "dp_cp"])
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -65,8 +72,11 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group: dist.ProcessGroup) -
             offset += grad.numel()
 
 
-def _allreduce_tensor_parallel_partial_grads(model: List[torch.nn.Module], tp_group) -> None:
-    """Sum gradients that each TP rank only holds a part of (params marked ``sequence_parallel=True``)."""
+def _allreduce_non_tensor_model_parallel_grads(model: List[torch.nn.Module], config, tp_group) -> None:
+    """Sum, over the TP group, the gradients of parameters that are not tensor-parallel but whose gradient each TP
+    rank only holds a part of (parameters marked ``sequence_parallel=True``). ``config`` is the model's (unused:
+    the marking, not the configuration, decides)."""
+    del config
     if _group_size(tp_group) == 1:
         return
     grads = [
@@ -79,19 +89,38 @@ def _allreduce_tensor_parallel_partial_grads(model: List[torch.nn.Module], tp_gr
         _all_reduce_coalesced(grads, tp_group)
 
 
-def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups: ProcessGroupCollection) -> None:
-    """Keep the tied input embedding (first stage) and output layer (last stage) equal: sum their gradients."""
-    embd_group = groups.embd
+def _embedding_chunk(model: List[torch.nn.Module], pp_group) -> torch.nn.Module:
+    """The chunk holding this stage's embedding: the last chunk on the last stage (output layer), else the first."""
+    pp_size = _group_size(pp_group)
+    pp_rank = dist.get_rank(pp_group) if pp_size > 1 else 0
+    return model[-1] if pp_rank == pp_size - 1 else model[0]
+
+
+def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config, embd_group, pp_group) -> None:
+    """Keep the tied input embedding (first stage) and output layer (last stage) equal: sum their gradients over
+    the embedding group. ``config`` is the model's (unused: the model says whether its weights are tied)."""
+    del config
     if embd_group is None or _group_size(embd_group) == 1:
         return
-    pp_size = _group_size(groups.pp)
-    pp_rank = dist.get_rank(groups.pp) if pp_size > 1 else 0
-    # The first stage holds the embedding in its first chunk, the last stage the output layer in its last chunk.
-    chunk = model[-1] if pp_rank == pp_size - 1 else model[0]
+    chunk = _embedding_chunk(model, pp_group)
     if not _find_attr(chunk, "share_embeddings_and_output_weights"):
         return
     weight = _find_attr(chunk, "shared_embedding_or_output_weight")()
     dist.all_reduce(_grad_or_zeros(weight), group=embd_group)
+
+
+def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, pos_emb_group, pp_group) -> None:
+    """Keep learned absolute position embeddings equal on every stage of the position-embedding group (several
+    stages hold one only when a pipeline starts two embedding sections): sum their gradients. With one stage in
+    the group, or no learned position embedding, nothing happens."""
+    del config
+    if pos_emb_group is None or _group_size(pos_emb_group) == 1:
+        return
+    embedding = _find_attr(_embedding_chunk(model, pp_group), "embedding")
+    position_embeddings = getattr(embedding, "position_embeddings", None)
+    if position_embeddings is None:
+        return
+    dist.all_reduce(_grad_or_zeros(position_embeddings.weight), group=pos_emb_group)
 
 
 def _scale_grads(chunk: torch.nn.Module, factor: torch.Tensor) -> None:
@@ -119,24 +148,28 @@ def _divide_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor
 
 
 def finalize_model_grads(
-    model: Union[torch.nn.Module, List[torch.nn.Module]],
+    model: List[torch.nn.Module],
     num_tokens: Optional[torch.Tensor] = None,
     pg_collection: Optional[ProcessGroupCollection] = None,
-) -> None:
-    """Finish this step's gradients for ``model`` (a list of model chunks, or one module) in place.
+    force_all_reduce: Optional[bool] = False,
+):
+    """Finish this step's gradients for ``model`` (a list of model chunks; one module is accepted too) in place.
 
     ``num_tokens`` (a tensor holding this rank's token count, used with ``calculate_per_token_loss``) is summed over
     the data-parallel(+context-parallel) ranks of the last pipeline stage, shared with every stage, and every
-    gradient is divided by it. ``pg_collection`` names the groups to use (tp, pp, embd, dp_cp); by default the
-    ``parallel_state`` groups.
+    gradient is divided by it. ``pg_collection`` names the groups to use (tp, pp, embd, pos_embd, dp_cp); by
+    default the ``parallel_state`` groups. ``force_all_reduce`` makes DDP chunks all-reduce their gradients even
+    with the distributed optimizer (every rank then holds the full reduced gradient, not just its shard).
     """
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
+            chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     groups = _groups(pg_collection)
-    _allreduce_tensor_parallel_partial_grads(chunks, groups.tp)
-    _allreduce_word_embedding_grads(chunks, groups)
+    config = _find_attr(chunks[0], "config")
+    _allreduce_non_tensor_model_parallel_grads(chunks, config, groups.tp)
+    _allreduce_word_embedding_grads(chunks, config, groups.embd, groups.pp)
+    _allreduce_position_embedding_grads(chunks, config, getattr(groups, "pos_embd", None), groups.pp)
     if num_tokens is not None:
         if not isinstance(num_tokens, torch.Tensor):
             raise TypeError(
@@ -144,3 +177,22 @@ def finalize_model_grads(
                 f"{type(num_tokens).__name__}; pass torch.tensor(count)"
             )
         _divide_by_num_tokens(chunks, num_tokens, groups)
+
+
+def reset_model_temporary_tensors(config, model: List[torch.nn.Module]):
+    """Clear what routers accumulate over a step, before the next one.
+
+    With ``config.moe_router_enable_expert_bias`` every module with an ``expert_bias`` has its
+    ``local_tokens_per_expert`` counts zeroed; with a ``global_aux_loss`` load-balancing type (alone or in a
+    comma-separated list) every module with ``reset_global_aux_loss_tracker`` resets its tracker. Models without
+    MoE routers are left untouched.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    expert_bias = getattr(config, "moe_router_enable_expert_bias", False)
+    global_aux_loss = "global_aux_loss" in (getattr(config, "moe_router_load_balancing_type", "") or "")
+    for chunk in chunks:
+        for module in chunk.modules():
+            if expert_bias and hasattr(module, "expert_bias"):
+                module.local_tokens_per_expert.zero_()
+            if global_aux_loss and hasattr(module, "reset_global_aux_loss_tracker"):
+                module.reset_global_aux_loss_tracker()

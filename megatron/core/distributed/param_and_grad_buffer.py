@@ -18,7 +18,8 @@ shards line up on the first and last pipeline stage.
 
 import logging
 import math
-from typing import Callable, Dict, List, Optional
+from enum import Enum
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,36 @@ HIGH_BUSBW_BUCKET_ALIGNMENT = 2**16
 # torch >= 2.11 names the single-tensor collectives *_single; older releases only have *_tensor.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class BufferType(Enum):
+    """Which flat tensor of a :class:`_ParamAndGradBuffer` a view is taken from."""
+
+    PARAM = 1
+    GRAD = 2
+
+
+class BufferKey(NamedTuple):
+    """What separates buffers: parameters of one dtype whose gradients are kept in one dtype share a buffer."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+
+
+def group_params_for_buffers(
+    params: List[torch.nn.Parameter], grad_reduce_in_fp32: bool
+) -> Dict["BufferKey", Tuple[List[torch.nn.Parameter], List[int]]]:
+    """Split ``params`` by buffer: ``{BufferKey: (params, their indices in the input)}``, in input order.
+
+    A parameter's gradient dtype is fp32 with ``grad_reduce_in_fp32``, else the parameter's own dtype.
+    """
+    groups: Dict[BufferKey, Tuple[List[torch.nn.Parameter], List[int]]] = {}
+    for index, param in enumerate(params):
+        key = BufferKey(param.dtype, torch.float32 if grad_reduce_in_fp32 else param.dtype)
+        members, indices = groups.setdefault(key, ([], []))
+        members.append(param)
+        indices.append(index)
+    return groups
 
 
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
@@ -76,7 +107,7 @@ class _ParamAndGradBucketGroup:
         ddp_config: DistributedDataParallelConfig,
         collective_group: dist.ProcessGroup,
         param_to_name: Dict[torch.nn.Parameter, str],
-        iteration: Callable[[], int],
+        iteration: Optional[Callable[[], int]] = None,
     ):
         self.buckets = buckets
         self.ddp_config = ddp_config
@@ -84,7 +115,7 @@ class _ParamAndGradBucketGroup:
         self.data_parallel_world_size = dist.get_world_size(collective_group)
         self.data_parallel_rank = dist.get_rank(collective_group)
         self.param_to_name = param_to_name
-        self.iteration = iteration
+        self.iteration = iteration or (lambda: "?")
         self.params = set().union(*(bucket.params for bucket in buckets))
         self.next_param_gather_bucket_group: Optional["_ParamAndGradBucketGroup"] = None
         self.param_gather_handles: List = []
@@ -96,6 +127,7 @@ class _ParamAndGradBucketGroup:
         self.is_last_microbatch = True
         self.params_with_grad = set()
         self.grad_reduce_handles: Optional[List] = None
+        self.grad_reduce_scattered = False
 
     # ---- gradients -------------------------------------------------------------------------------------------
 
@@ -118,18 +150,23 @@ class _ParamAndGradBucketGroup:
     def _reduce_op(self):
         return dist.ReduceOp.AVG if self.ddp_config.average_in_collective else dist.ReduceOp.SUM
 
-    def start_grad_sync(self) -> None:
-        """Launch the reduction of every bucket: asynchronous with ``overlap_grad_reduce``, else blocking."""
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Launch the reduction of every bucket: asynchronous with ``overlap_grad_reduce``, else blocking.
+
+        With the distributed optimizer each rank receives only its shard (reduce-scatter) unless
+        ``force_all_reduce``.
+        """
         if self.grad_reduce_handles is not None:
             raise RuntimeError("start_grad_sync called twice for the same bucket group without finish_grad_sync")
         if self.ddp_config.check_for_nan_in_grad:
             self.check_grads()
         async_op = self.ddp_config.overlap_grad_reduce
         handles = []
+        self.grad_reduce_scattered = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)
-            if self.ddp_config.use_distributed_optimizer:
+            if self.grad_reduce_scattered:
                 local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
                 handle = _reduce_scatter_single(
                     local_shard, bucket.grad_data, op=self._reduce_op(), group=self.data_parallel_group,
@@ -143,17 +180,23 @@ class _ParamAndGradBucketGroup:
                 handles.append(handle)
         self.grad_reduce_handles = handles
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Make this step's reduction complete: wait for the launched one, or run it now.
 
         With ``overlap_grad_reduce`` a bucket whose parameters did not all receive a gradient this step (an unused
         layer) was never launched by the backward hooks; it is reduced here instead, so results stay correct.
+        ``force_all_reduce`` leaves every rank the fully reduced gradients: an all-reduce when nothing was launched
+        yet, or, after an already launched reduce-scatter, an all-gather of the reduced shards.
         """
         if self.grad_reduce_handles is None:
-            self.start_grad_sync()
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
         for handle in self.grad_reduce_handles:
             handle.wait()
         self.grad_reduce_handles = None
+        if force_all_reduce and self.grad_reduce_scattered:
+            for bucket in self.buckets:
+                local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
+                _all_gather_single(bucket.grad_data, local_shard.clone(), group=self.data_parallel_group)
 
     def register_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Backward hook side: once every parameter of the group has its gradient, launch the reduction."""
@@ -272,14 +315,24 @@ class _ParamAndGradBuffer:
         self.numel_unpadded = sum(p.numel() for p in self.params)
         return buckets
 
+    def _get(self, shape: torch.Size, start_index: int, buffer_type: BufferType) -> torch.Tensor:
+        """A view of ``shape`` starting at ``start_index`` in the parameter or the gradient buffer."""
+        buffer = self.param_data if buffer_type == BufferType.PARAM else self.grad_data
+        if buffer is None:
+            raise RuntimeError("this buffer keeps no parameter storage (use_distributed_optimizer=False)")
+        end_index = start_index + shape.numel()
+        if end_index > self.numel:
+            raise ValueError(f"requested [{start_index}, {end_index}) lies outside the buffer of {self.numel} elements")
+        return buffer[start_index:end_index].view(shape)
+
     def _attach_params(self) -> None:
         """Point ``main_grad`` (and, with the distributed optimizer, ``data``) of every parameter into the buffer."""
-        for param, (start, end, _) in self.param_index_map.items():
+        for param, (start, _, _) in self.param_index_map.items():
             if self.param_data is not None:
-                view = self.param_data[start:end].view(param.shape)
+                view = self._get(param.data.shape, start, BufferType.PARAM)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+            param.main_grad = self._get(param.data.shape, start, BufferType.GRAD)
 
     def _make_bucket(self, bucket_id: int, start: int, end: int, unpadded_end: int, params) -> _ParamAndGradBucket:
         param_to_index = {}
@@ -305,17 +358,48 @@ class _ParamAndGradBuffer:
         """Zero the gradient buffer for the next step."""
         self.grad_data.zero_()
 
+    def offload_grad_data(self) -> None:
+        """Free the gradient buffer's memory; every view of it (main_grad, buckets) stays but must not be read."""
+        self.grad_data.untyped_storage().resize_(0)
+
+    def restore_grad_data(self) -> None:
+        """Reallocate the gradient buffer's memory, zeroed, under the same views."""
+        storage = self.grad_data.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.numel * self.grad_data.element_size())
+        self.grad_data.zero_()
+
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
 def partition_buckets(
-    buffers: List[_ParamAndGradBuffer], param_to_name, iteration: Callable[[], int]
+    buffers: List[_ParamAndGradBuffer],
+    force_single_bucket_group: bool = False,
+    reduce_scatter_with_fp32_accumulation: bool = False,
 ) -> List[_ParamAndGradBucketGroup]:
-    """One bucket group per bucket, in buffer order (the order backward fills them)."""
+    """Bucket groups, the units of communication: one per bucket, in buffer order (the order backward fills them);
+    with ``force_single_bucket_group`` one group holding every bucket of every buffer (all reduced at once).
+
+    The buffers must share one data-parallel group. ``reduce_scatter_with_fp32_accumulation`` is not supported
+    yet and must be False.
+    """
+    if reduce_scatter_with_fp32_accumulation:
+        raise ValueError(
+            "not supported yet: reduce-scatter with fp32 accumulation (reduce_scatter_with_fp32_accumulation=True)"
+        )
+    if not buffers:
+        return []
+    groups = {id(buffer.data_parallel_group) for buffer in buffers}
+    if len(groups) > 1:
+        raise ValueError("partition_buckets: the buffers reduce over different data-parallel groups")
+    first = buffers[0]
+    if force_single_bucket_group:
+        buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
+        return [_ParamAndGradBucketGroup(buckets, first.ddp_config, first.data_parallel_group, first.param_to_name)]
     return [
-        _ParamAndGradBucketGroup([bucket], buffer.ddp_config, buffer.data_parallel_group, param_to_name, iteration)
+        _ParamAndGradBucketGroup([bucket], buffer.ddp_config, buffer.data_parallel_group, buffer.param_to_name)
         for buffer in buffers
         for bucket in buffer.buckets
     ]

@@ -143,13 +143,42 @@ def test_broadcast_unused_parameters_and_per_token_loss():
     [
         (dict(bucket_size=0), "bucket_size must be a positive number of elements or None, got 0"),
         (dict(overlap_param_gather=True), "overlap_param_gather=True needs use_distributed_optimizer=True"),
-        (dict(use_megatron_fsdp=True), "use_megatron_fsdp=True is not supported"),
-        (dict(fp8_param_gather=True), "fp8_param_gather=True is not supported"),
-        (dict(check_for_large_grads=True), "check_for_large_grads=True is not supported"),
-        (dict(num_distributed_optimizer_instances=2), "num_distributed_optimizer_instances=2 is not supported"),
-        (dict(data_parallel_sharding_strategy="optim_grads_params"), "'optim_grads_params' is not supported"),
+        (dict(use_megatron_fsdp=True), r"not supported yet: Megatron FSDP \(use_megatron_fsdp=True\)"),
+        (dict(fp8_param_gather=True), r"not supported yet: FP8 parameter all-gather \(fp8_param_gather=True\)"),
+        (dict(fp4_param_gather=True), r"not supported yet: FP4 parameter all-gather \(fp4_param_gather=True\)"),
+        (dict(check_for_large_grads=True), r"not supported yet: .* \(check_for_large_grads=True\)"),
+        (dict(num_distributed_optimizer_instances=2), r"not supported yet: .* \(num_distributed_optimizer_instances=2\)"),
+        (dict(data_parallel_sharding_strategy="optim_grads_params"),
+         r"not supported yet: FSDP sharding .* \(data_parallel_sharding_strategy='optim_grads_params'\)"),
+        (dict(num_buckets=4), r"not supported yet: a fixed number of gradient buckets \(num_buckets=4\)"),
+        (dict(nccl_ub=True), r"not supported yet: NCCL user buffers \(nccl_ub=True\)"),
+        (dict(reuse_grad_buf_for_mxfp8_param_ag=True), r"not supported yet: mxfp8 .* \(reuse_grad_buf_for_mxfp8"),
+        (dict(reduce_scatter_with_fp32_accumulation=True), r"\(reduce_scatter_with_fp32_accumulation=True\)"),
+        (dict(param_name_patterns_for_fp32_local_accumulation=("bias",)), r"fp32 local gradient accumulation"),
+        (dict(suggested_communication_unit_size=10), r"\(suggested_communication_unit_size=10\)"),
+        (dict(keep_fp8_transpose_cache=True), r"\(keep_fp8_transpose_cache=True\)"),
+        (dict(fsdp_double_buffer=True), r"not supported yet: FSDP double buffering \(fsdp_double_buffer=True\)"),
+        (dict(fsdp_db_use_persist_buf_on_alloc_fail=True), r"\(fsdp_db_use_persist_buf_on_alloc_fail=True\)"),
+        (dict(fsdp_all_gather_in_start_param_sync=False), r"\(fsdp_all_gather_in_start_param_sync=False\)"),
+        (dict(outer_dp_sharding_strategy="optim"), r"not supported yet: hybrid FSDP \(outer_dp_sharding_strategy="),
+        (dict(fsdp_manual_registration=True), r"\(fsdp_manual_registration=True\)"),
+        (dict(delay_wgrad_compute=True), r"not supported yet: delayed weight-gradient compute \(delay_wgrad_comp"),
+        (dict(megatron_fsdp_main_params_dtype=torch.bfloat16), r"\(megatron_fsdp_main_params_dtype=torch.bfloat16\)"),
+        (dict(megatron_fsdp_main_grads_dtype=torch.float32), r"\(megatron_fsdp_main_grads_dtype=torch.float32\)"),
+        (dict(megatron_fsdp_grad_comm_dtype=torch.float32), r"\(megatron_fsdp_grad_comm_dtype=torch.float32\)"),
+        (dict(megatron_fsdp_use_decoupled_grad=True), r"\(megatron_fsdp_use_decoupled_grad=True\)"),
+        (dict(megatron_fsdp_cuda_graph_mode=True), r"\(megatron_fsdp_cuda_graph_mode=True\)"),
+        (dict(megatron_fsdp_enable_fine_grained_param_gather=True), r"fine_grained_param_gather=True\)"),
+        (dict(megatron_fsdp_max_pool_double_buffer=True), r"\(megatron_fsdp_max_pool_double_buffer=True\)"),
     ],
 )
 def test_ddp_config_rejects_unsupported_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedDataParallelConfig(**kwargs)
+
+
+def test_ddp_config_accepts_megatron_defaults_and_harmless_knobs():
+    config = DistributedDataParallelConfig(
+        disable_symmetric_registration=True, param_name_patterns_for_fp32_local_accumulation=[]
+    )
+    assert config.fsdp_all_gather_in_start_param_sync and config.megatron_fsdp_main_params_dtype == torch.float32

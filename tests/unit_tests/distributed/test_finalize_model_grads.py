@@ -99,7 +99,7 @@ class FakeDDPChunk(torch.nn.Module):
         for param in self.module.parameters():
             param.main_grad = torch.ones_like(param)
 
-    def finish_grad_sync(self):
+    def finish_grad_sync(self, force_all_reduce=False):
         self.calls.append("finish_grad_sync")
 
     def scale_gradients(self, factor):
