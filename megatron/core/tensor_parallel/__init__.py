@@ -24,12 +24,15 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import (
     CheckpointFunction,
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     initialize_rng_tracker,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -64,8 +67,11 @@ __all__ = [
     "all_to_all",
     # random.py
     "CheckpointFunction",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
+    "is_graph_safe_cuda_rng_tracker",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",

@@ -12,8 +12,15 @@ gather_from_tensor_model_parallel_region        all-gather last dim         spli
 scatter_to_sequence_parallel_region             split dim 0                 all-gather dim 0
 gather_from_sequence_parallel_region            all-gather dim 0            reduce-scatter (or split) dim 0
 reduce_scatter_to_sequence_parallel_region      reduce-scatter dim 0        all-gather dim 0
+all_gather_last_dim_from_tensor_parallel_region all-gather last dim         reduce-scatter last dim
+reduce_scatter_last_dim_to_tensor_parallel_reg. reduce-scatter last dim     all-gather last dim
 all_to_all                                      all-to-all dim 0            all-to-all back
+all_to_all_sp2hp / all_to_all_hp2sp             [s/tp, h] <-> [s, h/tp]     the inverse exchange
 ==============================================  ==========================  ==========================
+
+The sequence-parallel gather and reduce-scatter also take uneven per-rank sizes along dim 0
+(``output_split_sizes`` / ``input_split_sizes``, as MoE token counts are), and can place the gathered tensor in
+parallel_state's global memory buffer (``use_global_buffer``: the result is overwritten by the next such call).
 
 Activations are ``[s, b, h]``: the sequence-parallel ops work on dim 0, the tensor-parallel ones on the last dim.
 Every wrapper takes ``group=None`` (this rank's tensor-parallel group) and returns its input unchanged when the group
@@ -104,6 +111,48 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor
     return output
 
 
+def _gather_along_first_dim_uneven(input_: torch.Tensor, group, output_split_sizes: List[int]) -> torch.Tensor:
+    """All-gather along dim 0 where rank i holds ``output_split_sizes[i]`` rows (one all-to-all: every rank sends
+    its rows to everyone)."""
+    if input_.size(0) != output_split_sizes[group_rank(group)]:
+        raise ValueError(
+            f"this rank holds {input_.size(0)} rows but output_split_sizes[{group_rank(group)}] is "
+            f"{output_split_sizes[group_rank(group)]}"
+        )
+    world_size = group_size(group)
+    replicated = input_.contiguous().repeat((world_size,) + (1,) * (input_.dim() - 1))
+    return _all_to_all(replicated, group, list(output_split_sizes), [input_.size(0)] * world_size)
+
+
+def _reduce_scatter_along_first_dim_uneven(input_: torch.Tensor, group, input_split_sizes: List[int]) -> torch.Tensor:
+    """Sum over ranks and keep ``input_split_sizes[rank]`` rows of dim 0: each rank receives every rank's copy of
+    its rows and adds them up."""
+    if input_.size(0) != sum(input_split_sizes):
+        raise ValueError(f"input has {input_.size(0)} rows but input_split_sizes sum to {sum(input_split_sizes)}")
+    world_size = group_size(group)
+    mine = input_split_sizes[group_rank(group)]
+    received = _all_to_all(input_, group, [mine] * world_size, list(input_split_sizes))
+    return received.view((world_size, mine) + tuple(input_.shape[1:])).sum(dim=0)
+
+
+def _gather_into_global_buffer(input_: torch.Tensor, group) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    shape = (group_size(group) * input_.size(0),) + tuple(input_.shape[1:])
+    output = parallel_state.get_global_memory_buffer().get_tensor(shape, input_.dtype, "mpu")
+    all_gather_into_tensor(output, input_.contiguous(), group=group)
+    return output
+
+
+def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    world_size = group_size(group)
+    _check_divisible(input_.size(-1), world_size, "last dimension", input_.shape)
+    # Collectives cut along dim 0: move each rank's last-dim piece to the front, reduce-scatter, and restore.
+    pieces = torch.stack(input_.chunk(world_size, dim=-1), dim=0)
+    output = _reduce_scatter_along_first_dim(pieces.reshape((-1,) + tuple(pieces.shape[2:])), group)
+    return output.view(input_.shape[:-1] + (input_.size(-1) // world_size,))
+
+
 def _all_to_all(input_: torch.Tensor, group, output_split_sizes, input_split_sizes) -> torch.Tensor:
     rows = input_.size(0) if output_split_sizes is None else sum(output_split_sizes)
     output = torch.empty((rows,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
@@ -185,7 +234,7 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """All-gather the sequence (dim 0).
+    """All-gather the sequence (dim 0), optionally with uneven per-rank sizes or into the global buffer.
 
     Backward: when the consumer is tensor-parallel (``tensor_parallel_output_grad``), each rank's gradient for the
     whole sequence is partial, so reduce-scatter it; otherwise every rank already has the full gradient and keeps
@@ -193,29 +242,80 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, group, tensor_parallel_output_grad):
+    def forward(ctx, input_, group, tensor_parallel_output_grad, output_split_sizes, use_global_buffer):
         ctx.group = group
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        ctx.output_split_sizes = output_split_sizes
+        if output_split_sizes is not None:
+            return _gather_along_first_dim_uneven(input_, group, output_split_sizes)
+        if use_global_buffer:
+            return _gather_into_global_buffer(input_, group)
         return _gather_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
+        sizes = ctx.output_split_sizes
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
-        return _split_along_first_dim(grad_output, ctx.group), None, None
+            if sizes is not None:
+                grad_input = _reduce_scatter_along_first_dim_uneven(grad_output, ctx.group, sizes)
+            else:
+                grad_input = _reduce_scatter_along_first_dim(grad_output, ctx.group)
+        elif sizes is not None:
+            start = sum(sizes[: group_rank(ctx.group)])
+            grad_input = grad_output[start : start + sizes[group_rank(ctx.group)]].contiguous()
+        else:
+            grad_input = _split_along_first_dim(grad_output, ctx.group)
+        return grad_input, None, None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Sum partial outputs and keep this rank's slice of the sequence; gather the gradient back."""
+    """Sum partial outputs and keep this rank's slice of the sequence (uneven with ``input_split_sizes``); gather the
+    gradient back."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def forward(ctx, input_, group, input_split_sizes, use_global_buffer):
         ctx.group = group
+        ctx.input_split_sizes = input_split_sizes
+        ctx.use_global_buffer = use_global_buffer
+        if input_split_sizes is not None:
+            return _reduce_scatter_along_first_dim_uneven(input_, group, input_split_sizes)
         return _reduce_scatter_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+        if ctx.input_split_sizes is not None:
+            grad_input = _gather_along_first_dim_uneven(grad_output, ctx.group, ctx.input_split_sizes)
+        elif ctx.use_global_buffer:
+            grad_input = _gather_into_global_buffer(grad_output, ctx.group)
+        else:
+            grad_input = _gather_along_first_dim(grad_output, ctx.group)
+        return grad_input, None, None, None
+
+
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather the last dimension; the gradient is reduce-scattered (every rank's gradient is partial)."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Sum partial results and keep this rank's slice of the last dimension; the gradient is all-gathered."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -271,34 +371,78 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> tor
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group=None
-) -> torch.Tensor:
+    input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None, use_global_buffer=False
+):
     """All-gather the sequence (dim 0).
 
     The gradient is reduce-scattered when ``tensor_parallel_output_grad`` (the gathered tensor feeds a
-    tensor-parallel layer, so each rank's gradient is partial) and split otherwise.
+    tensor-parallel layer, so each rank's gradient is partial) and split otherwise. ``output_split_sizes[i]`` is
+    the number of rows rank i contributes (None: equal). With ``use_global_buffer`` the result lives in
+    parallel_state's global memory buffer and is overwritten by the next call that uses it.
     """
-    return _apply(_GatherFromSequenceParallelRegion, input_, group, tensor_parallel_output_grad)
+    return _apply(
+        _GatherFromSequenceParallelRegion, input_, group, tensor_parallel_output_grad, output_split_sizes, use_global_buffer
+    )
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum partial results over the group and keep this rank's slice of the sequence (dim 0)."""
-    return _apply(_ReduceScatterToSequenceParallelRegion, input_, group)
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None, use_global_buffer=False):
+    """Sum partial results over the group and keep this rank's slice of the sequence (dim 0).
+
+    ``input_split_sizes[i]`` is the number of rows rank i keeps (None: equal). ``use_global_buffer`` places the
+    gradient's all-gather in the global memory buffer.
+    """
+    return _apply(_ReduceScatterToSequenceParallelRegion, input_, group, input_split_sizes, use_global_buffer)
 
 
-def all_to_all(
-    group,
-    input_: torch.Tensor,
-    output_split_sizes_: Optional[List[int]] = None,
-    input_split_sizes: Optional[List[int]] = None,
-) -> torch.Tensor:
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """All-gather along the last dimension; the gradient is reduce-scattered back along it."""
+    return _apply(_AllGatherFromTensorParallelRegion, input_, group)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """Sum partial results and keep this rank's slice of the last dimension; the gradient is all-gathered."""
+    return _apply(_ReduceScatterToTensorParallelRegion, input_, group)
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):
     """All-to-all along dim 0 over ``group`` (required, as in Megatron: there is no sensible default group).
 
     ``input_split_sizes[i]`` rows go to rank i and ``output_split_sizes_[i]`` rows arrive from it; ``None`` means
-    equal splits.
+    equal splits. ``use_nccl_stream`` (run on NCCL's own CUDA stream) is a scheduling knob, accepted and not used.
     """
     if group is None:
         raise ValueError("all_to_all needs an explicit process group (got group=None)")
     if group_size(group) == 1:
         return input_
     return _AllToAll.apply(input_, group, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """Sequence-parallel to hidden-parallel: ``[num_tokens / tp, H]`` -> ``[num_tokens, H / tp]``.
+
+    Rank r sends the r-th slice of its hidden dimension to every rank and receives every rank's tokens for it.
+    """
+    group = resolve_tp_group(group)
+    world_size = group_size(group)
+    if world_size == 1:
+        return input_
+    hidden = input_.size(-1)
+    _check_divisible(hidden, world_size, "last dimension", input_.shape)
+    flat = input_.reshape(-1, hidden)
+    # Row block i of the exchanged tensor goes to rank i: put hidden slice i of every token there.
+    send = torch.cat(flat.chunk(world_size, dim=-1), dim=0)
+    return all_to_all(group, send)
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """Hidden-parallel to sequence-parallel: ``[num_tokens, H / tp]`` -> ``[num_tokens / tp, H]`` (inverse of
+    :func:`all_to_all_sp2hp`)."""
+    group = resolve_tp_group(group)
+    world_size = group_size(group)
+    if world_size == 1:
+        return input_
+    flat = input_.reshape(-1, input_.size(-1))
+    _check_divisible(flat.size(0), world_size, "dimension 0 (tokens)", input_.shape)
+    received = all_to_all(group, flat)
+    # Row block i now holds this rank's tokens' hidden slice i: put the slices side by side.
+    return torch.cat(received.chunk(world_size, dim=0), dim=-1)

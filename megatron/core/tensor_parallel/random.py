@@ -11,11 +11,19 @@ Megatron keeps several generator states and swaps them into the device generator
 
 "Device generator" means the CUDA generator of the current device when CUDA is available and the CPU generator
 otherwise, so the names that say "cuda" (kept for Megatron compatibility) work on CPU too.
+
+Activation recomputation comes in two forms: :func:`checkpoint` (recompute a block's activations in backward) and
+:class:`CheckpointWithoutOutput` (also free the block's *output*, recomputing it just before the next op's backward
+needs it).
 """
 
-import contextlib
-from typing import Any, Dict, Optional
+from __future__ import annotations
 
+import contextlib
+import random as python_random
+from typing import Any, Callable, Dict, List, Optional, TypeVar, TypeVarTuple, Union, Unpack
+
+import numpy as np
 import torch
 
 from megatron.core import parallel_state
@@ -31,6 +39,12 @@ _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 
+_Ts = TypeVarTuple("_Ts")
+_R = TypeVar("_R")
+
+# True while a checkpointed function runs (its first forward and its recomputation), see is_checkpointing().
+_CHECKPOINTING_DEPTH = 0
+
 # Megatron's seed offsets: fixed so that runs are reproducible across implementations.
 _TENSOR_PARALLEL_SEED_OFFSET = 2718
 _EXPERT_PARALLEL_SEED_OFFSET = 1024
@@ -42,6 +56,54 @@ def get_expert_parallel_rng_tracker_name() -> str:
 
 def get_data_parallel_rng_tracker_name() -> str:
     return _DATA_PARALLEL_RNG_TRACKER_NAME
+
+
+def is_checkpointing():
+    """True while activation recomputation runs a checkpointed function (its first forward or its recomputation),
+    so code inside can tell it is being checkpointed."""
+    return _CHECKPOINTING_DEPTH > 0
+
+
+@contextlib.contextmanager
+def _checkpointing():
+    global _CHECKPOINTING_DEPTH
+    _CHECKPOINTING_DEPTH += 1
+    try:
+        yield
+    finally:
+        _CHECKPOINTING_DEPTH -= 1
+
+
+def convert_cuda_rng_state(
+    state: Union[torch.Tensor, torch.Generator], to_graphable: bool = False
+) -> Union[torch.Tensor, torch.Generator]:
+    """Convert a generator state between its two forms: a state tensor, and (``to_graphable``) a
+    ``torch.Generator`` holding it on the current device, the form CUDA-graph-safe trackers keep."""
+    if to_graphable:
+        if isinstance(state, torch.Generator):
+            return state
+        generator = torch.Generator(device=get_current_device())
+        generator.set_state(state)
+        return generator
+    return state.get_state() if isinstance(state, torch.Generator) else state
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker):
+    """Whether the tracker keeps CUDA-graph-safe generator states (never true for this package's trackers)."""
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
+def get_all_rng_states():
+    """Every random state a resumed run needs: Python's, NumPy's, torch's CPU and device generators, the tracker's."""
+    states = {
+        "random_rng_state": python_random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+    }
+    if get_current_device().type != "cpu":
+        states["cuda_rng_state"] = get_device_rng_state()
+    return states
 
 
 # ---- the device generator ------------------------------------------------------------------------------------------
@@ -81,7 +143,13 @@ class CudaRNGStatesTracker:
     its stored state, repeating values the outer one already drew).
     """
 
-    def __init__(self):
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        if use_cudagraphable_rng:
+            raise ValueError(
+                "not supported yet: CUDA-graph-safe RNG states (use_cudagraphable_rng=True); leave it False"
+            )
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         self.reset()
 
     def is_initialized(self) -> bool:
@@ -132,6 +200,9 @@ class CudaRNGStatesTracker:
 class InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
     """Tracker for inference: dropout is off, so streams are not kept and ``fork`` changes nothing."""
 
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=True):
+        super().__init__(use_cudagraphable_rng, is_inference_rng_tracker=True)
+
     def add(self, name: str, seed: int) -> None:
         self._is_initialized = True
 
@@ -151,7 +222,7 @@ def initialize_rng_tracker(
     inference_rng_tracker: bool = False,
     use_cudagraphable_rng: bool = False,
     force_reset: bool = False,
-) -> None:
+):
     """Create the global tracker (again when ``force_reset`` or when a different kind is asked for).
 
     Transformer Engine's tracker and CUDA-graph-safe generator states are GPU accelerators that are not available
@@ -161,7 +232,10 @@ def initialize_rng_tracker(
     if use_te_rng_tracker:
         warn_once("use_te_rng_tracker=True needs Transformer Engine; using megatron-lite's CudaRNGStatesTracker")
     if use_cudagraphable_rng:
-        warn_once("use_cudagraphable_rng=True is a CUDA-graph feature that is not available; using the plain tracker")
+        warn_once(
+            "use_cudagraphable_rng=True is a CUDA-graph feature that is not available; using the plain "
+            "(not graph-safe) tracker"
+        )
     kind = InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
     if force_reset or type(_CUDA_RNG_STATE_TRACKER) is not kind:
         _CUDA_RNG_STATE_TRACKER = kind()
@@ -169,7 +243,7 @@ def initialize_rng_tracker(
 
 def get_cuda_rng_tracker(
     use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False, use_cudagraphable_rng: bool = False
-) -> CudaRNGStatesTracker:
+):
     """The global tracker (created on first use)."""
     if _CUDA_RNG_STATE_TRACKER is None:
         initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
@@ -185,7 +259,7 @@ def model_parallel_cuda_manual_seed(
     ep_rank: Optional[int] = None,
     etp_rank: Optional[int] = None,
     force_reset_rng: bool = False,
-) -> None:
+):
     """Seed the device generator and the tracker's streams for this rank (call after initialize_model_parallel).
 
     Ranks default to this process's ranks in the model-parallel groups (0 when the groups do not exist).
@@ -228,10 +302,12 @@ class CheckpointFunction(torch.autograd.Function):
     """Run ``run_function`` without keeping its activations; rerun it (same RNG draws) during backward."""
 
     @staticmethod
-    def forward(ctx, run_function, distribute_saved_activations, *args):
+    def forward(
+        ctx: Any, run_function: Callable[[Unpack[_Ts]], _R], distribute_saved_activations: bool, *args: Unpack[_Ts]
+    ) -> _R:
         ctx.run_function = run_function
         ctx.rng_snapshot = _RngSnapshot()
-        with torch.no_grad():
+        with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
 
         saved = list(args)
@@ -245,46 +321,66 @@ class CheckpointFunction(torch.autograd.Function):
             # Keep only this rank's 1/tp of the first input; backward all-gathers it.
             ctx.distributed_first_input_shape = args[0].shape
             saved[0] = split_tensor_into_1d_equal_chunks(args[0].detach(), new_buffer=True)
-        ctx.inputs_require_grad = [torch.is_tensor(arg) and arg.requires_grad for arg in args]
-        ctx.tensor_positions = [i for i, arg in enumerate(saved) if torch.is_tensor(arg)]
-        ctx.other_args = [None if torch.is_tensor(arg) else arg for arg in saved]
-        ctx.save_for_backward(*(saved[i] for i in ctx.tensor_positions))
+        _save_inputs(ctx, saved, args)
         return outputs
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
-        args = list(ctx.other_args)
-        for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
-            args[position] = tensor
+    def backward(ctx, *args):
+        inputs = _restore_inputs(ctx)
         if ctx.distributed_first_input_shape is not None:
-            args[0] = gather_split_1d_tensor(args[0]).view(ctx.distributed_first_input_shape)
-        inputs = [
-            arg.detach().requires_grad_(needs_grad) if torch.is_tensor(arg) else arg
-            for arg, needs_grad in zip(args, ctx.inputs_require_grad)
-        ]
-
-        states_now = _RngSnapshot()
-        ctx.rng_snapshot.restore()
-        try:
-            with torch.enable_grad():
-                outputs = ctx.run_function(*inputs)
-        finally:
-            states_now.restore()
-
-        if torch.is_tensor(outputs):
-            outputs = (outputs,)
-        pairs = [
-            (output, grad)
-            for output, grad in zip(outputs, grad_outputs)
-            if torch.is_tensor(output) and output.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+            first = gather_split_1d_tensor(inputs[0].detach()).view(ctx.distributed_first_input_shape)
+            inputs[0] = first.requires_grad_(ctx.inputs_require_grad[0])
+        outputs = _rerun(ctx.run_function, inputs, ctx.rng_snapshot)
+        _backward_through(outputs, args)
         input_grads = tuple(inp.grad if torch.is_tensor(inp) and inp.requires_grad else None for inp in inputs)
         return (None, None) + input_grads
 
 
-def checkpoint(function, distribute_saved_activations: bool, *args: Any):
+def _save_inputs(ctx, saved: List[Any], args: tuple) -> None:
+    """Save the tensor arguments for backward and remember the others and which inputs need gradients."""
+    ctx.inputs_require_grad = [torch.is_tensor(arg) and arg.requires_grad for arg in args]
+    ctx.tensor_positions = [i for i, arg in enumerate(saved) if torch.is_tensor(arg)]
+    ctx.other_args = [None if torch.is_tensor(arg) else arg for arg in saved]
+    ctx.save_for_backward(*(saved[i] for i in ctx.tensor_positions))
+
+
+def _restore_inputs(ctx) -> List[Any]:
+    """The saved arguments as fresh leaves (requiring grad where the originals did) for the recomputation."""
+    args = list(ctx.other_args)
+    for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
+        args[position] = tensor
+    return [
+        arg.detach().requires_grad_(needs_grad) if torch.is_tensor(arg) else arg
+        for arg, needs_grad in zip(args, ctx.inputs_require_grad)
+    ]
+
+
+def _rerun(run_function, inputs: List[Any], rng_snapshot: "_RngSnapshot"):
+    """Run ``run_function`` again with grad enabled under the RNG states of its first run, then restore the
+    current states."""
+    states_now = _RngSnapshot()
+    rng_snapshot.restore()
+    try:
+        with torch.enable_grad(), _checkpointing():
+            outputs = run_function(*inputs)
+    finally:
+        states_now.restore()
+    return outputs
+
+
+def _backward_through(outputs, grad_outputs) -> None:
+    if torch.is_tensor(outputs):
+        outputs = (outputs,)
+    pairs = [
+        (output, grad)
+        for output, grad in zip(outputs, grad_outputs)
+        if torch.is_tensor(output) and output.requires_grad and grad is not None
+    ]
+    if pairs:
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+
+
+def checkpoint(function: Callable[[Unpack[_Ts]], _R], distribute_saved_activations: bool, *args: Unpack[_Ts]) -> _R:
     """Activation recomputation: ``function(*args)`` now, its activations recomputed during backward.
 
     The CPU, device and tracker RNG states are saved before the forward and restored for the recomputation, so
@@ -293,3 +389,107 @@ def checkpoint(function, distribute_saved_activations: bool, *args: Any):
     The caller's tensor is left intact; the memory is saved once the caller drops its own reference.
     """
     return CheckpointFunction.apply(function, distribute_saved_activations, *args)
+
+
+class CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """The autograd node of :class:`CheckpointWithoutOutput`: forward without keeping activations; backward
+    recomputes (unless the recompute hook already did) and back-propagates through the recomputed graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        run_function: Callable[[Unpack[_Ts]], _R],
+        checkpoint_without_output_obj: CheckpointWithoutOutput,
+        *args: Unpack[_Ts],
+    ) -> _R:
+        checkpoint_without_output_obj.rng_snapshot = _RngSnapshot()
+        with torch.no_grad(), _checkpointing():
+            outputs = run_function(*args)
+        _save_inputs(ctx, list(args), args)
+        ctx.checkpoint_obj = checkpoint_without_output_obj
+        checkpoint_without_output_obj.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *args):
+        owner = ctx.checkpoint_obj
+        if owner.recomputed_outputs is None:  # the output was never discarded: recompute now
+            owner.recompute()
+        outputs, inputs = owner.recomputed_outputs, owner.recompute_inputs
+        owner.release()
+        _backward_through(outputs, args)
+        input_grads = tuple(inp.grad if torch.is_tensor(inp) and inp.requires_grad else None for inp in inputs)
+        return (None, None) + input_grads
+
+
+class CheckpointWithoutOutput:
+    """Recompute a block and free its output too, not only its inner activations.
+
+    ``out = ckpt.checkpoint(fn, *args)`` runs ``fn`` keeping only its inputs. Once ``out`` has been used by the next
+    operation (whose autograd node saves ``out`` for its own backward, e.g. a linear layer),
+    ``ckpt.discard_output_and_register_recompute(next_output)`` frees ``out``'s storage and registers a hook on
+    ``next_output``: when backward reaches it, ``fn`` is rerun (same RNG draws) and the recomputed values are put
+    back into ``out``'s storage before the next operation's backward reads them. ``fp8`` (recompute under the FP8
+    autocast of the first run) is not supported yet.
+    """
+
+    def __init__(self, fp8=False):
+        if fp8:
+            raise ValueError("not supported yet: FP8 recomputation in CheckpointWithoutOutput (fp8=True)")
+        self.fp8 = fp8
+        self.run_function = None
+        self.ctx = None
+        self.outputs = None
+        self.rng_snapshot = None
+        self.recomputed_outputs = None
+        self.recompute_inputs = None
+
+    def checkpoint(self, run_function: Callable[[Unpack[_Ts]], _R], *args: Unpack[_Ts]) -> _R:
+        """Run ``run_function(*args)`` without keeping its activations; return its output(s)."""
+        self.run_function = run_function
+        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.outputs = outputs
+        return outputs
+
+    def _output_tensors(self) -> List[torch.Tensor]:
+        outputs = (self.outputs,) if torch.is_tensor(self.outputs) else tuple(self.outputs)
+        return [output for output in outputs if torch.is_tensor(output)]
+
+    def discard_output_and_register_recompute(self, hook_tensor):
+        """Free the output's storage now; recompute it when backward reaches ``hook_tensor``."""
+        if self.ctx is None:
+            raise RuntimeError("call checkpoint() before discard_output_and_register_recompute()")
+        for output in self._output_tensors():
+            output.untyped_storage().resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute_hook)
+
+    def _recompute_hook(self, grad):
+        if self.recomputed_outputs is None:
+            self.recompute()
+        return grad
+
+    def recompute(self) -> None:
+        """Rerun the function and refill the discarded outputs' storage with the recomputed values.
+
+        The storage is refilled in place (not through the tensors), so autograd nodes that saved the outputs see
+        the values again without a version-counter change.
+        """
+        inputs = _restore_inputs(self.ctx)
+        recomputed = _rerun(self.run_function, inputs, self.rng_snapshot)
+        recomputed_tensors = [recomputed] if torch.is_tensor(recomputed) else [r for r in recomputed if torch.is_tensor(r)]
+        for output, value in zip(self._output_tensors(), recomputed_tensors):
+            storage = output.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(value.untyped_storage().size())
+                storage.copy_(value.untyped_storage())
+        self.recomputed_outputs = recomputed
+        self.recompute_inputs = inputs
+
+    def release(self) -> None:
+        """Drop every reference (the graph and tensors) once backward is done."""
+        self.ctx = None
+        self.outputs = None
+        self.run_function = None
+        self.recomputed_outputs = None
+        self.recompute_inputs = None

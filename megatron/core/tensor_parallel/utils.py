@@ -5,7 +5,7 @@ into this rank's tensor-parallel group, or keeps ``None`` when no groups exist. 
 one-rank world, so the layers and mappings also work as plain single-process modules.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 def split_tensor_along_last_dim(
     tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
-) -> Sequence[torch.Tensor]:
+) -> List[torch.Tensor]:
     """Split ``tensor`` into ``num_partitions`` equal views along its last dimension.
 
     With ``contiguous_split_chunks`` each piece is made contiguous (a copy), as collectives need.
@@ -50,18 +50,17 @@ def split_tensor_along_last_dim(
     last_dim_size = divide(tensor.size(-1), num_partitions)
     chunks = torch.split(tensor, last_dim_size, dim=-1)
     if contiguous_split_chunks:
-        return tuple(chunk.contiguous() for chunk in chunks)
-    return chunks
+        return [chunk.contiguous() for chunk in chunks]
+    return list(chunks)
 
 
-def split_tensor_into_1d_equal_chunks(
-    tensor: torch.Tensor, new_buffer: bool = False, group: Optional[dist.ProcessGroup] = None
-) -> torch.Tensor:
+def split_tensor_into_1d_equal_chunks(tensor, new_buffer=False, tp_group=None):
     """This TP rank's slice of ``tensor`` flattened: element range ``[rank * n/tp, (rank + 1) * n/tp)``.
 
-    ``new_buffer`` returns a copy, so the full tensor's storage can be freed; otherwise a view.
+    ``new_buffer`` returns a copy, so the full tensor's storage can be freed; otherwise a view. ``tp_group``
+    defaults to this rank's tensor-parallel group.
     """
-    group = resolve_tp_group(group)
+    group = resolve_tp_group(tp_group)
     world_size = group_size(group)
     flat = tensor.reshape(-1)
     if flat.numel() % world_size != 0:
@@ -74,9 +73,9 @@ def split_tensor_into_1d_equal_chunks(
     return chunk.clone() if new_buffer else chunk
 
 
-def gather_split_1d_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def gather_split_1d_tensor(tensor, tp_group=None):
     """Inverse of :func:`split_tensor_into_1d_equal_chunks`: all-gather the TP ranks' flat chunks into one tensor."""
-    group = resolve_tp_group(group)
+    group = resolve_tp_group(tp_group)
     world_size = group_size(group)
     flat = tensor.reshape(-1)
     if world_size == 1:
@@ -91,13 +90,13 @@ class VocabUtility:
 
     @staticmethod
     def vocab_range_from_per_partition_vocab_size(
-        per_partition_vocab_size: int, rank: int, world_size: int
-    ) -> Tuple[int, int]:
+        per_partition_vocab_size: int, rank, world_size: int
+    ) -> Sequence[int]:
         first = rank * per_partition_vocab_size
         return first, first + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Sequence[int]:
         if global_vocab_size % world_size != 0:
             raise ValueError(
                 f"vocabulary size {global_vocab_size} is not divisible by the tensor-parallel size {world_size}; "
