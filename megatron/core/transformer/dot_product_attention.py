@@ -6,7 +6,7 @@ the mask is inverted once here.
 """
 
 import math
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ class DotProductAttention(MegatronModule):
         config: TransformerConfig,
         layer_number: int,
         attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
+        attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
@@ -56,8 +56,8 @@ class DotProductAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params=None,
-    ) -> torch.Tensor:
+        packed_seq_params: Optional[Any] = None,
+    ):
         if packed_seq_params is not None:
             raise ValueError("packed_seq_params (THD packed sequences) is not supported; pass a block-diagonal "
                              "attention_mask instead")
@@ -93,19 +93,35 @@ class DotProductAttention(MegatronModule):
         )
 
     def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):
-        """Turn Megatron's (True = masked) mask and mask type into SDPA's (keep mask or bias, is_causal)."""
+        """Turn Megatron's (True = masked) mask and mask type into SDPA's (keep mask or bias, is_causal).
+
+        ``causal`` / ``padding_causal`` align query ``i`` with key ``i`` (top-left, as SDPA's ``is_causal``);
+        ``causal_bottom_right`` aligns the queries with the last ``sq`` keys (queries continuing a cached prefix).
+        The two agree when ``sq == sk``.
+        """
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-        if attention_mask is None and attention_bias is None:
-            return None, causal and sq > 1
+        bottom_right = mask_type is AttnMaskType.causal_bottom_right and sq != sk
+        if attention_mask is None and attention_bias is None and not bottom_right:
+            return None, (causal or mask_type is AttnMaskType.causal_bottom_right) and sq > 1
         masked = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=device)
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise TypeError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
             masked = masked | attention_mask
-        if causal:
-            # Causal positions line up at the end of the key sequence (queries are the last sq positions).
-            masked = masked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+        if causal or mask_type is AttnMaskType.causal_bottom_right:
+            diagonal = sk - sq + 1 if mask_type is AttnMaskType.causal_bottom_right else 1
+            masked = masked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal)
         if attention_bias is None:
             return ~masked, False
         bias = attention_bias.float().masked_fill(masked, float("-inf"))
         return bias, False
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: Tuple[Tuple[int, int, int], ...] = (),
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
+        """Core attention holds no parameters of its own (softmax offsets, Megatron's only ones, are not built),
+        so its sharded state is whatever the default finds: nothing, for this module."""
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -1,6 +1,6 @@
 """MegatronModule: the base class of every Megatron-Core model component."""
 
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,12 @@ class MegatronModule(torch.nn.Module):
             if hasattr(module, "is_first_microbatch"):
                 module.is_first_microbatch = True
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: Tuple[Tuple[int, int, int], ...] = (),
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
         """This module's state as pieces of the global checkpoint (see megatron.core.dist_checkpointing).
 
         By default the module's own parameters, persistent buffers and extra state are replicated over the
@@ -54,41 +59,42 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
-def conversion_helper(value, conversion):
-    """Apply ``conversion`` to ``value``, or to every element of (nested) tuples and lists of it."""
-    if isinstance(value, (tuple, list)):
-        converted = [conversion_helper(item, conversion) for item in value]
-        return tuple(converted) if isinstance(value, tuple) else converted
-    return conversion(value)
+def conversion_helper(val, conversion):
+    """Apply ``conversion`` to ``val``, or to every element of (nested) tuples and lists of it."""
+    if isinstance(val, (tuple, list)):
+        converted = [conversion_helper(item, conversion) for item in val]
+        return tuple(converted) if isinstance(val, tuple) else converted
+    return conversion(val)
 
 
-def fp32_to_float16(value, float16_convertor):
-    """Convert fp32 tensors in ``value`` with ``float16_convertor`` (e.g. ``lambda t: t.bfloat16()``)."""
+def fp32_to_float16(val, float16_convertor):
+    """Convert fp32 tensors in ``val`` with ``float16_convertor`` (e.g. ``lambda t: t.bfloat16()``)."""
 
     def convert(item):
         if isinstance(item, torch.Tensor) and item.dtype == torch.float32:
             return float16_convertor(item)
         return item
 
-    return conversion_helper(value, convert)
+    return conversion_helper(val, convert)
 
 
-def float16_to_fp32(value):
-    """Convert fp16/bf16 tensors in ``value`` to fp32."""
+def float16_to_fp32(val):
+    """Convert fp16/bf16 tensors in ``val`` to fp32."""
 
     def convert(item):
         if isinstance(item, torch.Tensor) and item.dtype in _FLOAT16_DTYPES:
             return item.float()
         return item
 
-    return conversion_helper(value, convert)
+    return conversion_helper(val, convert)
 
 
 class Float16Module(MegatronModule):
     """Run ``module`` in fp16 or bf16 (``config.fp16`` / ``config.bf16``).
 
     The wrapped module's parameters and buffers are cast once; floating inputs are cast on the first pipeline stage
-    and outputs are returned in fp32 on the last, so losses are computed and reported in fp32. The optimizer keeps
+    and outputs are returned in fp32 on the last (unless ``forward(..., fp32_output=False)``), so losses are
+    computed and reported in fp32. The optimizer keeps
     fp32 main parameters (Float16OptimizerWithFloat16Params / DistributedOptimizer).
     """
 
@@ -115,14 +121,14 @@ class Float16Module(MegatronModule):
 
         return not parallel_state.model_parallel_is_initialized() or check(ignore_virtual=False)
 
-    def forward(self, *inputs, **kwargs):
+    def forward(self, *inputs, fp32_output=True, **kwargs):
         from megatron.core import parallel_state
 
         if self._is_stage("pre_process", parallel_state.is_pipeline_first_stage):
             inputs = fp32_to_float16(inputs, self.float16_convertor)
             kwargs = {key: fp32_to_float16(value, self.float16_convertor) for key, value in kwargs.items()}
         outputs = self.module(*inputs, **kwargs)
-        if self._is_stage("post_process", parallel_state.is_pipeline_last_stage):
+        if fp32_output and self._is_stage("post_process", parallel_state.is_pipeline_last_stage):
             outputs = float16_to_fp32(outputs)
         return outputs
 
@@ -134,8 +140,8 @@ class Float16Module(MegatronModule):
             return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
-    def sharded_state_dict(self, *args, **kwargs):
-        return self.module.sharded_state_dict(*args, **kwargs)
+    def sharded_state_dict(self, prefix="", *args, **kwargs):
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)

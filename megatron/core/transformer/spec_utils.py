@@ -1,7 +1,10 @@
 """ModuleSpec and build_module: layer recipes that swap implementations without touching model code."""
 
+import collections.abc
+import functools
 import importlib
 import types
+import typing
 from dataclasses import dataclass, field
 from typing import Tuple, Union
 
@@ -9,11 +12,17 @@ from typing import Tuple, Union
 @dataclass
 class ModuleSpec:
     """What to build: ``module`` (a class, function, or ``(module_path, name)`` to import), the keyword ``params``
-    to pass it, and its own ``submodules`` (a dataclass of further specs), passed as ``submodules=`` when set."""
+    to pass it, and its own ``submodules`` (a dataclass of further specs), passed as ``submodules=`` when set.
+
+    ``metainfo`` describes the spec to whoever assembles it and is never passed to the module; e.g. an attention
+    spec whose projection fuses the input norm says ``{"fuse_input_layernorm": True}`` so the layer spec leaves its
+    separate input norm out.
+    """
 
     module: Union[Tuple, type]
-    params: dict = field(default_factory=dict)
+    params: dict = field(default_factory=lambda: {})
     submodules: object = None
+    metainfo: dict = field(default_factory=lambda: {})
 
 
 def import_module(module_path: Tuple[str, str]):
@@ -29,6 +38,17 @@ def get_module(spec_or_module: Union[ModuleSpec, type], **additional_kwargs):
     if isinstance(spec_or_module.module, (type, types.FunctionType)):
         return spec_or_module.module
     return import_module(spec_or_module.module)
+
+
+def get_submodules(spec: collections.abc.Callable[..., typing.Any]) -> object:
+    """The ``submodules`` a spec will pass: a ModuleSpec's field (or any object's ``submodules`` attribute), or the
+    ``submodules`` keyword bound in a ``functools.partial``. A spec without submodules is a ``ValueError``."""
+    if isinstance(spec, functools.partial):
+        if "submodules" in spec.keywords:
+            return spec.keywords["submodules"]
+    elif hasattr(spec, "submodules"):
+        return spec.submodules
+    raise ValueError(f"the spec {spec!r} has no submodules")
 
 
 def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):

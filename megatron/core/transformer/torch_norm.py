@@ -1,9 +1,23 @@
-"""LayerNorm / RMSNorm from PyTorch, built the way Megatron-Core's specs ask for a norm."""
+"""LayerNorm / RMSNorm from PyTorch, built the way Megatron-Core's specs ask for a norm; L2Norm for q/k."""
+
+from typing import Protocol
 
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
+
+
+class LayerNormInterface(Protocol):
+    """What a norm built from a spec is: a module mapping ``x`` to the normalised ``x`` of the same shape."""
+
+    def forward(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class LayerNormBuilder(Protocol):
+    """What a spec's norm entry is called with (WrappedTorchNorm, L2Norm and Transformer Engine's norms fit)."""
+
+    def __call__(self, *, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> LayerNormInterface: ...
 
 
 class WrappedTorchNorm:
@@ -38,3 +52,18 @@ class WrappedTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class L2Norm(torch.nn.Module):
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis, without a learnable scale (the q/k norm of ``qk_l2_norm``,
+    as in Llama 4). Accepts the norm builders' keyword arguments (``config``, ...) and ignores them."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so bf16 / fp16 inputs do not lose the small mean of squares.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x)

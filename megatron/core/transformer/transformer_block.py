@@ -2,7 +2,7 @@
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Set, Union
 
 import torch
 
@@ -13,9 +13,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import (  # noqa: F401  (the split's home; imported from here too)
+    TransformerLayer,
+    _layers_per_virtual_stage,
+    _pp_rank,
+    _virtual_stage_index,
+    get_transformer_layer_offset,
+    layers_per_virtual_stage,
+)
 from megatron.core.transformer.utils import sharded_state_dict_default
-from megatron.core.utils import layout_independent_init
+from megatron.core.utils import WrappedTensor, layout_independent_init
 
 
 @dataclass
@@ -24,137 +31,12 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-def layers_per_virtual_stage(
-    num_layers: int,
-    pipeline_model_parallel_size: int,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
-    num_layers_in_first_pipeline_stage: Optional[int] = None,
-    num_layers_in_last_pipeline_stage: Optional[int] = None,
-    account_for_embedding_in_pipeline_split: bool = False,
-    account_for_loss_in_pipeline_split: bool = False,
-) -> List[int]:
-    """Layers built by each virtual stage, in pipeline order (virtual stage ``c * pp + r``: chunk ``c`` of rank ``r``).
-
-    The one definition of the pipeline layer split (``validate_args`` and the layout report use it too); the
-    arguments are the :class:`TransformerConfig` fields of the same names. Without virtual stages there is one per
-    pipeline rank. Layers are split evenly, except that ``num_layers_in_first/last_pipeline_stage`` fix the
-    first/last rank's share (the rest split evenly over the other ranks), and
-    ``account_for_embedding/loss_in_pipeline_split`` count the embedding / the loss as one more layer of the first /
-    last virtual stage. Each rank's share splits evenly into its virtual stages. A bad split raises a ``ValueError``
-    naming the fields.
-    """
-    pp = pipeline_model_parallel_size
-    for name, value in (("num_layers", num_layers), ("pipeline_model_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    vp = virtual_pipeline_model_parallel_size or 1
-    first, last = num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage
-    extra_first = int(account_for_embedding_in_pipeline_split)
-    extra_last = int(account_for_loss_in_pipeline_split)
-    if first is not None or last is not None:
-        if extra_first or extra_last:
-            raise ValueError(
-                "num_layers_in_first/last_pipeline_stage cannot be combined with account_for_embedding_in_pipeline_"
-                "split or account_for_loss_in_pipeline_split; use one way of balancing the stages"
-            )
-        per_rank = _uneven_layers_per_rank(num_layers, pp, first, last)
-    else:
-        slots = num_layers + extra_first + extra_last
-        if slots % pp != 0:
-            counted = f"num_layers ({num_layers})"
-            if extra_first or extra_last:
-                counted += f" + embedding/loss ({extra_first + extra_last}) = {slots}"
-            raise ValueError(
-                f"{counted} is not divisible by pipeline_model_parallel_size ({pp}); change num_layers or "
-                "pipeline_model_parallel_size, or set num_layers_in_first/last_pipeline_stage for an uneven split"
-            )
-        per_rank = [slots // pp] * pp
-    for rank, count in enumerate(per_rank):
-        if count % vp != 0:
-            raise ValueError(
-                f"pipeline stage {rank} has {count} layers, not divisible by virtual_pipeline_model_parallel_size "
-                f"({vp}); change num_layers, the stage sizes or virtual_pipeline_model_parallel_size so that every "
-                "stage's layers split evenly into its model chunks"
-            )
-    per_virtual = [per_rank[rank] // vp for _ in range(vp) for rank in range(pp)]
-    # Each virtual stage has at least one slot, and the first and last differ unless there is only one (which then
-    # has num_layers + both extras), so no count goes negative.
-    per_virtual[0] -= extra_first
-    per_virtual[-1] -= extra_last
-    return per_virtual
-
-
-def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
-    if pp == 1:
-        raise ValueError(
-            "num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1; unset them for one stage"
-        )
-    for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    middle_stages = pp - (first is not None) - (last is not None)
-    middle_layers = num_layers - (first or 0) - (last or 0)
-    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
-        raise ValueError(
-            f"num_layers ({num_layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
-            f"num_layers_in_last_pipeline_stage ({last}) on {pp} pipeline stages; make them add up to at most "
-            "num_layers (exactly num_layers when they are the only stages)"
-        )
-    if middle_stages and middle_layers % middle_stages != 0:
-        raise ValueError(
-            f"the {middle_layers} layers left after num_layers_in_first/last_pipeline_stage do not divide evenly "
-            f"over the other {middle_stages} pipeline stages; adjust num_layers, the first/last stage sizes or "
-            "pipeline_model_parallel_size"
-        )
-    per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
-    if first is not None:
-        per_rank[0] = first
-    if last is not None:
-        per_rank[-1] = last
-    return per_rank
-
-
-def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
-    """:func:`layers_per_virtual_stage` for ``config``'s fields."""
-    return layers_per_virtual_stage(
-        config.num_layers,
-        config.pipeline_model_parallel_size,
-        config.virtual_pipeline_model_parallel_size,
-        config.num_layers_in_first_pipeline_stage,
-        config.num_layers_in_last_pipeline_stage,
-        config.account_for_embedding_in_pipeline_split,
-        config.account_for_loss_in_pipeline_split,
-    )
-
-
-def _virtual_stage_index(config: TransformerConfig, vp_stage: Optional[int]) -> int:
-    """Position of this rank's chunk ``vp_stage`` among all virtual stages."""
-    pp = config.pipeline_model_parallel_size
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
-    vp = config.virtual_pipeline_model_parallel_size
-    if vp is None:
-        return pp_rank
-    if vp_stage is None or not 0 <= vp_stage < vp:
-        raise ValueError(
-            f"virtual_pipeline_model_parallel_size={vp} needs the model chunk's vp_stage (0 .. {vp - 1}), "
-            f"got {vp_stage!r}; build one model per chunk with vp_stage=chunk"
-        )
-    return vp_stage * pp + pp_rank
-
-
-def get_num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Number of transformer layers this rank builds for model chunk ``vp_stage`` (None without virtual stages)."""
-    return _layers_per_virtual_stage(config)[_virtual_stage_index(config, vp_stage)]
-
-
-def get_transformer_layer_offset(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Global index of the first layer this rank builds for model chunk ``vp_stage``.
-
-    Virtual stages take consecutive slices of the model in pipeline order: chunk ``c`` of rank ``r`` of ``p``
-    comes after every chunk ``< c`` of every rank and after chunk ``c`` of ranks ``< r``.
-    """
-    counts = _layers_per_virtual_stage(config)
-    return sum(counts[: _virtual_stage_index(config, vp_stage)])
+def get_num_layers_to_build(
+    config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Number of transformer layers pipeline rank ``pp_rank`` (this rank when None) builds for model chunk
+    ``vp_stage`` (None without virtual stages)."""
+    return _layers_per_virtual_stage(config)[_virtual_stage_index(config, vp_stage, pp_rank)]
 
 
 def _block_submodules(config: TransformerConfig, spec) -> TransformerBlockSubmodules:
@@ -193,8 +75,9 @@ class TransformerBlock(MegatronModule):
         self.vp_stage = vp_stage
         self.input_tensor = None
 
-        num_layers = get_num_layers_to_build(config, vp_stage)
-        offset = get_transformer_layer_offset(config, vp_stage)
+        pp_rank = _pp_rank(pg_collection, config)
+        num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
         layer_specs = self.submodules.layer_specs
         if len(layer_specs) == config.num_layers:
             layer_specs = layer_specs[offset : offset + num_layers]
@@ -205,18 +88,19 @@ class TransformerBlock(MegatronModule):
             )
         self.layers = torch.nn.ModuleList()
         for i, layer_spec in enumerate(layer_specs):
-            layer_number = offset + i + 1
-            with layout_independent_init(config, stream_offset=layer_number):
+            # Layers are numbered within the stage; each adds the stage's offset itself (Megatron's convention),
+            # while the init stream is keyed by the global number so weights do not depend on the layout.
+            with layout_independent_init(config, stream_offset=offset + i + 1):
                 self.layers.append(
                     build_module(
                         layer_spec,
                         config=config,
-                        layer_number=layer_number,
+                        layer_number=i + 1,
                         pg_collection=pg_collection,
                         vp_stage=vp_stage,
                     )
                 )
-        if post_process and post_layer_norm and self.submodules.layer_norm is not None:
+        if self.has_final_layernorm_in_this_stage():
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,
                 config=config,
@@ -226,20 +110,31 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
 
+    def has_final_layernorm_in_this_stage(self):
+        """Whether this stage applies the final norm: the last stage, when the block has one."""
+        return self.post_process and self.post_layer_norm and self.submodules.layer_norm is not None
+
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """The activation received from the previous pipeline stage replaces ``hidden_states`` in forward."""
         self.input_tensor = input_tensor
 
-    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb, attention_bias):
+    def _checkpointed_forward(self, hidden_states, layer_kwargs):
+        """Full recompute: ``recompute_method`` 'uniform' checkpoints chunks of ``recompute_num_layers`` layers;
+        'block' checkpoints the first ``recompute_num_layers`` layers of the stage, one at a time."""
+        tensor_names = ("attention_mask", "context", "context_mask", "rotary_pos_emb", "attention_bias")
+        other_kwargs = {key: value for key, value in layer_kwargs.items() if key not in tensor_names}
+
         def run_layers(start: int, end: int):
-            def custom_forward(hidden, mask, rotary, bias):
+            def custom_forward(hidden, *tensors):
+                kwargs = dict(zip(tensor_names, tensors), **other_kwargs)
                 for layer in self.layers[start:end]:
-                    hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=rotary, attention_bias=bias)
+                    hidden, _ = layer(hidden, **kwargs)
                 return hidden
 
             return custom_forward
 
         config = self.config
+        tensors = [layer_kwargs[name] for name in tensor_names]
         num_layers = len(self.layers)
         chunk = config.recompute_num_layers
         start = 0
@@ -252,65 +147,91 @@ class TransformerBlock(MegatronModule):
                 checkpointed = start < chunk
             if checkpointed:
                 hidden_states = tensor_parallel.checkpoint(
-                    run_layers(start, end),
-                    config.distribute_saved_activations,
-                    hidden_states,
-                    attention_mask,
-                    rotary_pos_emb,
-                    attention_bias,
+                    run_layers(start, end), config.distribute_saved_activations, hidden_states, *tensors
                 )
             else:
-                hidden_states = run_layers(start, end)(hidden_states, attention_mask, rotary_pos_emb, attention_bias)
+                hidden_states = run_layers(start, end)(hidden_states, *tensors)
             start = end
         return hidden_states
 
+    def _extract(self, local_index: int, hidden_states, extract_layer_indices, intermediate) -> None:
+        if extract_layer_indices and self.layers[local_index].layer_number - 1 in extract_layer_indices:
+            intermediate.append(hidden_states)
+
     def forward(
         self,
-        hidden_states: Optional[torch.Tensor],
+        hidden_states: Union[torch.Tensor, WrappedTensor],
         attention_mask: Optional[torch.Tensor],
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
-        rotary_pos_cos=None,
-        rotary_pos_sin=None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        rotary_pos_cos_sin: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
-        inference_context=None,
-        packed_seq_params=None,
-        sequence_len_offset=None,
+        inference_context: Optional[Any] = None,
+        packed_seq_params: Optional[Any] = None,
+        sequence_len_offset: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        extract_layer_indices: Optional[Set[int]] = None,
         *,
-        inference_params=None,
-    ) -> torch.Tensor:
+        inference_params: Optional[Any] = None,
+        dynamic_inference_decode_only: Optional[bool] = None,
+    ):
+        """This stage's layers over ``hidden_states`` ``[s, b, h]`` (a WrappedTensor is unwrapped, so the caller's
+        reference can be dropped early).
+
+        With ``extract_layer_indices`` (global, 0-based layer indices) returns ``(hidden_states, intermediate)``:
+        the outputs of those of this stage's layers, in layer order. ``dynamic_inference_decode_only`` only
+        concerns the dynamic inference engine, which is not built here; the inference context is refused by
+        the attention layers.
+        """
         if not self.pre_process:
             hidden_states = self.input_tensor
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
         if hidden_states is None:
             raise ValueError(
                 "TransformerBlock got no hidden_states: a stage without pre_process needs set_input_tensor() first"
             )
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            context=context,
+            context_mask=context_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            inference_context=inference_context if inference_context is not None else inference_params,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            padding_mask=padding_mask,
+        )
+        intermediate = []
         # Under sequence parallelism every rank holds a different slice of the sequence, so dropout in the
         # non-tensor-parallel regions must draw from the per-rank stream.
         rng_context = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         with rng_context:
             if self.config.recompute_granularity == "full" and self.training:
-                hidden_states = self._checkpointed_forward(
-                    hidden_states, attention_mask, rotary_pos_emb, attention_bias
-                )
+                if extract_layer_indices:
+                    # Recomputed layers run again in backward; their outputs are not kept to hand back.
+                    raise ValueError("not supported yet: extract_layer_indices with recompute_granularity='full'")
+                hidden_states = self._checkpointed_forward(hidden_states, layer_kwargs)
             else:
-                for layer in self.layers:
-                    hidden_states, context = layer(
-                        hidden_states,
-                        attention_mask=attention_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        rotary_pos_emb=rotary_pos_emb,
-                        attention_bias=attention_bias,
-                        inference_context=inference_context,
-                        packed_seq_params=packed_seq_params,
-                    )
+                for index, layer in enumerate(self.layers):
+                    hidden_states, context = layer(hidden_states, **layer_kwargs)
+                    layer_kwargs["context"] = context
+                    self._extract(index, hidden_states, extract_layer_indices, intermediate)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
+        if extract_layer_indices is not None:
+            return hidden_states, intermediate
         return hidden_states
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None
+    ) -> Dict[str, Any]:
         """Every layer's tensors stacked under one key with a leading layer axis, indexed by the global layer number.
 
         Local layer ``i`` of this stage is global layer ``layer_number - 1``, so

@@ -7,10 +7,14 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_layer_with_inference_spec,
+    get_gpt_layer_with_transformer_engine_spec,
     get_mlp_module_spec,
+    get_mlp_module_spec_for_backend,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -45,9 +49,9 @@ def _model_errors():
         _capture(lambda: LanguageModelEmbedding(config, VOCAB, 8)(tokens, tokens, tokentype_ids=tokens)),
         _capture(lambda: TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * 3))),
         _capture(lambda: TransformerBlock(config, "not a spec")),
-        _capture(
-            lambda: TransformerLayer(config, TransformerLayerSubmodules(cross_attention=ModuleSpec(module=torch.nn.Linear)))
-        ),
+        _capture(lambda: GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8,
+                                  position_embedding_type="yarn")),
+        _capture(lambda: model(tokens, None, None, output_processor=print)),
         _capture(lambda: WrappedTorchNorm(config, 8, zero_centered_gamma=True)),
         _capture(lambda: WrappedTorchNorm(config, 8, normalization="BatchNorm")),
     ]
@@ -57,7 +61,7 @@ def test_model_errors():
     messages = run_distributed(2, _model_errors)[0]
     expected = [
         r"ValueError: vocab_size \(129\) must be divisible by the tensor-parallel size \(2\)",
-        r"ValueError: multi-token prediction \(mtp_block_spec\) is not supported",
+        r"ValueError: not supported yet: multi-token prediction \(mtp_block_spec\)",
         r"ValueError: GPTModel takes one input tensor per stage, got 2",
         r"ValueError: TransformerBlock got no hidden_states: a stage without pre_process needs set_input_tensor",
         r"ValueError: position_embedding_type='alibi' is not valid",
@@ -65,7 +69,8 @@ def test_model_errors():
         r"ValueError: tokentype_ids given but the embedding was built with num_tokentypes=0",
         r"ValueError: the block spec lists 3 layers but this stage builds 2",
         r"TypeError: cannot build a TransformerBlock from str",
-        r"ValueError: cross_attention is not supported in TransformerLayer",
+        r"ValueError: not supported yet: YaRN rotary embeddings \(position_embedding_type='yarn'\)",
+        r"ValueError: not supported yet: GPTModel.forward\(output_processor=...\)",
         r"ValueError: layernorm_zero_centered_gamma is not supported by the PyTorch norms",
         r"ValueError: normalization='BatchNorm' is not supported",
     ]
@@ -76,24 +81,32 @@ def test_model_errors():
 
 
 def test_spec_errors():
-    with pytest.raises(ValueError, match="num_experts=8: mixture-of-experts layers are not available yet"):
+    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts \(num_experts=8"):
         get_gpt_layer_local_spec(num_experts=8)
-    with pytest.raises(ValueError, match="use_te=True needs Transformer Engine specs"):
-        get_mlp_module_spec(use_te=True)
-    with pytest.raises(ValueError, match="multi_latent_attention is not supported"):
+    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts .*moe_grouped_gemm=True"):
+        get_gpt_layer_local_spec(moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine MLP specs \(use_te=True\)"):
+        get_mlp_module_spec()
+    with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):
         get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(ValueError, match="qk_l2_norm is not supported"):
-        get_gpt_layer_local_spec(qk_l2_norm=True)
-    with pytest.raises(ValueError, match="fp8='e4m3' needs Transformer Engine"):
+    with pytest.raises(ValueError, match=r"not supported yet: FP8 .*fp8='e4m3'"):
         get_gpt_layer_local_spec(fp8="e4m3")
-    with pytest.raises(ValueError, match="use_transformer_engine=True needs Transformer Engine specs"):
+    with pytest.raises(ValueError, match=r"not supported yet: Kitchen quantised layers .*use_kitchen=True"):
+        get_gpt_layer_local_spec(use_kitchen=True)
+    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine layer specs"):
         get_gpt_decoder_block_spec(build_config(1, False, {}), use_transformer_engine=True)
+    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine layer specs"):
+        get_gpt_layer_with_transformer_engine_spec()
+    with pytest.raises(ValueError, match=r"not supported yet: inference-optimized layer specs"):
+        get_gpt_layer_with_inference_spec()
+    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts"):
+        get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=4)
 
 
 def _block_spec_builds_the_same_model():
     parallel_state.initialize_model_parallel(1)
     config = build_config(1, False, {"normalization": "RMSNorm"})
-    block_spec = get_gpt_decoder_block_spec(config, normalization="RMSNorm")
+    block_spec = get_gpt_decoder_block_spec(config, False, normalization="RMSNorm")
     model = GPTModel(config, block_spec, vocab_size=VOCAB, max_sequence_length=8)
     return sorted(name for name, _ in model.named_parameters()), type(model.decoder.final_layernorm).__name__
 

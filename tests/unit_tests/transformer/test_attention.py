@@ -61,14 +61,14 @@ def _check_attention():
     ]
     errors = []
     for groups, mask_type, mask, attention_bias, masked in cases:
-        attention = DotProductAttention(_config(num_query_groups=groups), layer_number=1, attn_mask_type=mask_type)
+        attention = DotProductAttention(_config(num_query_groups=groups), layer_number=1, attn_mask_type=mask_type, attention_type="self")
         q, k, v = _inputs(groups)
         out = attention(q, k, v, mask, attention_bias=attention_bias)
         expected = _reference(q, k, v, masked, attention_bias)
         errors.append(((out.double() - expected).abs().max() / expected.abs().max()).item())
 
     # bf16 inputs: the softmax runs in fp32 and the output comes back in bf16
-    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
+    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     q, k, v = _inputs(HEADS, torch.bfloat16)
     out = attention(q, k, v, None)
     bf16_error = ((out.double() - _reference(q, k, v, causal)).abs().max()).item()
@@ -92,12 +92,12 @@ def _with_context_parallelism():
 def _errors():
     parallel_state.initialize_model_parallel(1)
     messages = []
-    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
+    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     q, k, v = _inputs(HEADS)
     for call in (
         lambda: attention(q, k, v, torch.zeros(1, 1, S, S)),
         lambda: attention(q, k, v, None, packed_seq_params=object()),
-        lambda: DotProductAttention(_with_context_parallelism(), 1, AttnMaskType.causal),
+        lambda: DotProductAttention(_with_context_parallelism(), 1, AttnMaskType.causal, "self"),
     ):
         try:
             call()

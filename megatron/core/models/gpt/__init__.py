@@ -1,0 +1,3 @@
+"""GPT-style decoder-only language models."""
+
+from megatron.core.models.gpt.gpt_model import GPTModel

@@ -1,21 +1,53 @@
-"""Layer specs for GPT/Llama-style models built from Megatron-Core's local (pure PyTorch) modules."""
+"""Layer specs for GPT/Llama-style models built from Megatron-Core's local (pure PyTorch) modules.
 
-from typing import Optional
+Megatron's spec functions for features not built here (Transformer Engine and inference-optimised layers,
+mixture of experts, multi-latent attention, multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
+names and parameters and refuse those features with a "not supported yet" ``ValueError``.
+"""
+
+from typing import List, Optional, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-LNImpl = WrappedTorchNorm
+_LOCAL = LocalSpecProvider()
+LNImpl = _LOCAL.layer_norm()
+
+
+def _not_supported(feature: str, **settings) -> ValueError:
+    shown = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+    return ValueError(f"not supported yet: {feature} ({shown}); build the layer with the local dense specs")
+
+
+def _refuse_unbuilt(num_experts=None, moe_grouped_gemm=False, multi_latent_attention=False, fp8=None,
+                    use_kitchen=False, use_kitchen_attention=False, use_te_op_fuser=False,
+                    use_te_activation_func=False, use_grouped_gemm_for_dense_mlp=False) -> None:
+    if num_experts is not None or moe_grouped_gemm:
+        raise _not_supported("mixture of experts", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    if multi_latent_attention:
+        raise _not_supported("multi-latent attention", multi_latent_attention=multi_latent_attention)
+    if fp8 is not None:
+        raise _not_supported("FP8 (needs Transformer Engine)", fp8=fp8)
+    if use_kitchen or use_kitchen_attention:
+        raise _not_supported("Kitchen quantised layers", use_kitchen=use_kitchen,
+                             use_kitchen_attention=use_kitchen_attention)
+    if use_te_op_fuser or use_te_activation_func:
+        raise _not_supported("Transformer Engine fused ops", use_te_op_fuser=use_te_op_fuser,
+                             use_te_activation_func=use_te_activation_func)
+    if use_grouped_gemm_for_dense_mlp:
+        raise _not_supported("grouped GEMM for the dense MLP",
+                             use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
 
 
 def _norm_spec(normalization: Optional[str]):
@@ -24,85 +56,241 @@ def _norm_spec(normalization: Optional[str]):
     return ModuleSpec(module=LNImpl, params={"normalization": normalization})
 
 
-def get_mlp_module_spec(
-    use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, **kwargs
+def get_mlp_module_spec_for_backend(
+    backend: BackendSpecProvider,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_te_activation_func: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> ModuleSpec:
-    """The dense MLP spec (MoE specs arrive with the MoE feature)."""
-    if use_te:
-        raise ValueError("use_te=True needs Transformer Engine specs; use the local spec (use_te=False)")
-    if num_experts is not None:
-        raise ValueError(
-            f"num_experts={num_experts}: mixture-of-experts layers are not available yet; use a dense MLP"
-        )
+    """The dense MLP spec with ``backend``'s linears (and activation module, if it has one)."""
+    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, use_te_op_fuser=use_te_op_fuser,
+                    use_te_activation_func=use_te_activation_func,
+                    use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
     return ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=backend.column_parallel_linear(),
+            linear_fc2=backend.row_parallel_linear(),
+            activation_func=backend.activation_func(),
+        ),
+    )
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """The dense MLP spec; ``use_te=False`` for the local modules (Megatron's default, Transformer Engine, is
+    not supported yet)."""
+    if use_te:
+        raise _not_supported("Transformer Engine MLP specs", use_te=use_te)
+    _refuse_unbuilt(fp8=fp8)
+    return get_mlp_module_spec_for_backend(_LOCAL, num_experts, moe_grouped_gemm, use_te_op_fuser)
+
+
+def get_gpt_layer_local_submodules(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+) -> TransformerLayerSubmodules:
+    """The submodules of a GPT layer from local modules: pre-norm causal self-attention and MLP with
+    bias-dropout-add.
+
+    ``normalization`` ('LayerNorm' / 'RMSNorm') overrides the config's choice for every norm in the layer;
+    ``qk_layernorm`` normalises each query / key head with that norm, ``qk_l2_norm`` with a parameter-free L2
+    norm (it takes precedence). ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``.
+    """
+    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                    multi_latent_attention=multi_latent_attention, fp8=fp8, use_kitchen=use_kitchen,
+                    use_kitchen_attention=use_kitchen_attention)
+    norm = _norm_spec(normalization)
+    if qk_l2_norm:
+        qk_norm = _LOCAL.l2_norm()
+    else:
+        qk_norm = norm if qk_layernorm else None
+    return TransformerLayerSubmodules(
+        input_layernorm=norm,
+        self_attention=ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=_LOCAL.column_parallel_linear(),
+                core_attention=_LOCAL.core_attention(),
+                linear_proj=_LOCAL.row_parallel_linear(),
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+            metainfo={"fuse_input_layernorm": _LOCAL.fuse_layernorm_and_linear()},
+        ),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm,
+        mlp=get_mlp_module_spec_for_backend(_LOCAL),
+        mlp_bda=get_bias_dropout_add,
+        # Checkpoint keys of the separate norms are those of Transformer Engine's fused norm+linear layers.
+        sharded_state_dict_keys_map={
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        },
     )
 
 
 def get_gpt_layer_local_spec(
     num_experts: Optional[int] = None,
-    moe_grouped_gemm: bool = False,
-    qk_layernorm: bool = False,
-    multi_latent_attention: bool = False,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
     fp8: Optional[str] = None,
-    moe_use_legacy_grouped_gemm: bool = False,
     normalization: Optional[str] = None,
-    qk_l2_norm: bool = False,
+    qk_l2_norm: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
 ) -> ModuleSpec:
-    """A GPT layer from local modules: pre-norm causal self-attention and MLP with bias-dropout-add.
-
-    ``normalization`` ('LayerNorm' / 'RMSNorm') overrides the config's choice for every norm in the layer.
-    """
-    if multi_latent_attention:
-        raise ValueError("multi_latent_attention is not supported; use standard or grouped-query attention")
-    if qk_l2_norm:
-        raise ValueError("qk_l2_norm is not supported; use qk_layernorm")
-    if fp8 is not None:
-        raise ValueError(f"fp8={fp8!r} needs Transformer Engine; use fp8=None")
-    norm = _norm_spec(normalization)
+    """A :class:`TransformerLayer` spec with :func:`get_gpt_layer_local_submodules` (same parameters)."""
     return ModuleSpec(
         module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=norm if qk_layernorm else None,
-                    k_layernorm=norm if qk_layernorm else None,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
-            mlp_bda=get_bias_dropout_add,
-            # Checkpoint keys of the separate norms are those of Transformer Engine's fused norm+linear layers.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+        submodules=get_gpt_layer_local_submodules(
+            num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, normalization, qk_l2_norm,
+            use_kitchen, use_kitchen_attention, kitchen_attention_backend,
         ),
     )
 
 
-def get_gpt_decoder_block_spec(
+def get_gpt_layer_with_transformer_engine_submodules(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_te_activation_func: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    mla_down_proj_fusion: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
+) -> TransformerLayerSubmodules:
+    """Transformer Engine layers are not supported yet: always a ``ValueError`` pointing at the local spec."""
+    raise _not_supported("Transformer Engine layer specs", transformer_impl="transformer_engine")
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_te_activation_func: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    mla_down_proj_fusion: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
+) -> ModuleSpec:
+    """Transformer Engine layers are not supported yet: always a ``ValueError`` pointing at the local spec."""
+    raise _not_supported("Transformer Engine layer specs", transformer_impl="transformer_engine")
+
+
+def get_gpt_layer_with_inference_submodules(
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    qk_l2_norm: Optional[bool] = False,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+) -> TransformerLayerSubmodules:
+    """Inference-optimised (Transformer Engine) layers are not supported yet: always a ``ValueError``."""
+    raise _not_supported("inference-optimized layer specs", transformer_impl="inference_optimized")
+
+
+def get_gpt_layer_with_inference_spec(
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    qk_l2_norm: Optional[bool] = False,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+) -> ModuleSpec:
+    """Inference-optimised (Transformer Engine) layers are not supported yet: always a ``ValueError``."""
+    raise _not_supported("inference-optimized layer specs", transformer_impl="inference_optimized")
+
+
+def get_gpt_decoder_layer_specs(
     config: TransformerConfig,
-    use_transformer_engine: bool = False,
+    use_transformer_engine: bool,
     normalization: Optional[str] = None,
-    qk_l2_norm: bool = False,
+    qk_l2_norm: Optional[bool] = False,
     vp_stage: Optional[int] = None,
-) -> TransformerBlockSubmodules:
-    """Block spec listing a layer spec for each layer of this stage (all dense until MoE layers exist)."""
+    pp_rank: Optional[int] = None,
+) -> List[ModuleSpec]:
+    """A layer spec for every one of the model's ``config.num_layers`` layers (all dense until MoE layers exist;
+    ``config.num_moe_experts`` is refused). ``vp_stage`` / ``pp_rank`` do not change the full list."""
     if use_transformer_engine:
-        raise ValueError("use_transformer_engine=True needs Transformer Engine specs; use the local specs")
+        raise _not_supported("Transformer Engine layer specs", use_transformer_engine=use_transformer_engine)
     layer_spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         qk_layernorm=config.qk_layernorm,
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
     )
-    num_layers = get_num_layers_to_build(config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=_norm_spec(normalization))
+    return [layer_spec] * config.num_layers
+
+
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Block spec listing the layer specs of pipeline rank ``pp_rank``'s (this rank's when None) chunk
+    ``vp_stage``, and the final norm."""
+    layer_specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=layer_specs[offset : offset + num_layers], layer_norm=_norm_spec(normalization)
+    )
+
+
+def get_gpt_mtp_block_spec_for_backend(
+    config: TransformerConfig,
+    spec: Union[TransformerBlockSubmodules, ModuleSpec],
+    backend: BackendSpecProvider,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> None:
+    """The multi-token-prediction block spec: None when the model has no MTP layers (``config.mtp_num_layers``
+    unset); MTP layers are not supported yet."""
+    if config.mtp_num_layers is not None:
+        raise _not_supported("multi-token prediction", mtp_num_layers=config.mtp_num_layers)
+    return None
+
+
+def get_gpt_mtp_block_spec(
+    config: TransformerConfig,
+    spec: Union[TransformerBlockSubmodules, ModuleSpec],
+    use_transformer_engine: bool,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> None:
+    """:func:`get_gpt_mtp_block_spec_for_backend` with the local backend (None without MTP layers)."""
+    if use_transformer_engine and config.mtp_num_layers is not None:
+        raise _not_supported("Transformer Engine layer specs", use_transformer_engine=use_transformer_engine)
+    return get_gpt_mtp_block_spec_for_backend(config, spec, _LOCAL, vp_stage, pp_rank)

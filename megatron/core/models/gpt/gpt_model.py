@@ -1,12 +1,15 @@
 """GPTModel: embedding -> transformer block -> output layer, one pipeline stage of it per rank."""
 
-from typing import Literal, Optional
+from typing import Any, Callable, Dict, Literal, Optional
 
 import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    MultimodalRotaryEmbedding,
+    RotaryEmbedding,
+)
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -21,6 +24,9 @@ class GPTModel(LanguageModule):
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask)`` returns the per-token loss ``[b, s]`` when
     ``labels`` are given, else logits ``[b, s, v/tp]`` (``[b, s, v]`` with ``parallel_output=False``). A stage
     without ``post_process`` returns its hidden states ``[s, b, h]`` for the next stage.
+
+    ``position_embedding_type``: 'learned_absolute' (GPT-2), 'rope' (Llama), 'mrope' (multimodal RoPE: position
+    ids ``[3, b, s]`` and ``config.mrope_section``), or 'none'; 'yarn' is not supported yet.
     """
 
     def __init__(
@@ -34,7 +40,7 @@ class GPTModel(LanguageModule):
         fp16_lm_cross_entropy: bool = False,
         parallel_output: bool = True,
         share_embeddings_and_output_weights: bool = False,
-        position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+        position_embedding_type: Literal["learned_absolute", "rope", "mrope", "yarn", "none"] = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
         rope_scaling: bool = False,
@@ -42,12 +48,14 @@ class GPTModel(LanguageModule):
         scatter_embedding_sequence_parallel: bool = True,
         seq_len_interpolation_factor: Optional[float] = None,
         mtp_block_spec: Optional[ModuleSpec] = None,
-        vp_stage: Optional[int] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
-    ):
-        super().__init__(config)
+        vp_stage: Optional[int] = None,
+    ) -> None:
+        super().__init__(config, pg_collection)
         if mtp_block_spec is not None:
-            raise ValueError("multi-token prediction (mtp_block_spec) is not supported; pass None")
+            raise ValueError("not supported yet: multi-token prediction (mtp_block_spec); pass None")
+        if position_embedding_type == "yarn":
+            raise ValueError("not supported yet: YaRN rotary embeddings (position_embedding_type='yarn')")
         if vocab_size % tp_group_or_default(pg_collection).size() != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size "
@@ -71,10 +79,23 @@ class GPTModel(LanguageModule):
                     config=config,
                     vocab_size=vocab_size,
                     max_sequence_length=max_sequence_length,
-                    position_embedding_type=position_embedding_type,
+                    # The embedding adds learned positions only; rotary kinds are applied in attention.
+                    position_embedding_type="none" if position_embedding_type == "mrope" else position_embedding_type,
                     scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                    pg_collection=pg_collection,
+                    tp_group=tp_group_or_default(pg_collection),
                 )
+        if position_embedding_type == "mrope":
+            self.mrope_section = config.mrope_section
+            if not self.mrope_section:
+                raise ValueError("position_embedding_type='mrope' needs config.mrope_section (channel pairs per "
+                                 "temporal / height / width section)")
+            self.rotary_pos_emb = MultimodalRotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+            )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -110,7 +131,7 @@ class GPTModel(LanguageModule):
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
-    def set_input_tensor(self, input_tensor) -> None:
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
         if isinstance(input_tensor, (list, tuple)):
             if len(input_tensor) != 1:
@@ -132,21 +153,34 @@ class GPTModel(LanguageModule):
         *,
         inference_params=None,
         loss_mask: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        output_processor: Optional[Callable[..., torch.Tensor]] = None,
+        output_processor_context: Optional[Any] = None,
     ) -> torch.Tensor:
+        """``loss_mask`` matters to multi-token prediction only (not built); ``padding_mask`` goes to the layers'
+        MLPs. Custom output processors are not supported yet."""
+        if output_processor is not None:
+            raise ValueError("not supported yet: GPTModel.forward(output_processor=...)")
+        inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            hidden_for_length = decoder_input if decoder_input is not None else self.decoder.input_tensor
             rotary_pos_emb = self.rotary_pos_emb(
-                self.rotary_pos_emb.get_rotary_seq_len(hidden_for_length, self.config)
+                self.rotary_pos_emb.get_rotary_seq_len(
+                    inference_context, self.decoder, decoder_input, self.config, packed_seq_params
+                ),
+                packed_seq=packed_seq_params is not None,
             )
+        elif self.position_embedding_type == "mrope":
+            rotary_pos_emb = self.rotary_pos_emb(position_ids, self.mrope_section)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             inference_context=inference_context,
             packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
             **(extra_block_kwargs or {}),
         )
         if not self.post_process:
@@ -157,7 +191,9 @@ class GPTModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
         return self.compute_language_model_loss(labels, logits)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None
+    ) -> Dict[str, Any]:
         """LanguageModule's sharded state without the output layer's (always empty) extra state, which Megatron's
         GPT checkpoints do not store."""
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -86,5 +86,3 @@ def test_errors():
         RotaryEmbedding(kv_channels=8, rotary_percent=0.0)
     with pytest.raises(ValueError, match=r"kv_channels \* rotary_percent = 3 must be even"):
         RotaryEmbedding(kv_channels=6, rotary_percent=0.5)
-    with pytest.raises(ValueError, match="cu_seqlens .* is not supported"):
-        apply_rotary_pos_emb(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), None, cu_seqlens=torch.tensor([0, 1]))

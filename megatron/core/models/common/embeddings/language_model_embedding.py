@@ -1,11 +1,11 @@
 """Word (+ learned position) embeddings feeding the transformer, in the ``[s, b, h]`` layout."""
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.process_groups_config import tp_group_or_default
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
@@ -25,11 +25,10 @@ class LanguageModelEmbedding(MegatronModule):
         config: TransformerConfig,
         vocab_size: int,
         max_sequence_length: int,
-        position_embedding_type: str = "learned_absolute",
+        position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
         num_tokentypes: int = 0,
         scatter_to_sequence_parallel: bool = True,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config)
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
@@ -42,13 +41,8 @@ class LanguageModelEmbedding(MegatronModule):
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.num_tokentypes = num_tokentypes
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
-        self.reduce_scatter_embeddings = (
-            not self.add_position_embedding
-            and num_tokentypes <= 0
-            and config.sequence_parallel
-            and scatter_to_sequence_parallel
-        )
-        self.tp_group = tp_group or tp_group_or_default(pg_collection)
+        self.update_reduce_scatter_embeddings()
+        self.tp_group = tp_group if tp_group is not None else tp_group_or_default(None)
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             num_embeddings=vocab_size,
             embedding_dim=config.hidden_size,
@@ -63,6 +57,27 @@ class LanguageModelEmbedding(MegatronModule):
             self.tokentype_embeddings = self._replicated_embedding(num_tokentypes)
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
+    def update_reduce_scatter_embeddings(self) -> None:
+        """Reduce-scatter straight from the vocab-parallel lookup when there is nothing to add to the word
+        embeddings; re-derived when sequence parallelism is switched (``set_model_to_sequence_parallel``)."""
+        self.reduce_scatter_embeddings = (
+            not self.add_position_embedding
+            and self.num_tokentypes <= 0
+            and self.config.sequence_parallel
+            and self.scatter_to_sequence_parallel
+        )
+        if hasattr(self, "word_embeddings"):
+            self.word_embeddings.reduce_scatter_embeddings = self.reduce_scatter_embeddings
+
+    def zero_parameters(self):
+        """Zero every embedding weight and mark it ``shared``: the weights of a copy whose values come from
+        elsewhere (e.g. a checkpoint or an all-reduce), which the optimizer must not count twice."""
+        for embedding in (self.word_embeddings, getattr(self, "position_embeddings", None),
+                          getattr(self, "tokentype_embeddings", None)):
+            if embedding is not None:
+                embedding.weight.data.fill_(0)
+                embedding.weight.shared = True
+
     def _replicated_embedding(self, rows: int) -> torch.nn.Embedding:
         device = "cpu" if self.config.use_cpu_initialization else None
         embedding = torch.nn.Embedding(rows, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
@@ -72,9 +87,9 @@ class LanguageModelEmbedding(MegatronModule):
         # all-gathers, so every rank gets the whole gradient.
         return embedding.to(get_current_device())
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor], tokentype_ids=None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: int = None) -> torch.Tensor:
+        """``[b, s]`` token ids (and positions, token types) -> embeddings ``[s, b, h]`` (``[s/tp, b, h]`` under
+        sequence parallelism)."""
         embeddings = self.word_embeddings(input_ids)
         if self.add_position_embedding:
             if position_ids is None:

@@ -1,19 +1,26 @@
 """LanguageModule: what every language model shares — the LM loss and the tied input/output embedding."""
 
 import logging
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 class LanguageModule(MegatronModule):
-    """Base class of GPTModel (and later Mamba / hybrid models)."""
+    """Base class of GPTModel (and later Mamba / hybrid models). ``pg_collection`` holds the process groups the
+    model's modules use (parallel_state's when None)."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config)
+        self.pg_collection = pg_collection
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy: ``labels [b, s]``, vocab-parallel ``logits [s, b, v/tp]`` -> loss ``[b, s]``."""
@@ -50,7 +57,8 @@ class LanguageModule(MegatronModule):
             ignore_virtual=True
         ):
             weight = self.shared_embedding_or_output_weight()
-            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+            embedding_group = getattr(self.pg_collection, "embd", None) or parallel_state.get_embedding_group()
+            torch.distributed.all_reduce(weight.data, group=embedding_group)
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         """The word-embedding weight on the first stage, the output-layer weight on the last."""
@@ -60,7 +68,12 @@ class LanguageModule(MegatronModule):
             return self.output_layer.weight
         return None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: Tuple[Tuple[int, int, int]] = (),
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
         """The default sharded state, with the output layer's weight stored once when it is tied to the embedding.
 
         On a last stage that does not also hold the embedding, the output weight is a copy of the first stage's
@@ -77,18 +90,30 @@ class LanguageModule(MegatronModule):
         embedding_key = f"{prefix}embedding.word_embeddings.weight"
         output_weight_key = f"{prefix}output_layer.weight"
         if self.share_embeddings_and_output_weights:
-            self.tie_embeddings_and_output_weights_state_dict(sharded_state_dict, output_weight_key, embedding_key)
+            self.tie_embeddings_and_output_weights_state_dict(
+                sharded_state_dict, output_weight_key, embedding_key, metadata or {}
+            )
         elif self.post_process:
             sharded_state_dict[output_weight_key].allow_shape_mismatch = True
         return sharded_state_dict
 
     def tie_embeddings_and_output_weights_state_dict(
-        self, sharded_state_dict: dict, output_layer_weight_key: str, first_stage_word_emb_key: str
+        self,
+        sharded_state_dict: Dict[str, Any],
+        output_layer_weight_key: str,
+        first_stage_word_emb_key: str,
+        metadata: dict = {},  # noqa: B006  (Megatron's signature; only read)
     ) -> None:
-        """Point a last stage's copy of the tied weight at the first stage's embedding key (see above), in place."""
+        """Point a last stage's copy of the tied weight at the first stage's embedding key (see above), in place.
+        ``metadata['dp_cp_group']``, when given, is the data-parallel group the replica id counts in."""
         if not self.post_process or self.pre_process:
             return  # no output layer here, or it uses the embedding weight itself (not in the state dict)
-        replica_id = (1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+        dp_cp_group = metadata.get("dp_cp_group")
+        dp_rank = (
+            dp_cp_group.rank() if dp_cp_group is not None
+            else parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        )
+        replica_id = (1, 0, dp_rank)
         sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
             self.shared_embedding_or_output_weight(),
             first_stage_word_emb_key,
