@@ -13,6 +13,7 @@ Every ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. 
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -108,8 +109,9 @@ class MegatronOptimizer(ABC):
     def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> List[torch.Tensor]:
         """Gradients this rank counts in a global norm (replicated and shared parameters counted once).
 
-        Parameters tagged ``param.grad_norm_group = "<name>"`` form a separate norm: they are left out of the
-        main norm (``grad_norm_group=None``) and returned for ``grad_norm_group="<name>"``.
+        Parameters tagged ``param.grad_norm_group = "<name>"`` form a separate norm (e.g. to log a detached head's
+        gradients on their own): they are left out of the main norm (``grad_norm_group=None``) and returned for
+        ``grad_norm_group="<name>"``. The step clips, and skips on, the main norm.
         """
         return [
             param.grad
@@ -569,7 +571,7 @@ class FP32Optimizer(MegatronOptimizer):
         load_torch_optimizer_state(self.optimizer, _per_param_tensors(state_dict["state"]), step, saved_groups)
 
 
-class ProxyDict:
+class ProxyDict(Mapping):
     """A read/write view of several dicts with disjoint keys as one (ChainedOptimizer.state): a lookup or an
     update goes to the dict that holds the key."""
 
@@ -587,9 +589,6 @@ class ProxyDict:
 
     def __setitem__(self, key, value):
         self._owner(key)[key] = value
-
-    def __contains__(self, key) -> bool:
-        return any(key in inner for inner in self._inner_dicts)
 
     def __iter__(self):
         return (key for inner in self._inner_dicts for key in inner)
