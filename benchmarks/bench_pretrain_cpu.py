@@ -41,7 +41,7 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # the functional tests' torchrun launcher and log parser
 
-from megatron.core.tokenizers.build import vocab_size_with_padding  # noqa: E402
+from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding  # noqa: E402
 from megatron.training import builtin_data  # noqa: E402
 from megatron.training.arguments import parse_args_list, validate_args  # noqa: E402
 from megatron.training.flops import measured_cpu_matmul_peak_flops, num_floating_point_operations  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
-from megatron.core.tokenizers.build import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
+from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.arguments_support import (
     FlagTable,

@@ -1,4 +1,5 @@
-"""The interface every tokenizer in `megatron.core.tokenizers` implements."""
+"""`MegatronTokenizerBase`: the interface every tokenizer in `megatron.core.tokenizers` implements (Megatron-Core
+0.19's name for it)."""
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -8,7 +9,7 @@ from typing import Dict, List
 UNDEFINED_TOKEN_ID = -1
 
 
-class MegatronTokenizer(ABC):
+class MegatronTokenizerBase(ABC):
     """Abstract tokenizer: text <-> token ids, plus the special ids the datasets need.
 
     `unique_identifiers` is an OrderedDict naming the class, the tokenizer files and the options; datasets put it in
@@ -68,19 +69,3 @@ class MegatronTokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
-
-
-class DictVocabTokenizer(MegatronTokenizer):
-    """A tokenizer that keeps its vocabulary as the dicts `self._vocab` (token -> id) and `self._inv_vocab`."""
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict:
-        return self._inv_vocab

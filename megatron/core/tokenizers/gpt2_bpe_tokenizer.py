@@ -4,7 +4,7 @@ import json
 import os
 from typing import List
 
-from megatron.core.tokenizers.base import DictVocabTokenizer
+from megatron.core.tokenizers.megatron_tokenizer import DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 END_OF_TEXT = "<|endoftext|>"

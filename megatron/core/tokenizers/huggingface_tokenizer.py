@@ -11,7 +11,8 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from megatron.core.tokenizers.base import UNDEFINED_TOKEN_ID, DictVocabTokenizer
+from megatron.core.tokenizers.base_tokenizer import UNDEFINED_TOKEN_ID
+from megatron.core.tokenizers.megatron_tokenizer import DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 _CONVENTIONAL_NAMES = {

@@ -2,7 +2,7 @@
 
 from typing import Dict, List
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.megatron_tokenizer import MegatronTokenizer
 
 
 class NullTokenizer(MegatronTokenizer):

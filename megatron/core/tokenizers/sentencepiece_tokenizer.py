@@ -4,7 +4,7 @@ import os
 import re
 from typing import Dict, List
 
-from megatron.core.tokenizers.base import DictVocabTokenizer
+from megatron.core.tokenizers.megatron_tokenizer import DictVocabTokenizer
 from megatron.core.tokenizers.optional_imports import import_optional
 
 

@@ -12,6 +12,7 @@ from megatron.core.tokenizers import (
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     MegatronTokenizer,
+    MegatronTokenizerBase,
     NullTokenizer,
     SentencePieceTokenizer,
     TikTokenizer,
@@ -336,6 +337,26 @@ def test_build_tokenizer_sets_padded_vocab_size_unless_given():
     args = make_args(tokenizer_type="NullTokenizer", vocab_size=1000, padded_vocab_size=4096)
     build_tokenizer(args)
     assert args.padded_vocab_size == 4096
+
+
+def test_build_tokenizer_from_megatron_core_019_path_and_keyword_overrides(files):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build_019
+
+    args = make_args(tokenizer_type="GPT2BPETokenizer", vocab_file="/nowhere/vocab.json", merge_file=files.merge_file,
+                     make_vocab_size_divisible_by=128, tensor_model_parallel_size=1)
+    tokenizer = build_019(args, vocab_file=files.vocab_file)  # the keyword wins over args.vocab_file
+    assert tokenizer.unique_identifiers["tokenizer_path"] == [files.vocab_file, files.merge_file]
+    assert args.vocab_file == "/nowhere/vocab.json"  # args itself is not changed, apart from the padded size
+    assert args.padded_vocab_size == vocab_size_with_padding(tokenizer.vocab_size, args)
+    assert build_019 is build_tokenizer
+    with pytest.raises(FileNotFoundError, match="/nowhere/vocab.json"):
+        build_019(args)
+
+
+def test_every_tokenizer_is_a_megatron_tokenizer_base(files):
+    for tokenizer in (GPT2BPETokenizer(files.vocab_file, files.merge_file), NullTokenizer(10),
+                      TikTokenizer(files.tiktoken_file)):
+        assert isinstance(tokenizer, MegatronTokenizer) and isinstance(tokenizer, MegatronTokenizerBase)
 
 
 def test_vocab_size_with_padding():

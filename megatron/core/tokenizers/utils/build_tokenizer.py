@@ -1,8 +1,10 @@
-"""`build_tokenizer(args)`: the tokenizer named by `--tokenizer-type`, as Megatron-LM builds it."""
+"""`build_tokenizer(args)`: the tokenizer named by `--tokenizer-type`, as Megatron-LM builds it (Megatron-Core 0.19's
+`megatron.core.tokenizers.utils.build_tokenizer`)."""
 
 import logging
+from types import SimpleNamespace
 
-from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.megatron_tokenizer import MegatronTokenizer
 from megatron.core.tokenizers.gpt2_bpe_tokenizer import GPT2BPETokenizer
 from megatron.core.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
@@ -50,21 +52,23 @@ TOKENIZER_BUILDERS = {
 TOKENIZER_TYPES = tuple(TOKENIZER_BUILDERS)
 
 
-def build_tokenizer(args) -> MegatronTokenizer:
-    """Build the tokenizer `args.tokenizer_type` names from an argparse-like namespace with Megatron's names.
+def build_tokenizer(args, **kwargs) -> MegatronTokenizer:
+    """Build the tokenizer `args.tokenizer_type` names from an argparse-like namespace with Megatron's names;
+    keyword arguments override the namesake attributes of `args` (e.g. `tokenizer_model=...`) for this build.
 
     Also sets `args.padded_vocab_size` (unless it is already set, e.g. from a checkpoint) to the vocabulary size
     padded for tensor parallelism, as Megatron-LM does.
     """
-    tokenizer_type = getattr(args, "tokenizer_type", None)
+    options = SimpleNamespace(**{**vars(args), **kwargs}) if kwargs else args
+    tokenizer_type = getattr(options, "tokenizer_type", None)
     if tokenizer_type not in TOKENIZER_BUILDERS:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {list(TOKENIZER_TYPES)}")
-    if getattr(args, "rank", 0) == 0:
+    if getattr(options, "rank", 0) == 0:
         logger.info("building %s tokenizer", tokenizer_type)
-    tokenizer = TOKENIZER_BUILDERS[tokenizer_type](args)
+    tokenizer = TOKENIZER_BUILDERS[tokenizer_type](options)
     if getattr(args, "padded_vocab_size", None) is None:
         try:
-            args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
+            args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, options)
         except AttributeError:  # a read-only namespace: the caller pads itself
             pass
     return tokenizer

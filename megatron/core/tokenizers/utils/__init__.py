@@ -1,0 +1,1 @@
+"""Helpers around the tokenizers: `build_tokenizer` from Megatron-LM's arguments."""
