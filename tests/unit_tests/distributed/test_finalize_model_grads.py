@@ -1,11 +1,19 @@
 """finalize_model_grads on plain modules and on chunks that look like our DDP (main_grad, finish_grad_sync)."""
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import (
+    _allreduce_position_embedding_grads,
+    _get_main_grad_attr,
+    finalize_model_grads,
+    reset_model_temporary_tensors,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.test_utilities import Utils, run_distributed
 
 
@@ -100,7 +108,7 @@ class FakeDDPChunk(torch.nn.Module):
             param.main_grad = torch.ones_like(param)
 
     def finish_grad_sync(self, force_all_reduce=False):
-        self.calls.append("finish_grad_sync")
+        self.calls.append("finish_grad_sync" + (" (all-reduce)" if force_all_reduce else ""))
 
     def scale_gradients(self, factor):
         self.calls.append(("scale_gradients", float(factor)))
@@ -140,3 +148,66 @@ def _zero_tokens_leave_grads_alone():
 
 def test_empty_batch_keeps_grads_and_int_token_count_is_rejected():
     assert run_distributed(1, _zero_tokens_leave_grads_alone) == [3.0]
+
+
+def test_force_all_reduce_reaches_the_chunks():
+    chunk = FakeDDPChunk()
+    no_groups = ProcessGroupCollection(tp=None, pp=None, embd=None, pos_embd=None, dp_cp=None)  # one process
+    finalize_model_grads([chunk], pg_collection=no_groups, force_all_reduce=True)
+    assert chunk.calls == ["finish_grad_sync (all-reduce)"]
+
+
+class _Router(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.expert_bias = torch.zeros(2)
+        self.local_tokens_per_expert = torch.tensor([3.0, 5.0])
+        self.tracker_resets = 0
+
+    def reset_global_aux_loss_tracker(self):
+        self.tracker_resets += 1
+
+
+def test_reset_model_temporary_tensors_clears_router_statistics():
+    router = _Router()
+    chunk = torch.nn.Sequential(torch.nn.Linear(2, 2), router)
+    config = types.SimpleNamespace(moe_router_enable_expert_bias=False, moe_router_load_balancing_type="aux_loss")
+    reset_model_temporary_tensors(config, [chunk])
+    assert router.local_tokens_per_expert.tolist() == [3.0, 5.0] and router.tracker_resets == 0
+    config = types.SimpleNamespace(
+        moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss,global_aux_loss"
+    )
+    reset_model_temporary_tensors(config, [chunk])
+    assert router.local_tokens_per_expert.tolist() == [0.0, 0.0] and router.tracker_resets == 1
+
+
+class _PositionEmbeddingStage(torch.nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.embedding = torch.nn.Module()
+        self.embedding.position_embeddings = torch.nn.Embedding(4, 2)
+        self.embedding.position_embeddings.weight.grad = torch.full((4, 2), value)
+
+
+def _position_embeddings_summed():
+    Utils.initialize_model_parallel()
+    rank = dist.get_rank()
+    stage = _PositionEmbeddingStage(float(rank + 1))
+    everyone = dist.new_group([0, 1])
+    single = parallel_state.get_tensor_model_parallel_group()  # a group of one rank
+    _allreduce_position_embedding_grads([stage], None, everyone, single)
+    summed = stage.embedding.position_embeddings.weight.grad[0, 0].item()
+    _allreduce_position_embedding_grads([stage], None, single, single)  # one stage in the group: nothing to do
+    return summed, stage.embedding.position_embeddings.weight.grad[0, 0].item()
+
+
+def test_position_embedding_grads_are_summed_over_their_group():
+    for summed, untouched in run_distributed(2, _position_embeddings_summed):
+        assert summed == 3.0 and untouched == 3.0
+
+
+def test_main_grad_attr():
+    param = torch.nn.Parameter(torch.zeros(1))
+    assert _get_main_grad_attr(param) == "grad"
+    param.main_grad = torch.zeros(1)
+    assert _get_main_grad_attr(param) == "main_grad"
