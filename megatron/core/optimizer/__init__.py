@@ -8,9 +8,11 @@ exist.
 """
 
 import logging
+import re
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed.checkpoint
 
 from megatron.core.extensions.fused_adam import find_fused_adam
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
@@ -38,6 +40,7 @@ from megatron.core.optimizer_param_scheduler import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_model_config, get_pg_rank, get_pg_size, is_te_min_version
 
 logger = logging.getLogger(__name__)
@@ -204,7 +207,9 @@ def _get_param_groups(
             overrides_by_key[key] = override
 
     groups = []
-    for key, params in params_by_key.items():
+    # The same order on every rank (groups without overrides first), whichever parameter each rank sees first.
+    for key in sorted(params_by_key, key=lambda key: (bool(key[0]), repr(key[0]), key[1], key[2])):
+        params = params_by_key[key]
         _, is_expert_parallel, is_decoupled_lr = key
         override = overrides_by_key[key]
         group = {
@@ -348,6 +353,25 @@ def _buffers_of(chunk: torch.nn.Module, attribute: str, config: OptimizerConfig)
     return getattr(chunk, attribute) if config.use_distributed_optimizer else []
 
 
+def _global_param_names(model_chunks: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
+    """Each parameter's name in its chunk, with a transformer layer's per-stage index replaced by its global one
+    (``layers.<layer_number - 1>``), so that names are the same at every pipeline layout."""
+    names = {}
+    for chunk in model_chunks:
+        names.update({param: name for name, param in chunk.named_parameters()})
+        for module_name, module in chunk.named_modules():
+            if isinstance(module, TransformerLayer):
+                global_name = re.sub(r"layers\.\d+$", f"layers.{module.layer_number - 1}", module_name)
+                names.update({param: f"{global_name}.{name}" for name, param in module.named_parameters()})
+    return names
+
+
+def _param_to_param_group_map(model_chunks, param_groups: List[Dict]) -> Dict[str, int]:
+    """``{global parameter name: index of its param group}``, dense groups first, then expert groups."""
+    names = _global_param_names(model_chunks)
+    return {names[param]: index for index, group in enumerate(param_groups) for param in group["params"]}
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: List[MegatronModule],
@@ -364,13 +388,10 @@ def get_megatron_optimizer(
     ParamGroupOverride}``; None: :func:`get_standard_config_overrides`, ``{}``: no overrides at all) gives the
     parameters each key matches their own schedule values (``max_lr``, ``min_lr``, ``wd_mult``, ``start_wd``,
     ``end_wd``, ``lr_mult``) or torch optimizer settings (e.g. ``eps``). ``use_gloo_process_groups`` is accepted
-    for compatibility (no gloo side groups are needed here).
+    for compatibility (no gloo side groups are needed here). ``dump_param_to_param_group_map`` names a directory
+    to save ``{parameter name: param-group index}`` to, as a torch.distributed.checkpoint to which every rank
+    contributes the parameters it holds (names use global layer numbers; see :func:`_global_param_names`).
     """
-    if dump_param_to_param_group_map is not None:
-        raise ValueError(
-            "not supported yet: dumping the parameter-to-group map "
-            f"(dump_param_to_param_group_map={dump_param_to_param_group_map!r}); leave it None"
-        )
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is None; set the peak learning rate (e.g. lr=3e-4)")
     if isinstance(model_chunks, torch.nn.Module):
@@ -385,6 +406,9 @@ def get_megatron_optimizer(
     param_groups = _get_param_groups(model_chunks, config, config_overrides)
     dense_groups = [g for g in param_groups if not g["is_expert_parallel"]]
     expert_groups = [g for g in param_groups if g["is_expert_parallel"]]
+    # Taken before the optimizers replace model parameters by their main copies in the groups.
+    if dump_param_to_param_group_map is not None:
+        param_to_group = _param_to_param_group_map(model_chunks, dense_groups + expert_groups)
 
     optimizers = []
     if dense_groups:
@@ -399,6 +423,8 @@ def get_megatron_optimizer(
         )
     if not optimizers:
         raise ValueError("get_megatron_optimizer: the model has no trainable parameters (requires_grad=True)")
+    if dump_param_to_param_group_map is not None:
+        torch.distributed.checkpoint.save(state_dict=param_to_group, checkpoint_id=dump_param_to_param_group_map)
     if len(optimizers) == 1:
         return optimizers[0]
     return ChainedOptimizer(optimizers)

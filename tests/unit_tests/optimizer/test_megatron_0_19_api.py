@@ -135,8 +135,6 @@ def _config_classes_build_their_optimizer():
     model = TinyLM()
     adam = get_megatron_optimizer(AdamOptimizerConfig(lr=1.0), [model])
     sgd = get_megatron_optimizer(SGDOptimizerConfig(lr=1.0, sgd_momentum=0.5), [model])
-    with pytest.raises(ValueError, match=r"not supported yet: dumping the parameter-to-group map"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0), [model], dump_param_to_param_group_map="/tmp/map")
     return type(adam.optimizer).__name__, type(sgd.optimizer).__name__, sgd.param_groups[0]["momentum"]
 
 
@@ -277,3 +275,28 @@ def test_proxy_dict_and_range():
         proxy["c"]
     span = Range(10, 14).normalize(2)
     assert (span.start, span.end, span.size) == (2, 6, 4)
+
+
+# ---- dump_param_to_param_group_map ---------------------------------------------------------------------------------
+
+
+def _dump_map_at_pp2(directory):
+    from megatron.core.optimizer import OptimizerConfig as Config
+    from tests.unit_tests.dist_checkpointing.gpt_checkpoint_helpers import build_chunks
+
+    chunks, _ = build_chunks(tp=1, pp=2)
+    get_megatron_optimizer(Config(lr=1e-2), chunks, dump_param_to_param_group_map=directory)
+    torch.distributed.barrier()
+    reader = torch.distributed.checkpoint.FileSystemReader(directory)
+    mapping = {name: None for name in reader.read_metadata().state_dict_metadata}
+    torch.distributed.checkpoint.load(mapping, storage_reader=reader)
+    return mapping
+
+
+def test_param_to_param_group_map_names_layers_globally(tmp_path):
+    mapping = run_distributed(2, _dump_map_at_pp2, str(tmp_path / "map"))[0]
+    layers = {name.split("decoder.layers.")[1].split(".")[0] for name in mapping if "decoder.layers." in name}
+    assert layers == {"0", "1", "2", "3"}  # stage 1's local layers 0 and 1 are global layers 2 and 3
+    fc1 = "module.decoder.layers.{}.mlp.linear_fc1.{}"
+    assert mapping[fc1.format(3, "weight")] != mapping[fc1.format(3, "bias")]  # decayed / not decayed
+    assert mapping[fc1.format(0, "weight")] == mapping[fc1.format(3, "weight")]  # the same group on both stages
