@@ -10,7 +10,9 @@ Parameters whose gradient is only partial on each rank under sequence parallelis
 carry ``sequence_parallel=True``; gradient finalisation all-reduces those across the TP group.
 """
 
-from typing import Callable, List, Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
     _start_reduce_scatter_along_first_dim,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -33,16 +36,25 @@ from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from megatron.core.utils import get_current_device, warn_once
 
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 
 # ---- tensor-parallel attributes on parameters ----------------------------------------------------------------------
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> bool:
-    """True for a split parameter, or for a replicated one on TP rank 0 (count each replicated value once)."""
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group=None):
+    """True for a split parameter, or for a replicated one on TP rank 0 (count each replicated value once).
+
+    Expert parameters (``allreduce=False``) are replicated over the expert tensor-parallel group instead; both
+    groups default to parallel_state's.
+    """
     if getattr(param, "tensor_model_parallel", False):
         return True
+    if not getattr(param, "allreduce", True):
+        return group_rank(resolve_tp_group(expert_tp_group, is_expert=True)) == 0
     return group_rank(resolve_tp_group(tp_group)) == 0
 
 
@@ -183,6 +195,20 @@ class _TensorParallelModule(torch.nn.Module):
 # ---- the linear autograd function ----------------------------------------------------------------------------------
 
 
+def _accumulate_weight_grad(ctx, weight, grad_weight):
+    """With gradient-accumulation fusion, add the weight gradient straight into ``weight.main_grad`` (DDP's buffer)
+    and hand autograd a zero placeholder instead.
+
+    The placeholder keeps autograd's gradient-ready hooks firing (DDP launches its bucket reductions from them), and
+    being zero it adds nothing when DDP moves ``weight.grad`` into ``main_grad``, while other uses of the same weight
+    (tied embeddings) still reach ``main_grad`` through ``weight.grad``.
+    """
+    if grad_weight is None or not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
+        return grad_weight
+    weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+    return torch.zeros_like(weight)
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``input @ weight.T + bias`` with the column-parallel layer's input communication folded in.
 
@@ -190,25 +216,49 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     slice is saved; backward all-gathers it again for the weight gradient (saving ``tp - 1`` slices of activation
     memory, as Megatron does).
     Backward: the input gradient is reduce-scattered (sequence parallel) or all-reduced (``allreduce_dgrad``); the
-    collective runs asynchronously while the weight gradient is computed.
+    collective runs asynchronously while the weight gradient is computed. With ``gradient_accumulation_fusion`` the
+    weight gradient goes straight into ``weight.main_grad``. With ``grad_output_buffer`` the output gradient is
+    appended to the buffer instead of computing the weight gradient (at most ``wgrad_deferral_limit`` deferrals,
+    0 = no limit), for ``drain_embedding_wgrad_compute`` to finish later.
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, group):
+    def forward(
+        ctx,
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        tp_group,
+        gtp_remat_size,
+    ):
         ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
-        ctx.group = group
-        ctx.save_for_backward(input_, weight)
-        total_input = _gather_along_first_dim(input_, group) if sequence_parallel else input_
+        ctx.grad_output_buffer = grad_output_buffer
+        ctx.wgrad_deferral_limit = wgrad_deferral_limit
+        ctx.group = tp_group
+        ctx.save_for_backward(input, weight)
+        total_input = _gather_along_first_dim(input, tp_group) if sequence_parallel else input
         return F.linear(total_input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
         group = ctx.group
+        wgrad_compute = ctx.needs_input_grad[1]
+        buffer = ctx.grad_output_buffer
+        if wgrad_compute and buffer is not None:
+            if not ctx.wgrad_deferral_limit or len(buffer) < ctx.wgrad_deferral_limit:
+                buffer.append(grad_output)
+                wgrad_compute = False
         total_input, gather_work = input_, None
-        if ctx.sequence_parallel and ctx.needs_input_grad[1]:
+        if ctx.sequence_parallel and wgrad_compute:
             total_input, gather_work = _start_gather_along_first_dim(input_, group)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         if gather_work is not None:
@@ -221,44 +271,109 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
 
         grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1] or (ctx.use_bias and ctx.needs_input_grad[2]):
-            grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
-            if ctx.needs_input_grad[1]:
-                grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
-            if ctx.use_bias and ctx.needs_input_grad[2]:
-                grad_bias = grad_output_2d.sum(dim=0)
+        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+        if wgrad_compute:
+            grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
+            grad_weight = _accumulate_weight_grad(ctx, weight, grad_weight)
+        if ctx.use_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output_2d.sum(dim=0)
         if reduce_work is not None:
             reduce_work.wait()  # the input-gradient reduction overlapped the weight-gradient GEMM
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return (grad_input, grad_weight, grad_bias) + (None,) * 8
+
+
+def _refuse_gtp(gtp_remat_size: int) -> None:
+    if gtp_remat_size != 1:
+        raise ValueError(f"not supported yet: GTP weight rematerialisation (gtp_remat_size={gtp_remat_size})")
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    gradient_accumulation_fusion: bool = False,
-    allreduce_dgrad: bool = False,
-    sequence_parallel: bool = False,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
     grad_output_buffer: Optional[List[torch.Tensor]] = None,
-    wgrad_deferral_limit: Optional[int] = None,
-    async_grad_allreduce: Optional[bool] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    wgrad_deferral_limit: Optional[int] = 0,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    gtp_remat_size: int = 1,
 ) -> torch.Tensor:
     """Linear layer with the column-parallel input communication (see the autograd function above).
 
-    ``gradient_accumulation_fusion`` (a CUDA kernel accumulating into ``main_grad``) and deferred weight-gradient
-    computation (``grad_output_buffer``, ``wgrad_deferral_limit``) are accepted and not used: the weight gradient is
-    computed at once and autograd accumulates it as usual. ``async_grad_allreduce`` is Megatron's old name for
-    ``allreduce_dgrad``.
+    ``tp_group`` defaults to this rank's tensor-parallel group. When nothing needs communicating, fusing or
+    deferring, PyTorch's own linear (and backward) is used.
     """
-    if async_grad_allreduce is not None:
-        allreduce_dgrad = async_grad_allreduce
+    _refuse_gtp(gtp_remat_size)
     group = resolve_tp_group(tp_group)
-    if group_size(group) == 1 or not (allreduce_dgrad or sequence_parallel):
-        return F.linear(input, weight, bias)  # nothing to communicate: PyTorch's own backward is as fast
+    communicates = group_size(group) > 1 and (allreduce_dgrad or sequence_parallel)
+    fuses = gradient_accumulation_fusion and hasattr(weight, "main_grad")
+    if not (communicates or fuses or grad_output_buffer is not None):
+        return F.linear(input, weight, bias)
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        input, weight, bias, allreduce_dgrad, sequence_parallel, group
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad and group_size(group) > 1,
+        sequence_parallel and group_size(group) > 1,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        group,
+        gtp_remat_size,
     )
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``input @ weight.T + bias`` for a weight that is not trained: backward computes only the input gradient
+    (all-reduced over ``tp_group`` with ``allreduce_dgrad``) and never a weight or bias gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.group = tp_group
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad and group_size(ctx.group) > 1:
+            dist.all_reduce(grad_input, group=ctx.group)
+        return grad_input, None, None, None, None
+
+
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: Optional[torch.distributed.ProcessGroup],
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: None = None,
+    gtp_remat_size: int = 1,
+) -> torch.Tensor:
+    """Drop-in for :func:`linear_with_grad_accumulation_and_async_allreduce` when the weight is frozen: no weight
+    gradient is computed (saving its GEMM), so ``gradient_accumulation_fusion`` has nothing to fuse.
+
+    Under ``sequence_parallel`` the input is all-gathered along the sequence first (its gradient reduce-scattered
+    back), and the input gradient needs no all-reduce. Deferred weight gradients make no sense here:
+    ``grad_output_buffer`` and ``wgrad_deferral_limit`` must be None.
+    """
+    _refuse_gtp(gtp_remat_size)
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
+        raise ValueError(
+            "linear_with_frozen_weight computes no weight gradient, so grad_output_buffer and wgrad_deferral_limit "
+            "must be None"
+        )
+    group = resolve_tp_group(tp_group)
+    if sequence_parallel and group_size(group) > 1:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
+        allreduce_dgrad = False
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, group)
 
 
 # ---- layers --------------------------------------------------------------------------------------------------------
@@ -268,12 +383,6 @@ class _EmptyExtraState:
     """An always-empty ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry
     the same keys as Transformer Engine layers (whose extra state holds FP8 metadata). Checkpoints written without
     the entry still load strictly."""
-
-    def get_extra_state(self) -> None:
-        return None
-
-    def set_extra_state(self, state) -> None:
-        """Nothing to restore: the extra state is always empty."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(f"{prefix}_extra_state", None)
@@ -301,25 +410,27 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
 
     def __init__(
         self,
-        input_size: int,
-        output_size: int,
+        input_size,
+        output_size,
         *,
         config: ModelParallelConfig,
         init_method: Callable,
-        bias: bool = True,
-        gather_output: bool = False,
-        stride: int = 1,
-        keep_master_weight_for_test: bool = False,
-        skip_bias_add: bool = False,
+        bias=True,
+        gather_output=False,
+        stride=1,
+        keep_master_weight_for_test=False,
+        skip_bias_add=False,
         skip_weight_param_allocation: bool = False,
         embedding_activation_buffer: Optional[List[torch.Tensor]] = None,
         grad_output_buffer: Optional[List[torch.Tensor]] = None,
         is_expert: bool = False,
         tp_comm_buffer_name: Optional[str] = None,
         disable_grad_reduce: bool = False,
-        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        name: str | None = None,
     ):
         super().__init__()
+        self.name = name
         self._setup_group(config, tp_group, is_expert)
         _check_divisible("ColumnParallelLinear", "output_size", output_size, self.tp_size, stride)
         self.input_size = input_size
@@ -351,7 +462,7 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
         input_: torch.Tensor,
         weight: Optional[torch.Tensor] = None,
         runtime_gather_output: Optional[bool] = None,
-    ):
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if weight is None:
             if self.weight is None:
                 raise ValueError(
@@ -384,13 +495,24 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
+
+    def backward_dw(self) -> None:
+        """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
+        layers), since backward computes the weight gradient at once."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any):
+        """Nothing to restore: the extra state is always empty."""
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.input_size}, out_features={self.output_size}, "
             f"tp_size={self.tp_size}, bias={self.bias is not None}, gather_output={self.gather_output}"
         )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Weight and bias split along the output axis (0) over the tensor-parallel group."""
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
@@ -424,10 +546,12 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
         stride: int = 1,
         keep_master_weight_for_test: bool = False,
         is_expert: bool = False,
-        tp_comm_buffer_name: Optional[str] = None,
-        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        name: str | None = None,
     ):
         super().__init__()
+        self.name = name
         self._setup_group(config, tp_group, is_expert)
         _check_divisible("RowParallelLinear", "input_size", input_size, self.tp_size, stride)
         self.input_size = input_size
@@ -448,7 +572,7 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor):
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_is_parallel or self.explicit_expert_comm:
             input_parallel = input_
         else:
@@ -466,13 +590,24 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
 
+
+    def backward_dw(self) -> None:
+        """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
+        layers), since backward computes the weight gradient at once."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any):
+        """Nothing to restore: the extra state is always empty."""
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.input_size}, out_features={self.output_size}, "
             f"tp_size={self.tp_size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
         )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Weight split along the input axis (1) over the tensor-parallel group; the bias is replicated."""
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1}, sharded_offsets, tp_group=self.tp_group
@@ -495,7 +630,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
         init_method: Callable,
         reduce_scatter_embeddings: bool = False,
         config: ModelParallelConfig,
-        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
         super().__init__()
         self._setup_group(config, tp_group, is_expert=False)
@@ -508,7 +643,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = self._new_weight((num_embeddings, embedding_dim), 0, init_method, 1, False)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_):
         if self.tp_size > 1:
             not_here = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(not_here, 0)
@@ -525,7 +660,9 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: Tuple[Tuple[int, int, int]] = (), metadata: Optional[dict] = None
+    ) -> ShardedStateDict:
         """The table split along the vocabulary axis (0); a checkpoint with a differently padded vocabulary still
         loads (``allow_shape_mismatch``)."""
         key = f"{prefix}weight"
