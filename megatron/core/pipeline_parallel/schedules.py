@@ -356,6 +356,49 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
 
 
+def backward_step_multimodule(
+    input_tensor: Dict[str, torch.Tensor],
+    output_tensor: Union[torch.Tensor, Dict[str, torch.Tensor]],
+    output_tensor_grad: Optional[Dict[str, torch.Tensor]],
+    config,
+    language_model_module_name: str,
+) -> Dict[str, torch.Tensor]:
+    """:func:`backward_step` for a stage of several modules (e.g. a vision encoder and a language model), whose
+    tensors are dicts keyed by module name; returns the input gradients keyed the same way.
+
+    On the last stage ``output_tensor`` is the language model's loss (a tensor, filed under
+    ``language_model_module_name`` and scaled by ``config.grad_scale_func``) and ``output_tensor_grad`` is None.
+    Every module's output is backpropagated in one autograd call, so modules whose graphs meet are handled too.
+    Inputs (and gradients) may be one-element lists, as :func:`forward_step` hands them over.
+    """
+
+    def bare(tensor):
+        if isinstance(tensor, list):
+            if len(tensor) != 1:
+                raise ValueError(f"expected one tensor per module, got a list of {len(tensor)}")
+            return tensor[0]
+        return tensor
+
+    inputs = {name: bare(tensor) for name, tensor in input_tensor.items()}
+    for tensor in inputs.values():
+        if tensor is not None:
+            tensor.retain_grad()
+    if not isinstance(output_tensor, dict):
+        output_tensor = {language_model_module_name: output_tensor}
+    outputs, grads = [], []
+    for name, output in output_tensor.items():
+        output = bare(output)
+        grad = None if output_tensor_grad is None else bare(output_tensor_grad.get(name))
+        if grad is None and config.grad_scale_func is not None:
+            output = config.grad_scale_func(output)
+        if output is not None and output.requires_grad:
+            outputs.append(output)
+            grads.append(grad)
+    if outputs:
+        torch.autograd.backward(outputs, grad_tensors=grads)
+    return {name: None if tensor is None else tensor.grad for name, tensor in inputs.items()}
+
+
 class _GradSyncSwitch:
     """Enters ``no_sync_func()`` to suspend gradient reduction and leaves it to let the reduction happen."""
 

@@ -553,3 +553,23 @@ def test_1f1b_with_explicit_groups_and_shape_adjustment():
         assert all(torch.equal(a, b) for k in default[1] for a, b in zip(default[1][k], explicit[1][k]))
         assert seen == [([(SEQ, MBS, 8)], [(SEQ, MBS, 8)])]
         assert "adjust_tensor_shapes_fn must return one receive shape" in error
+
+
+def test_backward_step_multimodule_returns_input_grads_per_module():
+    _, config = _single_stage(grad_scale_func=lambda loss: loss * 10)
+    vision_in = torch.ones(2, requires_grad=True)
+    text_in = torch.ones(3, requires_grad=True)
+    # Middle stage: every module's output gets the gradient the next stage sent for it.
+    grads = schedules.backward_step_multimodule(
+        {"vision": [vision_in], "text": text_in},
+        {"vision": vision_in * 2, "text": [text_in * 3]},
+        {"vision": torch.ones(2), "text": [torch.full((3,), 2.0)]},
+        config,
+        "text",
+    )
+    assert torch.equal(grads["vision"], torch.full((2,), 2.0)) and torch.equal(grads["text"], torch.full((3,), 6.0))
+    # Last stage: the loss belongs to the language model and is scaled first.
+    vision_in.grad = text_in.grad = None
+    loss = (vision_in * 4).sum() + text_in.sum()
+    grads = schedules.backward_step_multimodule({"vision": vision_in, "text": text_in}, loss, None, config, "text")
+    assert torch.equal(grads["vision"], torch.full((2,), 40.0)) and torch.equal(grads["text"], torch.full((3,), 10.0))
