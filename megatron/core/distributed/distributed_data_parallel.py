@@ -227,6 +227,13 @@ class DistributedDataParallel(MegatronModule):
             if force_sync or force_dispatch or not group.param_gather_dispatched:
                 group.start_param_sync(force_sync=force_sync)
 
+    def free_overlap_buffers(self):
+        """Let no parameter all-gather stay in flight (e.g. before an asynchronous checkpoint save copies the
+        parameters): wait for every dispatched gather. Gathers write into the parameter buffers in place, so no
+        temporary gather buffers exist to be freed."""
+        for group in self._all_bucket_groups:
+            group.free_overlap_buffers()
+
     def reset_param_sync_dispatch_state(self):
         """Forget which parameter all-gathers were dispatched, so the next forward (``overlap_param_gather``) or
         ``start_param_sync`` dispatches every bucket group again."""

@@ -228,6 +228,11 @@ class _ParamAndGradBucketGroup:
             handle.wait()
         self.param_gather_handles = []
 
+    def free_overlap_buffers(self) -> None:
+        """Complete any in-flight parameter all-gather and drop its handle (gathers write into the parameter
+        buffer in place, so there is no separate gather buffer to release)."""
+        self._wait_param_gather()
+
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Before the forward uses these parameters: make sure they are gathered, and prefetch the next group."""
         if not self.param_gather_dispatched:

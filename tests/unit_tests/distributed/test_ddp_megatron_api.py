@@ -83,6 +83,26 @@ def test_force_dispatch_and_reset_gather_parameters_again():
         assert after_reset == ([5.0], [6.0])
 
 
+def _free_overlap_buffers():
+    Utils.initialize_model_parallel()
+    rank = dist.get_rank()
+    model = wrap(TinyLM(), DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True))
+    data = model.bucket_groups[0].buckets[0].param_data
+    shard = data.numel() // 2
+    data[rank * shard : (rank + 1) * shard] = float(rank + 1)
+    model.start_param_sync()  # asynchronous with overlap_param_gather
+    in_flight = sum(len(group.param_gather_handles) for group in model.bucket_groups)
+    model.free_overlap_buffers()
+    left = sum(len(group.param_gather_handles) for group in model.bucket_groups)
+    return in_flight, left, data[:shard].unique().tolist(), data[shard:].unique().tolist()
+
+
+def test_free_overlap_buffers_completes_in_flight_gathers():
+    for in_flight, left, first, second in run_distributed(2, _free_overlap_buffers):
+        assert in_flight > 0 and left == 0
+        assert (first, second) == ([1.0], [2.0])
+
+
 def _offload_and_restore():
     Utils.initialize_model_parallel()
     rank = dist.get_rank()
