@@ -8,8 +8,8 @@ Nested = Union[dict, list, Any]
 
 
 def extract_matching_values(
-    x: Nested, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
-) -> Tuple[Nested, Nested]:
+    x: Union[dict, list], predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Union[dict, list], Union[dict, list]]:
     """Split ``x`` into (leaves matching ``predicate``, the rest), both keeping ``x``'s nesting.
 
     A sub-container with nothing on one side is left out of that side (empty ones stay with the rest). Lists keep
@@ -57,13 +57,49 @@ def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any]]:
             yield k, v
 
 
-def dict_map(f: Callable, x: dict) -> None:
-    """Apply ``f`` to every leaf of the nested dict ``x`` in place (lists are leaves)."""
-    for k, v in x.items():
+def dict_map(f: Callable, d: dict):
+    """Apply ``f`` to every leaf of the nested dict ``d`` in place (lists are leaves)."""
+    for k, v in d.items():
         if isinstance(v, dict):
             dict_map(f, v)
         else:
-            x[k] = f(v)
+            d[k] = f(v)
+
+
+def dict_map_with_key(f: Callable, d: dict):
+    """Replace every leaf of the nested dict ``d`` in place by ``f(key, leaf)``, ``key`` being the innermost key
+    (lists are leaves)."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            dict_map_with_key(f, v)
+        else:
+            d[k] = f(k, v)
+
+
+def inspect_types(x: Any, prefix: Tuple = (), indent: int = 4):
+    """Print the nesting of ``x`` with each leaf's type (and a tensor's shape and dtype), one line per entry,
+    nested entries ``indent`` spaces further in: a quick look at what a state dict holds."""
+    for line in _type_lines(x, prefix, indent):
+        print(line)
+
+
+def _type_lines(x: Any, prefix: Tuple, indent: int) -> Iterator[str]:
+    pad = " " * (indent * len(prefix))
+    if isinstance(x, (dict, list)):
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+            if isinstance(v, (dict, list)):
+                yield f"{pad}{k}: {type(v).__name__} of {len(v)}"
+                yield from _type_lines(v, prefix + (k,), indent)
+            else:
+                yield f"{pad}{k}: {_describe_leaf(v)}"
+        return
+    yield f"{pad}{_describe_leaf(x)}"
+
+
+def _describe_leaf(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor {tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
 
 
 def dict_list_map_inplace(f: Callable, x: Nested) -> Nested:
@@ -88,7 +124,7 @@ def dict_list_map_outplace(f: Callable, x: Nested) -> Nested:
     return f(x)
 
 
-def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
+def merge(x1: Union[dict, list], x2: Union[dict, list], key: Tuple[Union[int, str], ...] = ()):
     """Merge ``x2`` into ``x1`` in place: dicts by key, lists by position (``x2`` may be an ``{index: value}`` dict
     for a list); anywhere else ``x2``'s value replaces ``x1``'s."""
     if isinstance(x1, dict) and isinstance(x2, dict):
@@ -105,7 +141,7 @@ def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
     return x2
 
 
-def diff(x1: Nested, x2: Nested, prefix: Tuple = ()) -> Tuple[List[Tuple], List[Tuple], List[Tuple]]:
+def diff(x1: Any, x2: Any, prefix: Tuple = ()) -> Tuple[list, list, list]:
     """(keys only in x1, keys only in x2, keys whose leaves differ) -- tensors compared by value."""
     only_left, only_right, mismatch = [], [], []
     if isinstance(x1, dict) and isinstance(x2, dict):
@@ -133,7 +169,7 @@ def diff(x1: Nested, x2: Nested, prefix: Tuple = ()) -> Tuple[List[Tuple], List[
 
 
 def map_reduce(
-    xs: Iterable, key_fn: Callable = lambda x: x, value_fn: Callable = lambda x: x, reduce_fn: Callable = list
+    xs: Iterable, key_fn: Callable = lambda x: x, value_fn: Callable = lambda x: x, reduce_fn: Callable = lambda x: x
 ) -> dict:
     """Group ``xs`` by ``key_fn``, map each by ``value_fn`` and reduce each group with ``reduce_fn``."""
     groups = {}

@@ -344,12 +344,13 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     dict_list_map_inplace(build_if_factory, sharded_state_dict)
 
 
-def apply_factory_merges(loaded: StateDict, factories: ShardedStateDict, key: Tuple = ()) -> StateDict:
-    """Replace, in ``loaded``, each factory's loaded sub-state-dict by ``merge_fn`` of it.
+def apply_factory_merges(x1: StateDict, x2: ShardedStateDict, key: Tuple[str, ...] = ()) -> StateDict:
+    """Replace, in the loaded state dict ``x1``, each factory's loaded sub-state-dict by ``merge_fn`` of it.
 
-    ``factories`` holds only the factories, at their places in the state dict (lists given as ``{index: value}``
+    ``x2`` holds only the factories, at their places in the state dict (lists given as ``{index: value}``
     dicts, as :func:`~.dict_utils.extract_matching_values` returns them with ``return_lists_as_dicts``).
     """
+    loaded, factories = x1, x2
     if isinstance(factories, ShardedTensorFactory):
         return factories.merge_fn(loaded)
     children = factories.items() if isinstance(factories, dict) else enumerate(factories)

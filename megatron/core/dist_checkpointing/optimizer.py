@@ -7,7 +7,7 @@ parameter does: to another tensor-, pipeline- or data-parallel layout, with or w
 """
 
 from dataclasses import replace
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -64,8 +64,8 @@ def make_sharded_optimizer_tensor(
 
 
 def optim_state_to_sharding_state(
-    optim_state_dict: dict, id_to_sharded_param_map: Dict[int, ShardedParam], exclude_keys: Iterable[str] = ()
-) -> None:
+    optim_state_dict: Dict[str, Any], id_to_sharded_param_map: Dict[int, ShardedTensor], exclude_keys: Tuple[str] = ()
+):
     """Replace, in place, every per-parameter tensor of a torch optimizer state dict (``{'state': {index: {name:
     tensor}}}``) by its sharded description ``optimizer.state.<name>.<parameter key>``; ``exclude_keys`` (such as
     ``step``) are dropped."""

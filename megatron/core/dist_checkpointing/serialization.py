@@ -12,7 +12,7 @@ rank at the same point (see ``exchange.py``), so a bad request never leaves the 
 
 import logging
 from pathlib import Path
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from torch.distributed import ProcessGroup
 
@@ -46,7 +46,12 @@ from .strategies.common import (
     common_state_sharded_object,
     has_legacy_common_state,
 )
-from .strategies.torch import DCP_METADATA_FNAME, check_async_strategy
+from .strategies.torch import (
+    DCP_METADATA_FNAME,
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+    check_async_strategy,
+)
 from .validation import (
     StrictHandling,
     determine_missing_and_unexpected_keys,
@@ -65,11 +70,11 @@ logger = logging.getLogger(__name__)
 CONTENT_METADATA_KEY = "content_metadata"
 
 
-def get_default_save_sharded_strategy(backend: str = "torch_dist") -> SaveShardedStrategy:
+def get_default_save_sharded_strategy(backend: str = "torch_dist"):
     return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, 1)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path, None] = None) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(checkpoint_dir: str | Path | None = None):
     """The strategy that reads ``checkpoint_dir`` (checked to be a complete checkpoint), or the ``torch_dist``
     default when no directory is given."""
     if checkpoint_dir is None:
@@ -80,7 +85,7 @@ def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path, None] = N
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str,
-    sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+    sharded_strategy: TorchDistSaveShardedStrategy = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
@@ -213,12 +218,12 @@ def _prepare_directory(checkpoint_dir: Path) -> None:
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str,
-    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    sharded_strategy: TorchDistLoadShardedStrategy = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     verify_integrity: bool = False,
     process_group: Optional[ProcessGroup] = None,
-):
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Collective over ``process_group`` (None: all ranks): load the pieces ``sharded_state_dict`` describes from
     ``checkpoint_dir``, whatever layout saved it.
 
@@ -396,8 +401,8 @@ def load_content_metadata(
 
 
 def load_tensors_metadata(
-    checkpoint_dir: str, sharded_strategy: Union[LoadShardedStrategy, None] = None
-) -> ShardedStateDict:
+    checkpoint_dir: str, sharded_strategy: TorchDistLoadShardedStrategy = None
+) -> Dict[str, Union[ShardedTensor, ShardedObject]]:
     """``{key: data-less ShardedTensor}`` for every stored tensor (global shape and dtype; offsets zero); no
     collective. The keys are the ShardedTensor keys, not state dict keys."""
     strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
@@ -405,8 +410,8 @@ def load_tensors_metadata(
 
 
 def load_sharded_metadata(
-    checkpoint_dir: str, sharded_strategy: Union[LoadShardedStrategy, None] = None
-) -> ShardedStateDict:
+    checkpoint_dir: str, sharded_strategy: TorchDistLoadShardedStrategy = None
+) -> Dict[str, Union[ShardedTensor, ShardedObject]]:
     """:func:`load_tensors_metadata` plus ``{unique_key: data-less ShardedObject}`` for stored objects."""
     strategy = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
     return strategy.load_sharded_metadata(Path(checkpoint_dir))

@@ -22,7 +22,10 @@ from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 logger = logging.getLogger(__name__)
 
 # Per rank, the data-less ShardedTensors/ShardedObjects it saves or loads.
-GlobalMetadata = List[List[ShardedBase]]
+LocalMetadata = List[Union[ShardedTensor, ShardedObject]]
+GlobalMetadata = List[LocalMetadata]
+# What load_sharded_metadata returns: {key: data-less ShardedTensor or ShardedObject}.
+CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 
 
 class StrictHandling(Enum):
@@ -223,11 +226,15 @@ def warn_about_common_differences(common_state_dicts: List[Dict[str, Any]]) -> N
             )
 
 
+def _local_metadata(sharded_state_dict: Dict[str, Any]) -> LocalMetadata:
+    return [leaf.without_data() for leaf in nested_values(sharded_state_dict) if isinstance(leaf, ShardedBase)]
+
+
 def determine_global_metadata(
     sharded_state_dict: Dict[str, Any], process_group: Optional[ProcessGroup] = None
-) -> Tuple[List[ShardedBase], GlobalMetadata]:
+) -> Tuple[LocalMetadata, GlobalMetadata]:
     """Collective over ``process_group``: (this rank's data-less shards, every rank's)."""
-    local_metadata = [shard.without_data() for shard in nested_values(sharded_state_dict)]
+    local_metadata = _local_metadata(sharded_state_dict)
     return local_metadata, all_gather_objects(local_metadata, process_group)
 
 
@@ -256,9 +263,9 @@ def validate_integrity_and_strict_load(
     sharded_state_dict: Dict[str, Any],
     strict: StrictHandling,
     validate_access_integrity: bool,
-    local_metadata: Optional[List[ShardedBase]] = None,
+    local_metadata: Optional[LocalMetadata] = None,
     global_metadata: Optional[GlobalMetadata] = None,
-    ckpt_sharded_metadata: Optional[Dict[str, ShardedBase]] = None,
+    ckpt_sharded_metadata: Optional["CkptShardedMetadata"] = None,
 ) -> Tuple[Dict[str, Any], Set[str], Set[str]]:
     """Apply ``strict`` to a load request: returns (the request without the unexpected keys unless a RAISE mode
     raised, missing keys, unexpected keys). ``ckpt_sharded_metadata`` (what :func:`load_sharded_metadata` returns)
@@ -269,7 +276,7 @@ def validate_integrity_and_strict_load(
         if ckpt_sharded_metadata is None:
             raise CheckpointingException(f"strict={strict.value!r} needs the checkpoint's sharded metadata")
         if local_metadata is None:
-            local_metadata = [shard.without_data() for shard in nested_values(sharded_state_dict)]
+            local_metadata = _local_metadata(sharded_state_dict)
         checkpoint_keys = {shard.key for shard in ckpt_sharded_metadata.values()}
         local_keys = {shard.key for shard in local_metadata}
         global_keys = checkpoint_keys
@@ -334,9 +341,10 @@ def save_integrity_manifest(checkpoint_dir: str) -> None:
     """Write the manifest of ``checkpoint_dir``'s files (one rank, after every file is written)."""
     checkpoint_dir = Path(checkpoint_dir)
     path = checkpoint_dir / INTEGRITY_MANIFEST_FNAME
+    digests = _file_digests(checkpoint_dir)
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "w") as file:
-        json.dump(_file_digests(checkpoint_dir), file, indent=1)
+        json.dump(digests, file, indent=1)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)

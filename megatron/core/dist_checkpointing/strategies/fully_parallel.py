@@ -17,8 +17,8 @@ from torch.distributed import ProcessGroup
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..exchange import all_gather_objects, get_rank
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy
+from .torch import TorchDistSaveShardedStrategy
 
 ShardId = Tuple[str, Tuple[int, ...], Tuple[int, int]]
 
@@ -53,7 +53,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def __init__(
         self,
-        strategy: AsyncSaveShardedStrategy,
+        strategy: TorchDistSaveShardedStrategy,
         parallelization_group: Optional[ProcessGroup] = None,
         do_cache_distribution: bool = False,
         backend: str = "torch_dist",
@@ -67,7 +67,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"
-    ) -> AsyncRequest:
+    ):
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 

@@ -18,7 +18,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -139,7 +139,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"
-    ) -> AsyncRequest:
+    ) -> AsyncRequest | Any:
         check_async_strategy(async_strategy)
         return self._plan(sharded_state_dict, Path(checkpoint_dir), copy_data=True)
 
@@ -347,7 +347,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             lambda x: planner.objects[x.name] if isinstance(x, _PendingObject) else x, loaded
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata = None) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata = None):
         metadata = self._metadata(checkpoint_dir, metadata)
         return {
             key: _whole_tensor(key, entry)
