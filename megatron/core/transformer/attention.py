@@ -182,6 +182,12 @@ class Attention(MegatronModule, ABC):
         name: str | None = None,
     ):
         super().__init__(config)
+        if config.multi_latent_attention:
+            # MLATransformerConfig constructs (it is Megatron's public config), but MLA layers are not built yet.
+            raise ValueError(
+                "not supported yet: multi-latent attention (multi_latent_attention=True); build the model from a "
+                "TransformerConfig with standard or grouped-query attention"
+            )
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type

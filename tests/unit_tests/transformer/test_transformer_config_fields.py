@@ -9,12 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.activations import fast_gelu
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.not_supported_yet import NOT_SUPPORTED_YET
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.utils import warn_once
+from tests.unit_tests.test_utilities import run_distributed
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8)
 TABLE = [(feature, name) for feature, names in NOT_SUPPORTED_YET.items() for name in names]
@@ -179,6 +183,27 @@ def test_mla_config_constructs_with_megatron_defaults():
 def test_mla_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         MLATransformerConfig(**BASE, **overrides)
+
+
+def test_attention_refuses_to_build_from_an_mla_config():
+    with pytest.raises(ValueError, match=r"^not supported yet: multi-latent attention \(multi_latent_attention=True\)"):
+        submodules = SelfAttentionSubmodules(linear_qkv=None, core_attention=None, linear_proj=None)
+        SelfAttention(MLATransformerConfig(**BASE), submodules, layer_number=1)
+
+
+def _embedding_stds(overrides):
+    parallel_state.initialize_model_parallel(1)
+    config = TransformerConfig(**BASE, use_cpu_initialization=True, **overrides)
+    torch.manual_seed(0)
+    embedding = LanguageModelEmbedding(config, vocab_size=512, max_sequence_length=256)
+    return embedding.word_embeddings.weight.std().item(), embedding.position_embeddings.weight.std().item()
+
+
+def test_embeddings_are_initialised_with_embedding_init_method():
+    default_stds = run_distributed(1, _embedding_stds, {})[0]
+    separate_stds = run_distributed(1, _embedding_stds, {"embedding_init_method_std": 0.5})[0]
+    assert all(abs(std - 0.02) < 2e-3 for std in default_stds), default_stds
+    assert all(abs(std - 0.5) < 5e-2 for std in separate_stds), separate_stds
 
 
 def test_plain_transformer_config_refuses_multi_latent_attention():

@@ -46,7 +46,7 @@ class LanguageModelEmbedding(MegatronModule):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             num_embeddings=vocab_size,
             embedding_dim=config.hidden_size,
-            init_method=config.init_method,
+            init_method=config.embedding_init_method,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings,
             config=config,
             tp_group=self.tp_group,
@@ -82,7 +82,7 @@ class LanguageModelEmbedding(MegatronModule):
         device = "cpu" if self.config.use_cpu_initialization else None
         embedding = torch.nn.Embedding(rows, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
         if self.config.perform_initialization:
-            self.config.init_method(embedding.weight)
+            self.config.embedding_init_method(embedding.weight)
         # No sequence_parallel mark: the lookup runs on the full sequence before the scatter, whose backward
         # all-gathers, so every rank gets the whole gradient.
         return embedding.to(get_current_device())
