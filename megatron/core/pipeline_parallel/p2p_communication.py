@@ -218,7 +218,10 @@ class P2PCommunicator:
         )
         tensor_recv_next = torch.empty(next_shape, dtype=dtype, device=device) if recv_next else None
         requests = self._post(
-            send_next=tensor_send_next, recv_prev=tensor_recv_prev, send_prev=tensor_send_prev, recv_next=tensor_recv_next
+            send_next=tensor_send_next,
+            recv_prev=tensor_recv_prev,
+            send_prev=tensor_send_prev,
+            recv_next=tensor_recv_next,
         )
         if wait_on_reqs:
             for request in requests:

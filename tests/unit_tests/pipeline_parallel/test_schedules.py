@@ -430,7 +430,8 @@ class _Sized:
 def test_tensor_shapes_use_explicit_groups():
     config = types.SimpleNamespace(sequence_parallel=True, hidden_size=8)  # all get_tensor_shapes reads
     shapes = get_tensor_shapes(
-        seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config, tp_group=_Sized(2), cp_group=_Sized(4)
+        seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config,
+        tp_group=_Sized(2), cp_group=_Sized(4),
     )
     assert shapes == [(2, 2, 8)]  # 16 / cp 4 / tp 2
 
