@@ -16,6 +16,7 @@ import enum
 import io
 import pathlib
 import pickle
+import signal
 import types
 from typing import Any, Dict, List, Tuple
 
@@ -59,6 +60,7 @@ def _allowed_globals() -> List[Tuple[Any, str]]:
         pathlib.PurePosixPath,
         pathlib.WindowsPath,
         pathlib.PureWindowsPath,
+        signal.Signals,  # --exit-signal
         torch.Generator,
         ModelParallelConfig,
         TransformerConfig,
