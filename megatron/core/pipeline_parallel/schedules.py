@@ -87,9 +87,9 @@ def get_pp_rank_microbatches(
 
     ``total`` is ``num_microbatches * num_model_chunks`` forward passes. Warm-up (forward passes before the first
     backward) is everything when ``forward_only``; with pipelining it is ``p - r - 1`` for 1F1B and
-    ``2 (p - r - 1) + (v - 1) g`` for the interleaved schedule (``g`` = ``microbatch_group_size_per_vp_stage``);
-    without pipelining one pass. One more pass warms up when MoE expert-parallel communication is overlapped with
-    the next micro-batch. Warm-up is capped at ``total`` (then ``all_in_warmup``). The pipeline rank, size and
+    ``2 (p - r - 1) + (v - 1) g`` for the interleaved schedule (``g`` = ``microbatch_group_size_per_vp_stage``),
+    plus one when MoE expert-parallel communication is overlapped with the next micro-batch; without pipelining
+    none. Warm-up is capped at ``total`` (then ``all_in_warmup``). The pipeline rank, size and
     virtual size come from ``p2p_communicator`` (default: ``parallel_state``).
     """
     if p2p_communicator is not None:
@@ -106,10 +106,9 @@ def get_pp_rank_microbatches(
         num_warmup = pp_size - pp_rank - 1
     elif pp_size > 1:
         num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+        num_warmup += int(bool(overlap_moe_expert_parallel_comm))
     else:
-        num_warmup = 1
-    if overlap_moe_expert_parallel_comm:
-        num_warmup += 1
+        num_warmup = 0
     all_in_warmup = num_warmup >= total
     num_warmup = min(num_warmup, total)
     return total, all_in_warmup, num_warmup, total - num_warmup

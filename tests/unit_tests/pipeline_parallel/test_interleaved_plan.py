@@ -64,11 +64,16 @@ def test_get_pp_rank_microbatches_without_interleaving():
     # 1F1B: p - r - 1 forward passes before the first backward, capped at m.
     counts = [get_pp_rank_microbatches(3, 1, None, p2p_communicator=_Stages(r, 4, None)) for r in range(4)]
     assert counts == [(3, True, 3, 0), (3, False, 2, 1), (3, False, 1, 2), (3, False, 0, 3)]
-    # No pipelining: one pass warms up; overlapping MoE communication adds one.
-    assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=_Stages(0, 1, None)) == (3, False, 1, 2)
-    assert get_pp_rank_microbatches(
-        3, 1, None, overlap_moe_expert_parallel_comm=True, p2p_communicator=_Stages(3, 4, None)
-    ) == (3, False, 1, 2)
+    # No pipelining: no warm-up.
+    assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=_Stages(0, 1, None)) == (3, False, 0, 3)
+
+
+def test_overlapped_moe_communication_warms_up_one_more_interleaved_pass():
+    plain = get_pp_rank_microbatches(8, 2, 4, p2p_communicator=_Stages(3, 4, 2))
+    overlapped = get_pp_rank_microbatches(
+        8, 2, 4, overlap_moe_expert_parallel_comm=True, p2p_communicator=_Stages(3, 4, 2)
+    )
+    assert plain == (16, False, 4, 12) and overlapped == (16, False, 5, 11)
 
 
 VALID = [
