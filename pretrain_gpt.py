@@ -17,16 +17,22 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.training.arguments import core_gpt_dataset_config_from_args, core_transformer_config_from_args
-from megatron.training.global_vars import get_args, get_tokenizer
-from megatron.training.training import pretrain
-from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training.arguments import (
+    core_gpt_dataset_config_from_args,
+    core_transformer_config_from_args,
+    parse_and_validate_args,
+)
+from megatron.training.utils import get_batch_on_this_tp_rank
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
-    """A GPTModel for this pipeline stage from the local (pure PyTorch) layer spec."""
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
+                   pg_collection=None) -> GPTModel:
+    """A GPTModel for this pipeline stage from the local (pure PyTorch) layer spec; ``config`` (a
+    TransformerConfig) defaults to the flags', ``pg_collection`` to parallel_state's groups."""
     args = get_args()
-    config = core_transformer_config_from_args(args)
+    if config is None:
+        config = core_transformer_config_from_args(args)
     if args.transformer_impl == "transformer_engine":
         print_rank_0("WARNING: Transformer Engine specs are not available; using the local spec")
     layer_spec = get_gpt_layer_local_spec(
@@ -46,6 +52,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
 
@@ -93,4 +100,10 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step)
+    pretrain(
+        parse_and_validate_args(),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )

@@ -1,35 +1,132 @@
-"""Training-checkpoint layout: where each iteration's checkpoint lives and which one is "latest".
+"""Training checkpoints (Megatron-LM's ``megatron.training.checkpointing``): where each iteration's checkpoint lives,
+which one is "latest", and saving and loading a training job through ``megatron.core.dist_checkpointing``.
 
-``<save>/iter_0000100/`` holds the distributed checkpoint of iteration 100 (``release/`` for a release checkpoint)
-and ``<save>/latest_checkpointed_iteration.txt`` holds the iteration number (or ``release``), as in Megatron-LM.
-The tracker is replaced atomically and only after every rank's data is durable, so a save interrupted at any moment
-leaves the previous checkpoint as "latest" and loadable; :func:`find_checkpoint_to_load` refuses an incomplete one.
+``<save>/iter_0000100/`` holds the distributed (``torch_dist``) checkpoint of iteration 100 (``release/`` for a
+release checkpoint) and ``<save>/latest_checkpointed_iteration.txt`` holds the iteration number (or ``release``), as
+in Megatron-LM. The tracker is replaced atomically and only after every rank's data is durable, so a save
+interrupted at any moment leaves the previous checkpoint as "latest" and loadable; :func:`find_checkpoint_to_load`
+refuses an incomplete one.
+
+A checkpoint holds what Megatron-LM's do: ``model`` (or ``model0``, ``model1``, ... per virtual stage),
+``optimizer``, ``opt_param_scheduler``, ``rng_state``, ``rerun_state_machine``, ``args``, ``checkpoint_version``
+(3.0), ``iteration``, ``num_floating_point_operations_so_far`` and ``content_metadata`` (the flags the model and
+optimizer built their sharded state with).
 """
 
+import argparse
+import enum
 import os
+import shutil
+import threading
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from torch.distributed import ProcessGroup
 
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME
 
 TRACKER_FNAME = "latest_checkpointed_iteration.txt"
 RELEASE_DIRNAME = "release"
+CHECKPOINT_VERSION = 3.0
 
 
-def get_checkpoint_name(checkpoints_path: Union[str, Path], iteration: int, release: bool = False) -> str:
-    """``<checkpoints_path>/iter_<iteration, 7 digits>``, or ``<checkpoints_path>/release``."""
-    directory = RELEASE_DIRNAME if release else f"iter_{iteration:07d}"
-    return os.path.join(checkpoints_path, directory)
+class CheckpointType(enum.Enum):
+    """Megatron's kinds of checkpoint: legacy per-rank ``torch`` files, node-local (NVRx), global
+    ``torch_dist``, PyTorch DCP, FSDP DTensor. This project writes and reads GLOBAL ones."""
+
+    LEGACY = enum.auto()
+    LOCAL = enum.auto()
+    GLOBAL = enum.auto()
+    TORCH_DCP = enum.auto()
+    FSDP_DTENSOR = enum.auto()
 
 
-def get_checkpoint_tracker_filename(checkpoints_path: Union[str, Path]) -> str:
+# ---- versions and iterations of the loaded checkpoint ------------------------------------------------------------
+
+_CHECKPOINT_VERSION: Optional[float] = None
+_LOADED_ITERATION: Optional[int] = None
+
+
+def set_checkpoint_version(value):
+    """Record the ``checkpoint_version`` of the checkpoint being loaded; a second, different one is refused."""
+    global _CHECKPOINT_VERSION
+    if _CHECKPOINT_VERSION is not None and _CHECKPOINT_VERSION != value:
+        raise CheckpointingException(
+            f"checkpoint versions do not match: {_CHECKPOINT_VERSION} was loaded before, now {value}"
+        )
+    _CHECKPOINT_VERSION = value
+
+
+def get_checkpoint_version():
+    """The ``checkpoint_version`` of the loaded checkpoint (None before a load)."""
+    return _CHECKPOINT_VERSION
+
+
+def set_loaded_iteration(value):
+    global _LOADED_ITERATION
+    _LOADED_ITERATION = value
+
+
+def get_loaded_iteration():
+    """The iteration of the checkpoint loaded last (None before a load)."""
+    return _LOADED_ITERATION
+
+
+# ---- names and the tracker ----------------------------------------------------------------------------------------
+
+
+def _parallel_rank(explicit, getter):
+    from megatron.core import parallel_state
+
+    if explicit is not None:
+        return explicit
+    return getter() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None, tensor_rank=None,
+                        pipeline_rank=None, expert_parallel=None, expert_rank=None, return_base_dir=False,
+                        basename="model_optim_rng.pt"):
+    """The checkpoint of ``iteration``: with ``return_base_dir`` its directory ``<checkpoints_path>/iter_<7 digits>``
+    (or ``/release``); else this rank's file of the legacy per-rank format,
+    ``<dir>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/<basename>``. Ranks (and whether pipeline / expert parallelism
+    is used) default to this process's."""
+    from megatron.core import parallel_state
+
+    directory = os.path.join(checkpoints_path, RELEASE_DIRNAME if release else f"iter_{iteration:07d}")
+    if return_base_dir:
+        return directory
+    if pipeline_parallel is None:
+        pipeline_parallel = _parallel_rank(None, parallel_state.get_pipeline_model_parallel_world_size) > 1
+    if expert_parallel is None:
+        expert_parallel = _parallel_rank(None, parallel_state.get_expert_model_parallel_world_size) > 1
+    name = f"mp_rank_{_parallel_rank(tensor_rank, parallel_state.get_tensor_model_parallel_rank):02d}"
+    if pipeline_parallel:
+        name += f"_{_parallel_rank(pipeline_rank, parallel_state.get_pipeline_model_parallel_rank):03d}"
+    if expert_parallel:
+        name += f"_{_parallel_rank(expert_rank, parallel_state.get_expert_model_parallel_rank):03d}"
+    return os.path.join(directory, name, basename)
+
+
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
+    """The legacy format's distributed-optimizer file beside a rank's model file: ``distrib_optim.pt``."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
+
+
+def get_checkpoint_tracker_filename(checkpoints_path):
     """``<checkpoints_path>/latest_checkpointed_iteration.txt``."""
     return os.path.join(checkpoints_path, TRACKER_FNAME)
 
 
-def read_metadata(tracker_filename: Union[str, Path]) -> Tuple[int, bool]:
+def checkpoint_exists(checkpoints_path):
+    """Whether ``checkpoints_path`` has a tracker file, i.e. a checkpoint to resume from."""
+    if checkpoints_path is None:
+        return False
+    return os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
+
+
+def read_metadata(tracker_filename) -> Tuple[int, bool]:
     """(iteration, release) from a tracker file holding an iteration number or ``release``."""
     try:
         text = Path(tracker_filename).read_text().strip()
@@ -51,9 +148,9 @@ def read_metadata(tracker_filename: Union[str, Path]) -> Tuple[int, bool]:
     return iteration, False
 
 
-def write_tracker_atomically(checkpoints_path: Union[str, Path], iteration: int) -> None:
-    """Point the tracker at ``iteration``: write a temporary file, fsync it, rename it over the tracker and fsync
-    the directory, so readers see the old or the new iteration and never a partial file."""
+def write_tracker_atomically(checkpoints_path: Union[str, Path], iteration) -> None:
+    """Point the tracker at ``iteration`` (or ``"release"``): write a temporary file, fsync it, rename it over the
+    tracker and fsync the directory, so readers see the old or the new value and never a partial file."""
     tracker = get_checkpoint_tracker_filename(checkpoints_path)
     temporary = f"{tracker}.tmp.{os.getpid()}"
     with open(temporary, "w") as f:
@@ -66,6 +163,12 @@ def write_tracker_atomically(checkpoints_path: Union[str, Path], iteration: int)
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def ensure_directory_exists(filename, check_parent=True):
+    """Create the directory of ``filename`` (or, with ``check_parent=False``, ``filename`` itself)."""
+    directory = os.path.dirname(filename) if check_parent else filename
+    os.makedirs(directory, exist_ok=True)
 
 
 def find_checkpoint_to_load(
@@ -83,15 +186,12 @@ def find_checkpoint_to_load(
         source = f"named by {tracker}"
     else:
         source = "requested"
-    checkpoint_dir = get_checkpoint_name(load_dir, iteration, release)
+    checkpoint_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     what = f"checkpoint {checkpoint_dir} ({source})"
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointingException(f"{what} does not exist")
-    missing = [
-        name
-        for name in (CONFIG_FNAME, DCP_METADATA_FNAME, COMMON_STATE_FNAME)
-        if not os.path.exists(os.path.join(checkpoint_dir, name))
-    ]
+    missing = [name for name in (CONFIG_FNAME, DCP_METADATA_FNAME)
+               if not os.path.exists(os.path.join(checkpoint_dir, name))]
     if missing:
         raise CheckpointingException(
             f"{what} is incomplete: {', '.join(missing)} missing (its save was interrupted); resume from an earlier "
@@ -99,6 +199,135 @@ def find_checkpoint_to_load(
         )
     maybe_load_config(checkpoint_dir)  # raises on a corrupt metadata.json
     return checkpoint_dir, iteration, release
+
+
+def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
+    """The directory of the distributed checkpoint of ``iteration`` when it is complete, else None (no
+    collective: any rank may ask)."""
+    checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release, return_base_dir=True)
+    if all(os.path.exists(os.path.join(checkpoint_dir, name)) for name in (CONFIG_FNAME, DCP_METADATA_FNAME)):
+        return checkpoint_dir
+    return None
+
+
+def get_load_checkpoint_path_by_args(args, load_arg="load"):
+    """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
+    when that does; else ``args.<load_arg>`` (nothing to resume)."""
+    load_dir = getattr(args, load_arg)
+    if checkpoint_exists(load_dir):
+        return load_dir
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and checkpoint_exists(pretrained):
+        return pretrained
+    return load_dir
+
+
+# ---- non-persistent checkpoints: only the latest few are kept ------------------------------------------------------
+
+_DELETIONS: List[threading.Thread] = []
+
+
+def cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1, do_async=False):
+    """Delete all but the newest ``leave_ckpt_num`` iteration directories of ``save_dir`` (rank 0 deletes; in a
+    background thread with ``do_async``, joined by :func:`finalize_deletion_processes`)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    iterations = sorted(Path(save_dir).glob("iter_*"), key=lambda path: int(path.name[len("iter_"):]))
+    old = iterations[:-leave_ckpt_num] if leave_ckpt_num > 0 else iterations
+
+    def remove():
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+    if do_async:
+        thread = threading.Thread(target=remove, name="checkpoint-cleanup", daemon=True)
+        thread.start()
+        _DELETIONS.append(thread)
+    else:
+        remove()
+
+
+def finalize_deletion_processes(blocking=False):
+    """Forget finished background deletions; with ``blocking`` wait for all of them first."""
+    for thread in list(_DELETIONS):
+        if blocking:
+            thread.join()
+        if not thread.is_alive():
+            _DELETIONS.remove(thread)
+
+
+# ---- the checkpoint's arguments ------------------------------------------------------------------------------------
+
+# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists).
+_CHECKPOINT_MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "swiglu", "squared_relu",
+    "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
+    "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+)
+# What a checkpoint's model must share with this run's to load at all (the layout may differ: it reshards).
+_CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type",
+                 "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size")
+
+
+def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
+    """Refuse, naming each argument, a checkpoint whose model shape differs from this run's (those in
+    ``skip_args`` are not compared; arguments either side lacks are skipped)."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    skip_args = skip_args or set()
+    differing = [
+        f"{name}: checkpoint {getattr(checkpoint_args, name)!r}, this run {getattr(args, name)!r}"
+        for name in _CHECKED_ARGS
+        if name not in skip_args and hasattr(checkpoint_args, name) and hasattr(args, name)
+        and getattr(checkpoint_args, name) != getattr(args, name)
+    ]
+    if differing:
+        raise CheckpointingException("the checkpoint was saved for another model: " + "; ".join(differing))
+
+
+def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
+    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments.
+
+    Called before validation, on every rank (each reads the small common state). Values the checkpoint lacks keep
+    their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
+    ``checkpointing_context`` serves Megatron's node-local checkpoints, which are not part of this project: the
+    arguments always come from the global checkpoint.
+    """
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    load_dir = getattr(args, load_arg)
+    found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
+    if found is None:
+        raise CheckpointingException(
+            f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
+            f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
+        )
+    saved = load_common_state_dict(found[0]).get("args")
+    if saved is None:
+        raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
+    for name in _CHECKPOINT_MODEL_ARGS:
+        if hasattr(saved, name):
+            setattr(args, name, getattr(saved, name))
+    return args
+
+
+def fix_query_key_value_ordering(model, checkpoint_version):
+    """Checkpoints of version 2.0 and later (all that this project and current Megatron write) store the fused
+    QKV weights in the order the model uses; older ones, which need reordering, are refused."""
+    if checkpoint_version is not None and checkpoint_version < 2.0:
+        raise CheckpointingException(
+            f"not supported yet: checkpoints of version {checkpoint_version} (< 2.0), whose query/key/value "
+            "weights need reordering; convert the checkpoint with a Megatron-LM release first"
+        )
 
 
 # ---- saving and loading a training job ---------------------------------------------------------------------------
@@ -128,16 +357,33 @@ def finalize_async_saves() -> None:
     maybe_finalize_async_saves(blocking=True)
 
 
-def _rng_state_sharded_object():
-    """This rank's RNG states, one object per (pipeline, tensor) rank, replicated over data-parallel ranks."""
+def _groups(tp_group, pp_group, dp_cp_group, dp_group):
+    """The tensor, pipeline, data x context and data-parallel groups: the ones given, else parallel_state's."""
+    from megatron.core import parallel_state
+
+    return (
+        tp_group or parallel_state.get_tensor_model_parallel_group(),
+        pp_group or parallel_state.get_pipeline_model_parallel_group(),
+        dp_cp_group or parallel_state.get_data_parallel_group(with_context_parallel=True),
+        dp_group or parallel_state.get_data_parallel_group(),
+    )
+
+
+def get_rng_state(ckpt_format: str, tp_group: ProcessGroup, pp_group: ProcessGroup,
+                  dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
+                  key_prefix: str = "") -> Union[List[Dict[str, Any]], ShardedObject]:
+    """This rank's random states (Python, NumPy, torch, the accelerator's, the model-parallel tracker's) as a
+    list: one entry, or with --data-parallel-random-init one per data-parallel rank. For ``torch_dist`` it is a
+    ShardedObject ``<key_prefix>rng_state`` over (pipeline, tensor) ranks, replicated over data x context ranks."""
     import random
 
     import numpy as np
     import torch
+    import torch.distributed as dist
 
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core import tensor_parallel
     from megatron.core.utils import cuda_available
+    from megatron.training.global_vars import get_args
 
     state = {
         "random_rng_state": random.getstate(),
@@ -146,27 +392,34 @@ def _rng_state_sharded_object():
         "cuda_rng_state": tensor_parallel.random.get_device_rng_state() if cuda_available() else None,
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
+    states = [state]
+    if get_args().data_parallel_random_init:
+        states = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(states, state, group=dp_group)
+    if ckpt_format != "torch_dist":
+        return states
     return ShardedObject(
-        "rng_state",
-        [state],
-        (pp_size, tp_size),
-        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
-        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        f"{key_prefix}rng_state",
+        states,
+        (dist.get_world_size(pp_group), dist.get_world_size(tp_group)),
+        (dist.get_rank(pp_group), dist.get_rank(tp_group)),
+        replica_id=dist.get_rank(dp_cp_group),
     )
 
 
-def _restore_rng_state(states) -> None:
+def _restore_rng_state(states, dp_group) -> None:
     import random
 
     import numpy as np
     import torch
+    import torch.distributed as dist
 
     from megatron.core import tensor_parallel
     from megatron.core.utils import cuda_available
+    from megatron.training.global_vars import get_args
 
-    state = states[0]
+    state = states[dist.get_rank(dp_group)] if get_args().data_parallel_random_init else states[0]
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -179,74 +432,120 @@ def _model_key(index: int, num_chunks: int) -> str:
     return "model" if num_chunks == 1 else f"model{index}"
 
 
-def _sharded_state_dict(model, optimizer, opt_param_scheduler, *, with_optimizer, with_rng, is_loading, args=None,
-                        iteration=None, flops=None):
-    """Megatron's checkpoint content: model chunk(s), optimizer, scheduler, RNG, iteration and arguments.
+def _content_metadata(args) -> dict:
+    """Megatron's ``content_metadata``: how this run's model and optimizer lay out their sharded state (the
+    distributed optimizer's layout; ChainedOptimizer prefixes its members' keys with ``chained_<i>.``)."""
+    from megatron.core.optimizer.distrib_optimizer import _SHARDING_TYPE
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": False}
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = _SHARDING_TYPE
+    return metadata
+
+
+def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
+                        optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None):
+    """The checkpoint's content: arguments and version, the model chunk(s), unless --no-save-optim the optimizer
+    and scheduler, the rerun state machine's entry and unless --no-save-rng the RNG state.
 
     The wrappers (DDP, Float16Module) hand through to the model's own sharded_state_dict; DDP first completes a
     pending distributed-optimizer parameter gather, so the weights read are this step's.
     """
-    state_dict = {_model_key(i, len(model)): chunk.sharded_state_dict() for i, chunk in enumerate(model)}
-    if with_optimizer:
-        state_dict["optimizer"] = optimizer.sharded_state_dict(dict(state_dict), is_loading=is_loading)
-    if with_rng:
-        state_dict["rng_state"] = _rng_state_sharded_object()
-    if not is_loading:  # the plain values below are the checkpoint's common state (rank 0 writes them)
-        state_dict.update(
-            args=args,
-            checkpoint_version=3.0,
-            iteration=iteration,
-            num_floating_point_operations_so_far=flops,
-        )
-        if with_optimizer and opt_param_scheduler is not None:
+    state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION}
+    if iteration is not None:
+        state_dict["iteration"] = iteration
+    for index, chunk in enumerate(model):
+        state_dict[_model_key(index, len(model))] = chunk.sharded_state_dict(**(model_sd_kwargs or {}))
+    if not args.no_save_optim:
+        if optimizer is not None:
+            model_state = {key: value for key, value in state_dict.items() if key.startswith("model")}
+            state_dict["optimizer"] = optimizer.sharded_state_dict(model_state, **(optim_sd_kwargs or {}))
+        if opt_param_scheduler is not None:
             state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    state_dict["rerun_state_machine"] = rerun_state
+    if not args.no_save_rng and rng_state:
+        state_dict["rng_state"] = rng_state
     return state_dict
 
 
+def _drop_rank_specific_args(common_state_dict):
+    """The arguments legitimately differ per rank (rank, local_rank); rank 0's copy is the one saved."""
+    return {key: value for key, value in common_state_dict.items() if key != "args"}
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, non_persistent_ckpt=False):
-    """Save to ``<save>/iter_<iteration>`` and, once every rank's data is durable, point the tracker at it.
+                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+                    tp_group: Optional[ProcessGroup] = None, pp_group: Optional[ProcessGroup] = None,
+                    dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
+                    expt_dp_group: Optional[ProcessGroup] = None, rng_state_key_prefix: str = ""):
+    """Save to ``<save>/iter_<iteration>`` (``release/`` with ``release``) and, once every rank's data is durable,
+    point the tracker at it.
 
     With ``--async-save`` the tensors are staged now and written in the background; the tracker moves only when
     :func:`maybe_finalize_async_saves` sees every rank finished. A crash at any moment leaves the previous
-    checkpoint "latest".
+    checkpoint "latest". ``non_persistent_ckpt`` saves to ``--non-persistent-global-ckpt-dir`` (default
+    ``<save>/non_persistent``) and deletes the older non-persistent checkpoints there. ``checkpointing_context``
+    (a dict) keeps the save strategy from one save to the next. ``train_data_iterator`` goes to the rerun state
+    machine; ``preprocess_common_state_dict_fn`` prepares the common state for the cross-rank consistency check
+    (default: without the per-rank arguments); the groups default to parallel_state's and
+    ``rng_state_key_prefix`` prefixes the RNG state's key. ``pipeline_rank``, ``tensor_rank``, ``expert_rank``,
+    ``pipeline_parallel`` and ``expert_parallel`` name the files of Megatron's legacy per-rank format, which this
+    project does not write (the distributed format has one directory for all ranks); ``expt_dp_group`` is not
+    needed either: the optimizer knows the groups of its expert parameters.
     """
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
     from megatron.training.utils import print_rank_0
 
     args = get_args()
-    checkpoint_dir = get_checkpoint_name(args.save, iteration)
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save} in torch_dist format")
-    state_dict = _sharded_state_dict(
-        model, optimizer, opt_param_scheduler,
-        with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng, is_loading=False,
-        args=args, iteration=iteration, flops=num_floating_point_operations_so_far,
-    )
-    strategy = get_default_save_sharded_strategy()
-    if args.ckpt_fully_parallel_save:
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
+    tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     save_dir = args.save
+    if non_persistent_ckpt:
+        if getattr(args, "non_persistent_ckpt_type", "global") not in (None, "global"):
+            raise ValueError(f"not supported yet: --non-persistent-ckpt-type {args.non_persistent_ckpt_type} "
+                             "(only 'global' non-persistent checkpoints)")
+        save_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
+    checkpoint_dir = get_checkpoint_name(save_dir, iteration, release, return_base_dir=True)
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
+    content_metadata = _content_metadata(args)
+    rng_state = None if args.no_save_rng else get_rng_state(
+        "torch_dist", tp_group, pp_group, dp_cp_group, dp_group, key_prefix=rng_state_key_prefix
+    )
+    state_dict = generate_state_dict(
+        args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration,
+        optim_sd_kwargs={"metadata": content_metadata}, model_sd_kwargs={"metadata": content_metadata},
+        rerun_state=get_rerun_state_machine().state_dict(train_data_iterator, "torch_dist"),
+    )
+    state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    context = checkpointing_context if checkpointing_context is not None else {}
+    strategy = context.get("save_strategy")
+    if strategy is None:
+        strategy = get_default_save_sharded_strategy()
+        if args.ckpt_fully_parallel_save:
+            strategy = FullyParallelSaveStrategyWrapper(strategy, dp_cp_group)
+        context["save_strategy"] = strategy
     if dist.get_rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
     dist.barrier()
 
     def mark_latest():
         if dist.get_rank() == 0:
-            write_tracker_atomically(save_dir, iteration)
+            write_tracker_atomically(save_dir, RELEASE_DIRNAME if release else iteration)
+            if non_persistent_ckpt:
+                cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1)
         dist.barrier()
 
     request = dist_checkpointing.save(
         state_dict, checkpoint_dir, strategy, async_sharded_save=args.async_save,
-        # The arguments legitimately differ per rank (rank, local_rank); rank 0's copy is the one saved.
-        preprocess_common_before_consistancy_check=lambda common: {k: v for k, v in common.items() if k != "args"},
+        preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or _drop_rank_specific_args,
+        content_metadata=content_metadata,
     )
     if args.async_save:
         request.add_finalize_fn(mark_latest)
@@ -254,21 +553,35 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     else:
         dist.barrier()
         mark_latest()
-        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save}")
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
 
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
-    """Resume model (and unless told otherwise optimizer, scheduler and RNG) from ``--load``; returns
-    (iteration, floating-point operations so far). A missing checkpoint starts fresh, or exits with
-    ``--exit-on-missing-checkpoint``; an incomplete or corrupt one raises, naming the directory."""
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+                    checkpointing_context=None, skip_load_to_model_and_opt=False,
+                    tp_group: Optional[ProcessGroup] = None, pp_group: Optional[ProcessGroup] = None,
+                    dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
+                    expt_dp_group: Optional[ProcessGroup] = None, rng_state_key_prefix: str = ""):
+    """Resume the model chunks ``ddp_model`` (and unless told otherwise the optimizer, scheduler, RNG and rerun
+    state) from ``args.<load_arg>`` (or ``--pretrained-checkpoint``); returns (iteration, floating-point
+    operations so far). A missing checkpoint starts fresh, or exits with ``--exit-on-missing-checkpoint``; an
+    incomplete or corrupt one raises, naming the directory.
+
+    ``strict`` makes missing model keys an error; ``skip_load_to_model_and_opt`` reads everything but leaves the
+    model and optimizer as they are (for states loaded in place); ``checkpointing_context`` (a dict) keeps the load
+    strategy between loads; the groups default to parallel_state's (``expt_dp_group``: see save_checkpoint) and
+    ``rng_state_key_prefix`` must match the save's.
+    """
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.num_microbatches_calculator import update_num_microbatches
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
     from megatron.training.utils import print_rank_0
 
     args = get_args()
+    tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
     found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
@@ -285,36 +598,58 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         return 0, 0
     checkpoint_dir, iteration, release = found
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    set_checkpoint_version(common.get("checkpoint_version", 0))
+    fix_query_key_value_ordering(ddp_model, get_checkpoint_version())
+    # The checkpoint's own layout flags build the state to load into (a checkpoint without them predates them).
+    content_metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or _content_metadata(args)
     saved_args = common.get("args")
     same_layout = saved_args is not None and (
-        saved_args.tensor_model_parallel_size == args.tensor_model_parallel_size
-        and saved_args.pipeline_model_parallel_size == args.pipeline_model_parallel_size
+        saved_args.tensor_model_parallel_size == dist.get_world_size(tp_group)
+        and saved_args.pipeline_model_parallel_size == dist.get_world_size(pp_group)
     )
     load_optimizer = not (args.no_load_optim or finetune or release) and "opt_param_scheduler" in common
     load_rng = not (args.no_load_rng or finetune or release) and same_layout
     if not (args.no_load_rng or finetune or release) and not same_layout:
         print_rank_0("  the checkpoint's tensor/pipeline layout differs from this run's: RNG state not restored")
+    # Its per-rank entries exist only for the saving (pipeline, tensor) layout, as for the RNG state.
+    load_rerun_state = isinstance(common.get("rerun_state_machine"), dict) and same_layout and not (finetune or release)
     print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    sharded = _sharded_state_dict(model, optimizer, opt_param_scheduler,
-                                  with_optimizer=load_optimizer, with_rng=load_rng, is_loading=True)
-    state_dict = dist_checkpointing.load(sharded, checkpoint_dir, strict="assume_ok_unexpected" if strict else
-                                         "log_all")
-    for i, chunk in enumerate(model):
-        chunk.load_state_dict(state_dict[_model_key(i, len(model))], strict=strict)
+    rng_template = get_rng_state("torch_dist", tp_group, pp_group, dp_cp_group, dp_group,
+                                 key_prefix=rng_state_key_prefix) if load_rng else None
+    # What to load is decided above, whatever the --no-save-* flags say.
+    template_args = argparse.Namespace(**{**vars(args), "no_save_optim": False, "no_save_rng": False})
+    sharded = generate_state_dict(
+        template_args, ddp_model, optimizer if load_optimizer else None, None, rng_template,
+        optim_sd_kwargs={"is_loading": True, "metadata": content_metadata},
+        model_sd_kwargs={"metadata": content_metadata},
+        rerun_state=get_rerun_state_machine().state_dict(None, "torch_dist") if load_rerun_state else None,
+    )
+    context = checkpointing_context if checkpointing_context is not None else {}
+    strategy = context.get("load_strategy") or get_default_load_sharded_strategy(checkpoint_dir)
+    context["load_strategy"] = strategy
+    state_dict = dist_checkpointing.load(sharded, checkpoint_dir, strategy,
+                                         strict="assume_ok_unexpected" if strict else "log_all")
+    if not skip_load_to_model_and_opt:
+        for i, chunk in enumerate(ddp_model):
+            chunk.load_state_dict(state_dict[_model_key(i, len(ddp_model))], strict=strict)
     if load_optimizer:
-        optimizer.load_state_dict(state_dict["optimizer"])
+        if not skip_load_to_model_and_opt:
+            optimizer.load_state_dict(state_dict["optimizer"])
         if opt_param_scheduler is not None:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    elif args.fp16 or args.bf16:
+    elif (args.fp16 or args.bf16) and optimizer is not None and not skip_load_to_model_and_opt:
         optimizer.reload_model_params()  # fp32 main parameters follow the loaded weights
+    if load_rerun_state:
+        get_rerun_state_machine().load_state_dict(state_dict["rerun_state_machine"])
     if load_rng:
-        _restore_rng_state(state_dict["rng_state"])
+        _restore_rng_state(state_dict["rng_state"], dp_group)
     if finetune or release:
         iteration = 0
     elif saved_args is not None:
         args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
         update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
+    set_loaded_iteration(iteration)
     dist.barrier()
     print_rank_0(
         f"  successfully loaded checkpoint from {load_dir} [ t {parallel_state.get_tensor_model_parallel_rank()}, "
@@ -322,40 +657,3 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
 
-
-# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists).
-_CHECKPOINT_MODEL_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
-    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "swiglu", "squared_relu",
-    "untie_embeddings_and_output_weights", "normalization", "norm_epsilon", "add_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
-    "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
-    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-)
-
-
-def load_args_from_checkpoint(args, load_arg: str = "load"):
-    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments.
-
-    Called before validation, on every rank (each reads the small ``common.pt``). Values the checkpoint lacks keep
-    their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
-    """
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
-    load_dir = getattr(args, load_arg)
-    found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
-    if found is None:
-        raise CheckpointingException(
-            f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
-            f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
-        )
-    saved = load_common_state_dict(found[0]).get("args")
-    if saved is None:
-        raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
-    for name in _CHECKPOINT_MODEL_ARGS:
-        if hasattr(saved, name):
-            setattr(args, name, getattr(saved, name))
-    return args

@@ -1,5 +1,8 @@
-"""Small helpers of the training application: rank-aware printing, unwrapping, norms, memory, batches."""
+"""Small helpers of the training application: rank-aware printing, unwrapping, norms, memory, batches, masks."""
 
+import importlib.util
+import warnings
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Dict, List, Optional
 
@@ -7,13 +10,29 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import Float16Module, param_is_not_shared
-from megatron.core.utils import device_memory_mb, get_current_device, print_rank_0  # noqa: F401  (re-exported)
+from megatron.core.utils import cuda_available, device_memory_mb, get_current_device
+from megatron.training import argument_utils
 
 ALL_MODULE_WRAPPER_CLASSNAMES = (DistributedDataParallel, Float16Module)
+
+
+# ---- ranks and printing -----------------------------------------------------------------------------------------
+
+
+def is_rank0() -> bool:
+    """Global rank 0, or a single process before torch.distributed is initialised."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank_0(message) -> None:
+    """Print from global rank 0 (or always, before torch.distributed is initialised)."""
+    if is_rank0():
+        print(message, flush=True)
 
 
 def is_last_rank() -> bool:
@@ -26,9 +45,47 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
+def warn_rank_0(message: str) -> None:
+    """``warnings.warn`` on global rank 0 only, so a job of N ranks warns once, not N times."""
+    if is_rank0():
+        warnings.warn(message, stacklevel=2)
+
+
 def print_datetime(message: str) -> None:
     dist.barrier()
     print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def is_first_or_last_pipeline_stage(vp_stage) -> bool:
+    """Whether this rank's model chunk ``vp_stage`` is the first or the last stage of the pipeline."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return True
+    return parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage) or (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    )
+
+
+def is_hybrid_model(args) -> bool:
+    """Whether the arguments describe a hybrid (Mamba + attention) model: ``--is-hybrid-model`` or a layer pattern."""
+    return bool(
+        getattr(args, "is_hybrid_model", False)
+        or getattr(args, "hybrid_layer_pattern", None)
+        or getattr(args, "hybrid_override_pattern", None)
+    )
+
+
+def get_blend_and_blend_per_split(args):
+    """``(blend, blend_per_split)`` of the data flags (``--data-path``, ``--data-args-path``, the per-split paths or
+    ``--per-split-data-args-path``), as the dataset configs take them; both None for ``--mock-data``."""
+    return argument_utils.get_blend_and_blend_per_split(args)
+
+
+def update_use_dist_ckpt(args) -> None:
+    """``args.use_dist_ckpt``: every checkpoint format but the legacy per-rank ``torch`` one is distributed."""
+    args.use_dist_ckpt = args.ckpt_format != "torch"
+
+
+# ---- model wrappers ---------------------------------------------------------------------------------------------
 
 
 def unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES):
@@ -43,8 +100,25 @@ def unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES):
     return unwrapped if return_list else unwrapped[0]
 
 
-def calc_params_l2_norm(model: List[torch.nn.Module]) -> float:
-    """L2 norm of all parameters, each counted once across TP ranks and tied copies, over the model-parallel group."""
+def to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse=True):
+    """Allocate (uninitialised) storage on ``device`` for the parameters and buffers still on the meta device;
+    tensors that already have storage keep it. Returns ``module``."""
+
+    def materialize(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor
+
+    return module._apply(materialize, recurse=recurse)
+
+
+# ---- norms and reductions ---------------------------------------------------------------------------------------
+
+
+def calc_params_l2_norm(model, force_create_fp32_copy=False) -> float:
+    """L2 norm of all parameters, each counted once across TP ranks and tied copies, over the model-parallel group.
+
+    The norm is accumulated in fp32 whatever the parameters' dtype, so ``force_create_fp32_copy`` (Megatron's
+    switch for that) changes nothing here.
+    """
     params = [
         param
         for chunk in unwrap_model(model if isinstance(model, list) else [model])
@@ -56,16 +130,154 @@ def calc_params_l2_norm(model: List[torch.nn.Module]) -> float:
     )
 
 
+def calc_dtensor_params_l2_norm(params) -> float:
+    """L2 norm of DTensor parameters (FSDP-style sharded), each reduced over its own device mesh."""
+    squares = [torch.linalg.vector_norm(param.detach().float()).full_tensor() ** 2 for param in params]
+    if not squares:
+        return 0.0
+    return torch.stack(squares).sum().sqrt().item()
+
+
+def average_losses_across_data_parallel_group(losses: List[torch.Tensor]) -> torch.Tensor:
+    """The mean over data-parallel ranks of each (scalar) loss in ``losses``, as one tensor."""
+    averaged = torch.cat([loss.detach().clone().view(1) for loss in losses])
+    group = parallel_state.get_data_parallel_group()
+    dist.all_reduce(averaged, group=group)
+    return averaged / dist.get_world_size(group=group)
+
+
+def reduce_max_stat_across_model_parallel_group(stat: Optional[float]) -> Optional[float]:
+    """The largest ``stat`` over the model-parallel group; ranks without one pass None (None if nobody has one)."""
+    value = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float32, device=get_current_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+    return None if value.item() == -1.0 else value.item()
+
+
+def logical_and_across_model_parallel_group(input: bool) -> bool:
+    """True only when ``input`` is True on every rank of the model-parallel group."""
+    value = torch.tensor([int(bool(input))], dtype=torch.int32, device=get_current_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=parallel_state.get_model_parallel_group())
+    return bool(value.item())
+
+
+def print_params_min_max_norm(optimizer, iteration) -> None:
+    """One line per optimizer parameter on every rank: iteration, rank, index, model-parallel flag, min, max, norm."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm"]
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index += 1
+            data = param.detach().float()
+            model_parallel = int(getattr(param, "tensor_model_parallel", False))
+            lines.append(
+                f"{iteration:7d}, {rank:4d}, {index:4d}, {model_parallel:2d}, "
+                f"{data.min().item():.6E}, {data.max().item():.6E}, {torch.linalg.norm(data).item():.6E}"
+            )
+    print("\n".join(lines), flush=True)
+
+
+# ---- device and memory ------------------------------------------------------------------------------------------
+
+
+def get_device_arch_version() -> int:
+    """The accelerator's compute-capability major version (9 on Hopper); 0 on a CPU, so every "at least
+    architecture N" check for a GPU feature is false there."""
+    device = get_current_device()
+    if device.type == "cpu":
+        return 0
+    return torch.get_device_module(device).get_device_capability(device)[0]
+
+
 def report_memory(name: str) -> str:
-    """A one-line memory report: accelerator MB on a GPU, peak resident set size on a CPU."""
+    """Print (data-parallel rank 0 of each model-parallel group) and return a one-line memory report: accelerator
+    MB on a GPU, peak resident set size on a CPU."""
     stats = device_memory_mb()
     if stats is not None:
         fields = " | ".join(f"{key}: {value:.1f}" for key, value in stats.items())
-        return f"[Rank {dist.get_rank()}] (after {name}) memory (MB) | {fields}"
-    import resource
+    else:
+        import resource
 
-    max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return f"[Rank {dist.get_rank()}] (after {name}) memory (MB) | max resident: {max_rss_mb:.1f}"
+        fields = f"max resident: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}"
+    report = f"[Rank {dist.get_rank()}] (after {name}) memory (MB) | {fields}"
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(report, flush=True)
+    return report
+
+
+def get_nvtx_range():
+    """A context-manager factory ``nvtx_range(msg)`` naming a region in profiles: an NVTX range on CUDA (Nsight),
+    a ``record_function`` region on other devices (torch.profiler traces)."""
+
+    @contextmanager
+    def nvtx_range(msg, *args, **kwargs):
+        if cuda_available():
+            with torch.cuda.nvtx.range(msg, *args, **kwargs):
+                yield
+        else:
+            with torch.autograd.profiler.record_function(msg):
+                yield
+
+    return nvtx_range
+
+
+def has_nvrx_installed() -> bool:
+    """Whether NVIDIA Resiliency Extension (``nvidia_resiliency_ext``) is importable."""
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
+def has_nvrx_checkpointing_async_support() -> bool:
+    """Whether NVRx's asynchronous checkpoint module is importable (it is used only when installed)."""
+    if not has_nvrx_installed():
+        return False
+    return importlib.util.find_spec("nvidia_resiliency_ext.checkpointing.async_ckpt") is not None
+
+
+# ---- auto-resume ------------------------------------------------------------------------------------------------
+
+
+def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """With ADLR autoresume, when the cluster asks for termination: save, request a resume and exit."""
+    from megatron.training.checkpointing import finalize_async_saves, save_checkpoint
+    from megatron.training.global_vars import get_adlr_autoresume, get_args
+
+    args = get_args()
+    autoresume = get_adlr_autoresume()
+    dist.barrier()
+    if autoresume is None or not autoresume.termination_requested():
+        return
+    if args.save:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+        finalize_async_saves()
+    print_rank_0(">>> autoresume termination request found!")
+    if is_rank0():
+        autoresume.request_resume()
+    print_rank_0(">>> training terminated. Returning")
+    raise SystemExit(0)
+
+
+# ---- batches ----------------------------------------------------------------------------------------------------
+
+
+def get_ltor_masks_and_position_ids(data, eod_token, pad_token, reset_position_ids, reset_attention_mask,
+                                    eod_mask_loss, pad_mask_loss):
+    """Left-to-right masks for a batch of token ids ``data`` [b, s]: the attention mask [b or 1, 1, s, s]
+    (True = masked; one per sample only when ``reset_attention_mask`` makes them differ), the loss mask [b, s]
+    (0 at EOD with ``eod_mask_loss``, at padding with ``pad_mask_loss``) and the position ids [b, s]."""
+    masks, loss_masks, positions = [], [], []
+    for row in data:
+        mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+            row.cpu(), eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask=True
+        )
+        if pad_mask_loss:
+            loss_mask[row.cpu() == pad_token] = 0.0
+        masks.append(mask)
+        loss_masks.append(loss_mask)
+        positions.append(position_ids)
+    attention_mask = torch.stack(masks if reset_attention_mask else masks[:1])
+    return attention_mask.to(data.device), torch.stack(loss_masks).to(data.device), torch.stack(positions).to(
+        data.device
+    )
 
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
