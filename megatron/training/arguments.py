@@ -221,13 +221,17 @@ def validate_args(args, defaults={}):
 
 def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
     """``parse_args``, then (with ``--use-checkpoint-args``) the model arguments from the checkpoint, then
-    ``validate_args``: the validated namespace Megatron-LM's ``initialize_megatron`` starts from."""
+    ``validate_args``; the result becomes the run's arguments (``get_args()``), which ``initialize_megatron``
+    starts from."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.global_vars import set_args
+
     args = parse_args(extra_args_provider, ignore_unknown_args)
     if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
-        from megatron.training.checkpointing import load_args_from_checkpoint
-
         load_args_from_checkpoint(args)
-    return validate_args(args, args_defaults)
+    validate_args(args, args_defaults)
+    set_args(args)
+    return args
 
 
 def validate_model_config_args_from_heterogeneous_config(args):

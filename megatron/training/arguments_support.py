@@ -126,7 +126,10 @@ def _flags_by_dest(tables: Iterable[FlagTable]):
 
 
 def _is_set(args, flag: Flag) -> bool:
-    return getattr(args, flag.dest, flag.default) != flag.default
+    current = getattr(args, flag.dest, flag.default)
+    if isinstance(current, list) and len(current) == 1 and not isinstance(flag.default, list):
+        current = current[0]  # a nargs flag given its (scalar) default, e.g. --moe-router-load-balancing-type aux_loss
+    return current != flag.default
 
 
 def _as_typed(flag: Flag, current) -> str:
@@ -142,20 +145,22 @@ def _as_typed(flag: Flag, current) -> str:
 
 def refuse_features_not_built(args, tables: Iterable[FlagTable],
                               unsupported_values: Dict[str, Dict[Any, str]]) -> None:
-    """Raise one ValueError naming every flag that asks for a feature this project has not built yet.
+    """Raise one ValueError naming every flag that asks for a feature this project has not built yet, grouped by
+    feature: "not supported yet: <feature> (--flag value, --other-flag); <feature> (...)".
 
     ``unsupported_values`` maps a dest to the choices of an implemented flag that are not built yet (e.g.
     ``--position-embedding-type yarn``) and the feature each one needs."""
-    refused: List[str] = []
+    refused: Dict[str, List[str]] = {}
     for table, flag in _flags_by_dest(tables):
         if table.not_supported is not None and _is_set(args, flag):
-            refused.append(f"{table.not_supported} ({_as_typed(flag, getattr(args, flag.dest))})")
+            refused.setdefault(table.not_supported, []).append(_as_typed(flag, getattr(args, flag.dest)))
     for dest, features in unsupported_values.items():
         current = getattr(args, dest, None)
         if current in features:
-            refused.append(f"{features[current]} (--{dest.replace('_', '-')} {current})")
+            refused.setdefault(features[current], []).append(f"--{dest.replace('_', '-')} {current}")
     if refused:
-        raise ValueError("not supported yet: " + "; ".join(refused) + ". Remove the flag(s) or use the default.")
+        features = "; ".join(f"{feature} ({', '.join(flags)})" for feature, flags in refused.items())
+        raise ValueError(f"not supported yet: {features}. Remove the flag(s) or use the default.")
 
 
 def ignore_flags_without_effect(args, tables: Iterable[FlagTable]) -> List[str]:
