@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import megatron.core.transformer
+
 from megatron.core import parallel_state
 from megatron.core.activations import fast_gelu
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
@@ -169,6 +171,7 @@ def test_mla_config_constructs_with_megatron_defaults():
         "yarn", 40, 4096
     )
     assert isinstance(config, TransformerConfig)
+    assert megatron.core.transformer.MLATransformerConfig is MLATransformerConfig
 
 
 @pytest.mark.parametrize(
