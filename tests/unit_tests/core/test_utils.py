@@ -550,3 +550,62 @@ def test_straggler_detector_elapsed_reports_compute_and_data_time():
     assert (temp, power, util, clock) == (0, 0, 0, 0)
     with pytest.raises(ValueError, match=r"mmcnt must be >= 1"):
         detector.configure(1, 0, mmcnt=0)
+
+
+def _tp_broadcast(pp_size, stage, mtp, with_mask, with_cu_seqlens):
+    ps.initialize_model_parallel(2)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    torch.manual_seed(1)
+    full = {
+        "tokens": torch.randint(0, 50, (2, 4)),
+        "labels": torch.randint(0, 50, (2, 4)),
+        "loss_mask": torch.rand(2, 4),
+        "position_ids": torch.arange(4).repeat(2, 1),
+        "attention_mask": torch.rand(2, 1, 4, 4) > 0.5,
+        "cu_seqlens": torch.tensor([0, 3, 8]),
+        "max_seqlen": 5,
+    }
+    received = utils.get_batch_on_this_tp_rank(
+        full if tp_rank == 0 else {},
+        has_cu_seqlens=with_cu_seqlens,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=with_mask,
+        broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
+        broadcast_group=ps.get_tensor_model_parallel_group(),
+        cp_size=1,
+        tp_rank=tp_rank,
+        micro_batch_size=2,
+        seq_length=4,
+        mtp_on_this_rank=mtp,
+        pipeline_model_parallel_size=pp_size,
+        is_pipeline_first_stage=stage == "first",
+        is_pipeline_last_stage=stage == "last",
+    )
+    def same(key, value):
+        sent = torch.as_tensor(full[key]).to(value.dtype).reshape(value.shape)
+        return bool(torch.equal(value, sent))
+
+    return {key: None if value is None else same(key, value) for key, value in received.items()}
+
+
+@pytest.mark.parametrize(
+    "pp_size, stage, mtp, with_mask, present",
+    [
+        (1, None, False, True, {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}),
+        (2, "first", False, False, {"tokens", "position_ids"}),
+        (2, "last", False, True, {"labels", "loss_mask", "attention_mask"}),
+        (2, "last", True, False, {"labels", "loss_mask", "tokens", "position_ids"}),
+        (2, None, False, True, set()),
+    ],
+)
+def test_get_batch_on_this_tp_rank_sends_what_each_stage_needs(pp_size, stage, mtp, with_mask, present):
+    for result in run_distributed(2, _tp_broadcast, pp_size, stage, mtp, with_mask, False):
+        assert {key for key, same in result.items() if same is not None} == present
+        assert all(same for same in result.values() if same is not None)
+
+
+def test_get_batch_on_this_tp_rank_packed_sequences_and_refusal():
+    for result in run_distributed(2, _tp_broadcast, 1, None, False, False, True):
+        assert result["cu_seqlens"] and result["max_seqlen"] and result["tokens"]
+    with pytest.raises(ValueError, match=r"not supported yet: hybrid context parallelism"):
+        utils.get_batch_on_this_tp_rank({}, False, True, False, 0, None, 1, 0, 1, 4, False)
