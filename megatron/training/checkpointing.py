@@ -258,6 +258,33 @@ def finalize_deletion_processes(blocking=False):
             _DELETIONS.remove(thread)
 
 
+def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path, *, tp_group=None, pp_group=None,
+                                dp_group=None):
+    """Save the data loader's own state, for loaders that keep one (``train_iterator.iterable.save_state()``; the
+    built-in loaders resume from the consumed-sample count instead), to
+    ``<dataloader_save_path>/iter_<iteration>/train_dataloader_dprank<dp:03d>.pt`` as
+    ``{"dataloader_state_dict": state}``: one file per data-parallel rank, written by tensor rank 0 of the first
+    pipeline stage. Nothing happens without an iterator or a path; a loader without ``save_state`` is an error."""
+    import torch
+    import torch.distributed as dist
+
+    if train_iterator is None or not dataloader_save_path:
+        return
+    if not hasattr(getattr(train_iterator, "iterable", None), "save_state"):
+        raise RuntimeError(
+            f"--dataloader-save {dataloader_save_path}: the training data iterator ({type(train_iterator).__name__}) "
+            "has no iterable.save_state() to save"
+        )
+    tp_group, pp_group, _, dp_group = _groups(tp_group, pp_group, None, dp_group)
+    if dist.get_rank(tp_group) != 0 or dist.get_rank(pp_group) != 0:
+        return
+    dp_rank = dist.get_rank(dp_group)
+    path = os.path.join(get_checkpoint_name(dataloader_save_path, iteration, return_base_dir=True),
+                        f"train_dataloader_dprank{dp_rank:03d}.pt")
+    ensure_directory_exists(path)
+    torch.save({"dataloader_state_dict": train_iterator.iterable.save_state()}, path)
+
+
 # ---- the checkpoint's arguments ------------------------------------------------------------------------------------
 
 # Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists).
