@@ -10,10 +10,11 @@ import logging
 import math
 import numbers
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Type
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Type, Union
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -21,6 +22,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     BlendedMegatronDatasetConfig,
     SplitMatrix,
 )
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split, log_single_rank, normalize
 from megatron.core.utils import get_current_device
@@ -171,28 +173,27 @@ class BlendedMegatronDatasetBuilder:
         return datasets
 
     def _build_rank_0_first(self, tasks: List[Callable[[], Any]]) -> List[Any]:
-        """Run `tasks` on global rank 0, then (once all ranks know it succeeded) on the other building ranks.
+        """Run `tasks` on global rank 0, then (once all ranks know it succeeded) on the other building ranks;
+        ranks that do not build get a None per task."""
+        results = _rank_0_first(lambda: self._run(tasks), self.is_built_on_rank)
+        return [None] * len(tasks) if results is None else results
 
-        Every rank calls this the same number of times, whatever `is_built_on_rank` says, because it holds
-        collectives. After each phase the ranks agree on whether any of them failed; the failing rank re-raises its
-        error and the others raise a RuntimeError, so no rank is left waiting in a later collective.
+    @staticmethod
+    def build_generic_dataset(
+        cls: Union[Type[Union[BlendedDataset, MegatronDataset, IndexedDataset, Iterable, Dataset]], Callable],
+        is_built_on_rank: Callable,
+        synchronize_ranks: bool,
+        *args: Any,
+    ) -> Optional[Union[BlendedDataset, MegatronDataset, IndexedDataset, Iterable, Dataset]]:
+        """`cls(*args)` on the ranks where `is_built_on_rank()` is True, None elsewhere.
+
+        With `synchronize_ranks` (and torch.distributed initialised) global rank 0 builds first, so whatever it
+        caches on disk is there when the other ranks build; every rank must then call this, and a failure on any
+        rank is raised on every rank. Without it each rank builds on its own, with no collective.
         """
-        if not _distributed():
-            return self._run(tasks) if self.is_built_on_rank() else [None] * len(tasks)
-        rank = torch.distributed.get_rank()
-        results: List[Any] = [None] * len(tasks)
-        for phase in ("global rank 0", "the other ranks"):
-            failure: Optional[BaseException] = None
-            if (rank == 0) == (phase == "global rank 0") and self.is_built_on_rank():
-                try:
-                    results = self._run(tasks)
-                except Exception as error:  # re-raised below, once every rank knows to stop
-                    failure = error
-            if _any_rank_failed(failure is not None):
-                if failure is not None:
-                    raise failure
-                raise RuntimeError(f"{phase} failed to build the datasets (see that rank's error); stopping")
-        return results
+        if not synchronize_ranks or not _distributed():
+            return cls(*args) if is_built_on_rank() else None
+        return _rank_0_first(lambda: cls(*args), is_built_on_rank)
 
     def _run(self, tasks: List[Callable[[], Any]]) -> List[Any]:
         threads = min(self.config.num_dataset_builder_threads, len(tasks))
@@ -200,6 +201,31 @@ class BlendedMegatronDatasetBuilder:
             return [task() for task in tasks]
         with ThreadPoolExecutor(max_workers=threads) as pool:
             return list(pool.map(lambda task: task(), tasks))
+
+
+def _rank_0_first(build: Callable[[], Any], is_built_on_rank: Callable[[], bool]) -> Any:
+    """`build()` on global rank 0, then on the other ranks where `is_built_on_rank()`; None where nothing is built.
+
+    Every rank calls this the same number of times, whatever `is_built_on_rank` says, because it holds
+    collectives. After each phase the ranks agree on whether any of them failed; the failing rank re-raises its
+    error and the others raise a RuntimeError, so no rank is left waiting in a later collective.
+    """
+    if not _distributed():
+        return build() if is_built_on_rank() else None
+    rank = torch.distributed.get_rank()
+    result = None
+    for phase in ("global rank 0", "the other ranks"):
+        failure: Optional[BaseException] = None
+        if (rank == 0) == (phase == "global rank 0") and is_built_on_rank():
+            try:
+                result = build()
+            except Exception as error:  # re-raised below, once every rank knows to stop
+                failure = error
+        if _any_rank_failed(failure is not None):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"{phase} failed to build the datasets (see that rank's error); stopping")
+    return result
 
 
 def _size_with_surplus(target: Optional[int], weight: float, surplus: float) -> Optional[int]:

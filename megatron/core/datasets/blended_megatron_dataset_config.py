@@ -33,6 +33,13 @@ class BlendedMegatronDatasetConfig:
     blend_per_split: Optional[List[Optional[Blend]]] = None
     """One blend per split, train/valid/test (`--train-data-path`, `--valid-data-path`, `--test-data-path`)."""
 
+    multiple_validation_sets: Optional[bool] = None
+    """Megatron: one validation dataset per validation blend entry instead of their blend
+    (`--multiple-validation-sets`). Not supported yet: True is refused."""
+
+    full_validation: Optional[bool] = None
+    """Megatron: evaluate on the whole validation set (`--full-validation`). Not supported yet: True is refused."""
+
     split: Optional[str] = None
     """Relative split sizes such as "949,50,1"; required with `blend` (`--split`)."""
 
@@ -57,6 +64,18 @@ class BlendedMegatronDatasetConfig:
     mid_level_dataset_surplus: float = 0.005
     """Extra fraction of samples each blended dataset builds beyond its share (`--mid-level-dataset-surplus`)."""
 
+    allow_ambiguous_pad_tokens: bool = False
+    """Allow a tokenizer whose padding id is also a real token id (e.g. pad == eod): padding positions then cannot
+    be told from real tokens, so by default such a tokenizer is refused (`--allow-ambiguous-pad-tokens`)."""
+
+    fast_cache_load: bool = False
+    """Megatron's faster start-up path for the index caches (`--dataloader-fast-cache-load`); accepted, no effect:
+    the caches are memory-mapped `.npy` files read on demand."""
+
+    defer_npy_index_mmap: bool = False
+    """Megatron: memory-map the index caches only on first access (`--dataloader-defer-npy-index-mmap`); accepted,
+    no effect: mapping them costs no reads here."""
+
     drop_last_partial_validation_sequence: bool = True
     """Drop the final partial sample of the validation split (`--no-drop-last-partial-validation-sequence`)."""
 
@@ -64,6 +83,10 @@ class BlendedMegatronDatasetConfig:
     """Read `sequence_length + 1` tokens per sample so labels are the tokens shifted by one."""
 
     def __post_init__(self):
+        for name, feature in (("multiple_validation_sets", "separate validation datasets per blend entry"),
+                              ("full_validation", "validation over the whole validation set")):
+            if getattr(self, name):
+                raise ValueError(f"not supported yet: {feature} ({name}={getattr(self, name)!r})")
         _check_seed_and_length(self.random_seed, self.sequence_length)
         _check_builder_options(self.num_dataset_builder_threads, self.mid_level_dataset_surplus)
         if self.blend_per_split is not None and any(self.blend_per_split):
@@ -166,8 +189,8 @@ def parse_and_normalize_split(split: str) -> List[float]:
 
 
 def convert_split_vector_to_split_matrix(
-    vector_a: Sequence[float], vector_b: Optional[Sequence[float]] = None
-) -> SplitMatrix:
+    vector_a: List[float], vector_b: Optional[List[float]] = None
+) -> List[Optional[Tuple[float, float]]]:
     """Turn split fractions into `(begin, end)` book-ends, e.g. [.949, .05, .001] -> [(0, .949), (.949, .999), ...].
 
     With `vector_b`, each entry is the overlap of the two vectors' book-ends. A zero-width split becomes None.

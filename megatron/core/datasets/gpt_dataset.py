@@ -37,23 +37,54 @@ _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     """BlendedMegatronDatasetConfig plus what shapes a GPT sample."""
 
-    reset_position_ids: bool = False
-    """Restart position ids after every end-of-document token (`--reset-position-ids`)."""
+    reset_position_ids: Optional[bool] = None
+    """Restart position ids after every end-of-document token (`--reset-position-ids`). Megatron-Core requires it
+    set; None is taken as False here."""
 
-    reset_attention_mask: bool = False
-    """Block-diagonal attention: no token attends across an end-of-document token (`--reset-attention-mask`)."""
+    reset_attention_mask: Optional[bool] = None
+    """Block-diagonal attention: no token attends across an end-of-document token (`--reset-attention-mask`);
+    None is taken as False."""
 
-    eod_mask_loss: bool = False
-    """Give end-of-document tokens no loss (`--eod-mask-loss`)."""
+    eod_mask_loss: Optional[bool] = None
+    """Give end-of-document tokens no loss (`--eod-mask-loss`); None is taken as False."""
 
     create_attention_mask: bool = True
     """Put the `[1, S, S]` attention mask in each sample (`--no-create-attention-mask-in-dataloader` turns it off)."""
 
+    object_storage_cache_path: Optional[str] = None
+    """Megatron: local cache for datasets in object storage (`--object-storage-cache-path`). Not supported yet."""
+
+    data_parallel_size: int = 1
+    """Data-parallel size of the job; Megatron uses it only to pack sequences for hybrid context parallelism."""
+
+    sequence_parallel_size: int = 0
+    """Megatron: sequence-packing parallel size for hybrid context parallelism; only 0 (off) here."""
+
+    hybrid_context_parallel: bool = False
+    """Megatron: pack variable-length sequences for hybrid context parallelism. Not supported yet."""
+
+    sequences_per_dataset: Optional[Dict[str, Tuple[int, int]]] = None
+    """Megatron: known (sequence, document) counts per dataset, to skip reading the index headers at start-up
+    (`--per-dataset-sequences-path`). Not supported yet."""
+
+    token_dtype_code: Optional[int] = None
+    """Megatron: the known `.idx` token dtype code of every dataset, with `sequences_per_dataset`. Not supported yet."""
+
+    context_parallel_size: Optional[int] = None
+    """Context-parallel size of the job; Megatron uses it only with hybrid context parallelism."""
+
+    inter_document_masking: bool = False
+    """Megatron: mask attention between packed documents (with hybrid context parallelism). Not supported yet."""
+
     def __post_init__(self):
         super().__post_init__()
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if getattr(self, name) is None:
+                setattr(self, name, False)
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "create_attention_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_unsupported_gpt_fields(self)
         if self.tokenizer is None:
             raise ValueError(
                 "GPTDatasetConfig needs a tokenizer (any object with `eod` and `pad`) for the end-of-document and "
@@ -64,6 +95,40 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
                 f"the tokenizer ({type(self.tokenizer).__name__}) has no `eod` attribute; GPTDataset needs the "
                 f"end-of-document id"
             )
+        _check_pad_is_not_ambiguous(self)
+
+
+def _check_unsupported_gpt_fields(config: GPTDatasetConfig) -> None:
+    unsupported = {
+        "object_storage_cache_path": ("datasets in object storage", None),
+        "hybrid_context_parallel": ("hybrid context parallelism", False),
+        "sequence_parallel_size": ("sequence packing for hybrid context parallelism", 0),
+        "inter_document_masking": ("inter-document attention masking of packed sequences", False),
+        "sequences_per_dataset": ("known per-dataset sequence counts", None),
+        "token_dtype_code": ("a known token dtype for every dataset", None),
+    }
+    for name, (feature, default) in unsupported.items():
+        if getattr(config, name) != default:
+            raise ValueError(f"not supported yet: {feature} ({name}={getattr(config, name)!r})")
+    if not isinstance(config.data_parallel_size, int) or config.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be a positive integer, got {config.data_parallel_size!r}")
+
+
+def _check_pad_is_not_ambiguous(config: GPTDatasetConfig) -> None:
+    """A pad id equal to the end-of-document id would mask every real EOD label out of the loss as padding."""
+    pad, eod = _pad_token_id(config.tokenizer), config.tokenizer.eod
+    if pad == _PAD_TOKEN_ID or pad != eod:
+        return
+    if not config.allow_ambiguous_pad_tokens:
+        raise ValueError(
+            f"the tokenizer's padding id {pad} is also its end-of-document id, so GPTDataset could not tell padding "
+            "from real end-of-document tokens (their labels would get no loss); use a tokenizer with a distinct pad "
+            "token, or set allow_ambiguous_pad_tokens=True (--allow-ambiguous-pad-tokens) to accept that"
+        )
+    log_single_rank(
+        logger, logging.WARNING,
+        f"allow_ambiguous_pad_tokens: padding id {pad} equals the end-of-document id; those labels get no loss",
+    )
 
 
 class GPTDataset(MegatronDataset):

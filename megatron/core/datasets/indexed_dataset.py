@@ -22,7 +22,7 @@ import os
 import struct
 import uuid
 from array import array
-from typing import Optional, Type, Union
+from typing import Any, List, Optional, Tuple, Type, Union
 
 import numpy as np
 
@@ -226,14 +226,55 @@ class IndexedDataset:
         multimodal: whether the index holds a mode per sequence (then reads also return the mode).
         mmap: memory-map the `.bin` (reads are zero-copy views); False reads each request into a new array.
 
+        object_storage_config, s3_config: datasets in object storage (S3, MSC) -- not supported yet.
+        fast_cache_load: Megatron's faster start-up path; accepted, no effect (the index is memory-mapped anyway).
+        sequences_per_dataset, dtype_code: Megatron's way to skip reading the index header -- not supported yet.
+
     `ds[i]` and `ds.get(i, offset, length)` return a 1-D numpy array of tokens (multimodal: `(array, mode)`);
     `ds[a:b]` returns a list of arrays (multimodal: `(list, modes)`).
     """
 
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True):
+    def __init__(
+        self,
+        path_prefix: str,
+        multimodal: bool = False,
+        mmap: bool = True,
+        object_storage_config: Optional[Any] = None,
+        s3_config: Optional[Any] = None,
+        fast_cache_load: bool = False,
+        sequences_per_dataset: Optional[Tuple[int, int]] = None,
+        dtype_code: int = None,
+    ) -> None:
+        if s3_config is not None:
+            raise ValueError(f"IndexedDataset {path_prefix}: not supported yet: S3 datasets (s3_config={s3_config!r})")
+        self.initialize(
+            path_prefix, multimodal, mmap, object_storage_config, fast_cache_load, sequences_per_dataset, dtype_code
+        )
+
+    def initialize(
+        self,
+        path_prefix: str,
+        multimodal: bool,
+        mmap: bool,
+        object_storage_config: Optional[Any],
+        fast_cache_load: bool = False,
+        sequences_per_dataset: Optional[Tuple[int, int]] = None,
+        dtype_code: int = None,
+    ) -> None:
+        """Open the `.idx`/`.bin` pair of `path_prefix` (what the constructor and unpickling call)."""
+        unsupported = {
+            "datasets in object storage": ("object_storage_config", object_storage_config),
+            "a known sequence count instead of the index header": ("sequences_per_dataset", sequences_per_dataset),
+            "a known dtype instead of the index header": ("dtype_code", dtype_code),
+        }
+        for feature, (name, value) in unsupported.items():
+            if value is not None:
+                raise ValueError(f"IndexedDataset {path_prefix}: not supported yet: {feature} ({name}={value!r})")
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
+        self.fast_cache_load = fast_cache_load
+        self._document_indices_override = None
         self._idx_path = get_idx_path(path_prefix)
         self._bin_path = get_bin_path(path_prefix)
         self._index = _Index(self._idx_path, multimodal)
@@ -262,7 +303,7 @@ class IndexedDataset:
         return (self.path_prefix, self.multimodal, self.mmap)
 
     def __setstate__(self, state):
-        self.__init__(*state)
+        self.initialize(*state, None)
 
     def __len__(self) -> int:
         return len(self._index.sequence_lengths)
@@ -280,7 +321,9 @@ class IndexedDataset:
             return sequences
         raise TypeError(f"IndexedDataset indices must be integers or slices, not {type(idx).__name__}")
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None):
+    def get(
+        self, idx: int, offset: int = 0, length: Optional[int] = None
+    ) -> Union[np.ndarray, Tuple[np.ndarray, np.number]]:
         """Tokens `[offset, offset + length)` of sequence `idx` (to its end when `length` is None)."""
         sequence = self._read(idx, offset, length)
         if self.multimodal:
@@ -327,8 +370,29 @@ class IndexedDataset:
 
     @property
     def document_indices(self) -> np.ndarray:
-        """int64[D+1]: document i is sequences `[document_indices[i], document_indices[i+1])`."""
+        """int64[D+1]: document i is sequences `[document_indices[i], document_indices[i+1])` (the index's, or
+        those given to :meth:`set_document_indices`)."""
+        if self._document_indices_override is not None:
+            return self._document_indices_override
         return self._index.document_indices
+
+    def get_document_indices(self) -> np.ndarray:
+        """The document indices (see :attr:`document_indices`)."""
+        return self.document_indices
+
+    def set_document_indices(self, document_indices: np.ndarray) -> None:
+        """Regroup the sequences into other documents (e.g. one document per sequence), for everything built on
+        this dataset from now on; the files are not changed. The boundaries must start at 0, never decrease and end
+        at the number of sequences."""
+        indices = np.asarray(document_indices)
+        if indices.ndim != 1 or indices.size == 0 or not np.issubdtype(indices.dtype, np.integer):
+            raise ValueError(f"{self.path_prefix}: document indices must be a non-empty 1-D integer array")
+        if indices[0] != 0 or indices[-1] != len(self) or np.any(np.diff(indices) < 0):
+            raise ValueError(
+                f"{self.path_prefix}: document indices must start at 0, never decrease and end at the {len(self)} "
+                f"sequences, got {indices[:4].tolist()}...{indices[-2:].tolist()}"
+            )
+        self._document_indices_override = indices.astype(np.int64)
 
     @property
     def sequence_modes(self) -> Optional[np.ndarray]:
@@ -354,7 +418,7 @@ class IndexedDatasetBuilder:
         multimodal: store a mode (int8) per sequence.
     """
 
-    def __init__(self, bin_path: str, dtype: DTypeLike = np.int32, multimodal: bool = False):
+    def __init__(self, bin_path: str, dtype: Type[np.number] = np.int32, multimodal: bool = False) -> None:
         DType.code_from_dtype(dtype)
         self.dtype = np.dtype(dtype).type
         self.multimodal = multimodal

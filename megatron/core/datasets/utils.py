@@ -74,3 +74,9 @@ def get_blend_from_list(blend: Optional[List[str]]) -> Optional[Tuple[List[str],
             f"(e.g. ['0.3', 'a', '0.7', 'b']) or no weights at all (e.g. ['a', 'b'])"
         )
     return [prefix.strip() for prefix in blend[1::2]], candidate_weights
+
+
+def compile_helpers():
+    """Megatron-LM compiles its C++ index helpers here; this project's index helpers are numpy code
+    (`index_helpers.py`), so there is nothing to build: this only checks that they import."""
+    import megatron.core.datasets.index_helpers  # noqa: F401 -- raises if the helpers are unavailable
