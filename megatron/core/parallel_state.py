@@ -14,7 +14,6 @@ from math import prod
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection

@@ -16,10 +16,14 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from packaging.version import Version as PkgVersion
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,11 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.random import _EXPERT_PARALLEL_RNG_TRACKER_NAME, _MODEL_PARALLEL_RNG_TRACKER_NAME
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import (
+    _EXPERT_PARALLEL_RNG_TRACKER_NAME,
+    _MODEL_PARALLEL_RNG_TRACKER_NAME,
+    get_cuda_rng_tracker,
+)
 from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from megatron.core.utils import get_current_device, warn_once

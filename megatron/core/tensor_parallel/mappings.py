@@ -28,7 +28,7 @@ has one rank. Collectives write into fresh tensors: a gradient handed to backwar
 of the graph (a residual add passes one tensor to both), so reducing it in place would corrupt that branch.
 """
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
