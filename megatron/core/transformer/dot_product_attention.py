@@ -16,6 +16,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection, tp_group
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
 from megatron.core.utils import divide
 
 
@@ -47,6 +48,12 @@ class DotProductAttention(MegatronModule):
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # Sliding-window attention on this layer (config.window_size, every layer unless window_attn_skip_freq
+        # makes some of them full attention).
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            self.window_size = tuple(config.window_size)
+        else:
+            self.window_size = None
 
     def forward(
         self,
@@ -97,11 +104,11 @@ class DotProductAttention(MegatronModule):
 
         ``causal`` / ``padding_causal`` align query ``i`` with key ``i`` (top-left, as SDPA's ``is_causal``);
         ``causal_bottom_right`` aligns the queries with the last ``sq`` keys (queries continuing a cached prefix).
-        The two agree when ``sq == sk``.
+        The two agree when ``sq == sk``. A sliding window further hides keys outside it.
         """
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         bottom_right = mask_type is AttnMaskType.causal_bottom_right and sq != sk
-        if attention_mask is None and attention_bias is None and not bottom_right:
+        if attention_mask is None and attention_bias is None and not bottom_right and self.window_size is None:
             return None, (causal or mask_type is AttnMaskType.causal_bottom_right) and sq > 1
         masked = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=device)
         if attention_mask is not None:
@@ -111,6 +118,8 @@ class DotProductAttention(MegatronModule):
         if causal or mask_type is AttnMaskType.causal_bottom_right:
             diagonal = sk - sq + 1 if mask_type is AttnMaskType.causal_bottom_right else 1
             masked = masked | torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal)
+        if self.window_size is not None:
+            masked = masked | get_sliding_window_causal_mask(sq, sk, self.window_size).to(device)
         if attention_bias is None:
             return ~masked, False
         bias = attention_bias.float().masked_fill(masked, float("-inf"))

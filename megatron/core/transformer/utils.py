@@ -199,10 +199,14 @@ def get_default_causal_mask(sq: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def get_sliding_window_causal_mask(sq, skv, window_size):
     """Sliding-window mask ``[sq, skv]`` (True = masked), queries aligned with the last ``sq`` keys: query ``i``
-    sees keys ``j`` with ``-window_size[0] <= j - (i + skv - sq) <= window_size[1]``."""
+    sees keys ``j`` with ``-window_size[0] <= j - (i + skv - sq) <= window_size[1]``; a negative bound is
+    unlimited (``(-1, 0)`` is plain causal attention)."""
     left, right = window_size
     keep = torch.ones(sq, skv, dtype=torch.bool, device=get_current_device())
-    keep = keep.triu(skv - sq - left).tril(skv - sq + right)
+    if left >= 0:
+        keep = keep.triu(skv - sq - left)
+    if right >= 0:
+        keep = keep.tril(skv - sq + right)
     return ~keep
 
 

@@ -278,3 +278,27 @@ def _zeroed_embedding():
 
 def test_embedding_zero_parameters():
     assert run_distributed(1, _zeroed_embedding) == [True]
+
+
+def _sliding_window():
+    parallel_state.initialize_model_parallel(1)
+    config = _config(num_layers=4)
+    # The config refuses window_size until sliding-window attention is listed as built there; the module reads
+    # the fields directly.
+    config.window_size, config.window_attn_skip_freq = (1, 0), 2
+    q, k, v = (torch.randn(5, 1, HEADS, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    windowed = DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.5)
+    full = DotProductAttention(config, 2, AttnMaskType.causal, "self", softmax_scale=0.5)  # every 2nd layer is full
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) * 0.5
+    keep = torch.ones(5, 5).tril() * torch.ones(5, 5).triu(-1)  # the key itself and the one before it
+    expected = torch.einsum("bnst,tbnd->sbnd", scores.masked_fill(keep == 0, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(windowed(q, k, v, None), expected.reshape(5, 1, -1), atol=1e-5, rtol=1e-5)
+    causal = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf")).softmax(-1)
+    torch.testing.assert_close(full(q, k, v, None), torch.einsum("bnst,tbnd->sbnd", causal, v).reshape(5, 1, -1),
+                               atol=1e-5, rtol=1e-5)
+    return windowed.window_size, full.window_size
+
+
+def test_sliding_window_attention():
+    assert run_distributed(1, _sliding_window) == [((1, 0), None)]
+    assert torch.equal(get_sliding_window_causal_mask(3, 3, (-1, 0)), get_default_causal_mask(3))

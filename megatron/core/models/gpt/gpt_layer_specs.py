@@ -2,7 +2,10 @@
 
 Megatron's spec functions for features not built here (Transformer Engine and inference-optimised layers,
 mixture of experts, multi-latent attention, multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
-names and parameters and refuse those features with a "not supported yet" ``ValueError``.
+names and parameters and refuse those features with a "not supported yet" ``ValueError``. Parameters that only
+pick a Transformer Engine kernel for the same computation (``use_te_op_fuser``, ``use_te_activation_func``,
+``use_grouped_gemm_for_dense_mlp``) have no effect with the local modules, as the config treats the fields of the
+same names.
 """
 
 from typing import List, Optional, Union
@@ -31,8 +34,7 @@ def _not_supported(feature: str, **settings) -> ValueError:
 
 
 def _refuse_unbuilt(num_experts=None, moe_grouped_gemm=False, multi_latent_attention=False, fp8=None,
-                    use_kitchen=False, use_kitchen_attention=False, use_te_op_fuser=False,
-                    use_te_activation_func=False, use_grouped_gemm_for_dense_mlp=False) -> None:
+                    use_kitchen=False, use_kitchen_attention=False) -> None:
     if num_experts is not None or moe_grouped_gemm:
         raise _not_supported("mixture of experts", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     if multi_latent_attention:
@@ -42,12 +44,6 @@ def _refuse_unbuilt(num_experts=None, moe_grouped_gemm=False, multi_latent_atten
     if use_kitchen or use_kitchen_attention:
         raise _not_supported("Kitchen quantised layers", use_kitchen=use_kitchen,
                              use_kitchen_attention=use_kitchen_attention)
-    if use_te_op_fuser or use_te_activation_func:
-        raise _not_supported("Transformer Engine fused ops", use_te_op_fuser=use_te_op_fuser,
-                             use_te_activation_func=use_te_activation_func)
-    if use_grouped_gemm_for_dense_mlp:
-        raise _not_supported("grouped GEMM for the dense MLP",
-                             use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
 
 
 def _norm_spec(normalization: Optional[str]):
@@ -64,10 +60,9 @@ def get_mlp_module_spec_for_backend(
     use_te_activation_func: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> ModuleSpec:
-    """The dense MLP spec with ``backend``'s linears (and activation module, if it has one)."""
-    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, use_te_op_fuser=use_te_op_fuser,
-                    use_te_activation_func=use_te_activation_func,
-                    use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
+    """The dense MLP spec with ``backend``'s linears (and activation module, if it has one). The kernel-choice
+    parameters make no difference to the local backend's modules."""
+    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     return ModuleSpec(
         module=MLP,
         submodules=MLPSubmodules(
