@@ -126,3 +126,77 @@ def test_missing_logging_package_warns_and_logs_nothing(monkeypatch, module, fla
 def test_microbatch_getters_are_re_exported():
     assert global_vars.get_num_microbatches is get_num_microbatches
     assert {"get_current_global_batch_size", "update_num_microbatches"} <= set(global_vars.__all__)
+
+
+def test_exit_signal_handler_is_installed_from_set_global_variables_and_destroyed():
+    import os
+    import signal
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    args = validated("--exit-signal-handler")
+    args.exit_signal = signal.SIGUSR1
+    set_global_variables(args)
+    handler = global_vars.get_signal_handler()
+    os.kill(os.getpid(), signal.SIGUSR1)  # recorded, not fatal
+    assert handler.signals_received() == [True]
+    global_vars.destroy_global_vars()
+    assert global_vars.get_signal_handler() is None
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_no_signal_handler_without_the_flag_and_vendor_services_are_absent():
+    set_global_variables(validated())
+    assert global_vars.get_signal_handler() is None
+    assert global_vars.get_one_logger() is None and global_vars.get_energy_monitor() is None
+    assert global_vars.get_adlr_autoresume() is None
+
+
+def test_adlr_autoresume_without_nvidias_library_warns(monkeypatch):
+    monkeypatch.setitem(sys.modules, "userlib", None)  # not importable
+    args = validated()
+    args.adlr_autoresume = True
+    with pytest.warns(UserWarning, match="userlib.auto_resume .* is not installed; the flag has no effect"):
+        set_global_variables(args)
+    assert global_vars.get_adlr_autoresume() is None
+
+
+def test_adlr_autoresume_uses_the_library_when_present(monkeypatch):
+    auto_resume = types.ModuleType("userlib.auto_resume")
+    auto_resume.AutoResume = type("AutoResume", (), {})
+    monkeypatch.setitem(sys.modules, "userlib", types.ModuleType("userlib"))
+    monkeypatch.setitem(sys.modules, "userlib.auto_resume", auto_resume)
+    args = validated()
+    args.adlr_autoresume = True
+    set_global_variables(args)
+    assert global_vars.get_adlr_autoresume() is auto_resume.AutoResume
+
+
+def test_args_already_set_by_parse_and_validate_args_may_be_completed():
+    args = validated()
+    global_vars.set_args(args)
+    set_global_variables(args)  # the same arguments: the other globals are filled in
+    assert get_timers() is not None
+    other = validated()
+    unset_global_variables()
+    global_vars.set_args(args)
+    with pytest.raises(RuntimeError, match="already set"):
+        set_global_variables(other)
+
+
+def test_rebuild_tokenizer_replaces_the_runs_tokenizer():
+    args = validated()
+    set_global_variables(args)
+    first = get_tokenizer()
+    rebuilt = global_vars.rebuild_tokenizer(args)
+    assert get_tokenizer() is rebuilt and rebuilt is not first and rebuilt.vocab_size == first.vocab_size
+
+
+def test_destroy_global_vars_closes_the_tensorboard_writer(monkeypatch):
+    closed = []
+    writer = types.SimpleNamespace(close=lambda: closed.append(True))
+    set_global_variables(validated())
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", writer)
+    global_vars.destroy_global_vars()
+    assert closed == [True]
+    with pytest.raises(RuntimeError, match="args is not initialized"):
+        get_args()
