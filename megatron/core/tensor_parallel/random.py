@@ -459,8 +459,11 @@ class CheckpointWithoutOutput:
         """Free the output's storage now; recompute it when backward reaches ``hook_tensor``."""
         if self.ctx is None:
             raise RuntimeError("call checkpoint() before discard_output_and_register_recompute()")
+        # An output that shares memory with an input (a view of it) must stay: freeing it would destroy the input.
+        input_storages = {t.untyped_storage().data_ptr() for t in self.ctx.saved_tensors}
         for output in self._output_tensors():
-            output.untyped_storage().resize_(0)
+            if output.untyped_storage().data_ptr() not in input_storages:
+                output.untyped_storage().resize_(0)
         if hook_tensor.requires_grad:
             hook_tensor.register_hook(self._recompute_hook)
 

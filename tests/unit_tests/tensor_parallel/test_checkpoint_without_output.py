@@ -103,6 +103,18 @@ def test_tuple_outputs_and_non_tensor_arguments():
     assert torch.allclose(w1.grad, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_an_output_that_is_a_view_of_an_input_is_not_freed():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 2, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    same = ckpt.checkpoint(lambda t: t.view(3, 4), x)
+    out = same.view(4, 3) @ w
+    ckpt.discard_output_and_register_recompute(out)
+    assert x.untyped_storage().size() > 0 and same.untyped_storage().size() > 0
+    out.sum().backward()
+    assert torch.allclose(x.grad, torch.ones(4, 2) @ w.detach().t())
+
+
 def test_checkpoint_without_output_refusals():
     with pytest.raises(ValueError, match=r"not supported yet: FP8 recomputation in CheckpointWithoutOutput"):
         CheckpointWithoutOutput(fp8=True)
