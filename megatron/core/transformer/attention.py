@@ -161,6 +161,22 @@ def _run_backward_dw(*linears) -> None:
             linear.backward_dw()
 
 
+def _is_thd(packed_seq_params, hidden_states: Tensor) -> bool:
+    """Whether attention runs on packed sequences (``qkv_format='thd'``, one row of concatenated sequences)."""
+    if packed_seq_params is None:
+        return False
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(
+            f"not supported yet: packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}; use 'thd'"
+        )
+    if hidden_states.shape[1] != 1:
+        raise ValueError(
+            f"packed sequences (qkv_format='thd') come as one row of concatenated sequences [t, 1, h]; got batch "
+            f"size {hidden_states.shape[1]}"
+        )
+    return True
+
+
 class Attention(MegatronModule, ABC):
     """What self- and cross-attention share: head bookkeeping, core attention, output projection and forward.
 
@@ -276,7 +292,9 @@ class Attention(MegatronModule, ABC):
         """Attention over ``hidden_states`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
 
         ``rotary_pos_emb`` is one angle tensor for queries and keys or a ``(query, key)`` pair; precomputed
-        ``rotary_pos_cos`` / ``rotary_pos_sin`` may be given instead.
+        ``rotary_pos_cos`` / ``rotary_pos_sin`` may be given instead. With ``packed_seq_params``
+        (``qkv_format='thd'``) ``hidden_states`` is one row ``[t, 1, h]`` of concatenated sequences, each attending
+        only within itself, with positions restarting per sequence.
         """
         if inference_context is not None or inference_params is not None or sequence_len_offset is not None:
             raise ValueError("not supported yet: inference with a KV cache (inference_context / sequence_len_offset)")
@@ -284,6 +302,10 @@ class Attention(MegatronModule, ABC):
             raise ValueError("not supported yet: the fused cos/sin RoPE tensor of inference kernels "
                              "(rotary_pos_cos_sin); pass rotary_pos_cos and rotary_pos_sin")
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        packed = _is_thd(packed_seq_params, hidden_states)
+        if packed:
+            # Packed sequences: one row [t, 1, ...] of concatenated sequences becomes [t, heads, d] (THD).
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         query, key = self._rotate(query, key, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, packed_seq_params)
         if self.checkpoint_core_attention and self.training:
             context = tensor_parallel.checkpoint(
@@ -291,6 +313,8 @@ class Attention(MegatronModule, ABC):
             )
         else:
             context = self._core_attention(query, key, value, attention_mask, attention_bias, packed_seq_params)
+        if packed:
+            context = context.reshape(context.shape[0], 1, -1)
         return self.linear_proj(context)
 
     def _core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params):

@@ -12,12 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
 from megatron.core.utils import divide
+
+
+def _sequence_ids(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """Index of the packed sequence each token belongs to, from cumulative lengths ``[0, l0, l0 + l1, ...]``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
 
 
 class DotProductAttention(MegatronModule):
@@ -63,12 +70,12 @@ class DotProductAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[Any] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ):
-        if packed_seq_params is not None:
-            raise ValueError("packed_seq_params (THD packed sequences) is not supported; pass a block-diagonal "
-                             "attention_mask instead")
         mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias,
+                                        packed_seq_params)
         groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups_repeat > 1:  # grouped-query attention: each key/value head serves a group of query heads
             key = key.repeat_interleave(groups_repeat, dim=2)
@@ -93,6 +100,23 @@ class DotProductAttention(MegatronModule):
             context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim).to(out_dtype)
+
+    def _packed_forward(self, query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params):
+        """THD: ``[t, heads, d]`` inputs of concatenated sequences -> ``[t, heads * d]``; a token attends only to
+        tokens of its own sequence (causally within it for causal mask types)."""
+        if packed_seq_params.qkv_format != "thd" or query.dim() != 3:
+            raise ValueError("packed_seq_params needs qkv_format='thd' and [t, heads, d] query/key/value")
+        if attention_mask is not None:
+            raise ValueError("packed sequences take their mask from packed_seq_params; pass attention_mask=None")
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+        if causal and not torch.equal(cu_q, cu_kv):
+            raise ValueError("causal attention over packed sequences needs cu_seqlens_q == cu_seqlens_kv")
+        other_sequence = _sequence_ids(cu_q, query.device)[:, None] != _sequence_ids(cu_kv, query.device)[None, :]
+        # With the same boundaries, the global causal mask restricted to one sequence is that sequence's causal mask.
+        context = self.forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                               other_sequence[None, None], mask_type, attention_bias)
+        return context.squeeze(1)
 
     def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal):
         return F.scaled_dot_product_attention(

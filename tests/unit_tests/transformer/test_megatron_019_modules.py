@@ -302,3 +302,51 @@ def _sliding_window():
 def test_sliding_window_attention():
     assert run_distributed(1, _sliding_window) == [((1, 0), None)]
     assert torch.equal(get_sliding_window_causal_mask(3, 3, (-1, 0)), get_default_causal_mask(3))
+
+
+def _packed_sequences():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    parallel_state.initialize_model_parallel(1)
+    torch.manual_seed(0)
+    attention = build_module(get_gpt_layer_local_spec().submodules.self_attention, config=_config(num_query_groups=2),
+                             layer_number=1)
+    first, second = torch.randn(3, 1, HIDDEN), torch.randn(5, 1, HIDDEN)
+    rope = RotaryEmbedding(kv_channels=HIDDEN // HEADS, rotary_percent=1.0)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    packed, _ = attention(torch.cat((first, second)), None, rotary_pos_emb=rope(5, packed_seq=True),
+                          packed_seq_params=params)
+    separate = torch.cat([attention(x, None, rotary_pos_emb=rope(x.shape[0]))[0] for x in (first, second)])
+    torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one row of concatenated sequences"):
+        attention(torch.randn(8, 2, HIDDEN), None, packed_seq_params=params)
+    with pytest.raises(ValueError, match="not supported yet: packed_seq_params with qkv_format='sbhd'"):
+        attention(torch.randn(8, 1, HIDDEN), None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    return packed.shape
+
+
+def test_packed_sequences_attend_within_themselves():
+    assert run_distributed(1, _packed_sequences) == [torch.Size([8, 1, HIDDEN])]
+
+
+def _packed_gpt():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    parallel_state.initialize_model_parallel(1)
+    torch.manual_seed(0)
+    model = GPTModel(_config(), get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
+                     position_embedding_type="rope").eval()
+    tokens = torch.randint(0, 32, (1, 8))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    packed = model(tokens, None, None, packed_seq_params=params)
+    separate = torch.cat([model(tokens[:, :3], None, None), model(tokens[:, 3:], None, None)], dim=1)
+    torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+    return True
+
+
+def test_gpt_model_on_packed_sequences():
+    assert run_distributed(1, _packed_gpt) == [True]
