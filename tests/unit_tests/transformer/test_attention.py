@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -96,7 +97,7 @@ def _errors():
     q, k, v = _inputs(HEADS)
     for call in (
         lambda: attention(q, k, v, torch.zeros(1, 1, S, S)),
-        lambda: attention(q, k, v, None, packed_seq_params=object()),
+        lambda: attention(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
         lambda: DotProductAttention(_with_context_parallelism(), 1, AttnMaskType.causal, "self"),
     ):
         try:
@@ -110,5 +111,5 @@ def _errors():
 def test_attention_errors():
     bad_mask, packed, cp = run_distributed(1, _errors)[0]
     assert bad_mask == "attention_mask must be a bool tensor (True = masked), got torch.float32"
-    assert packed.startswith("packed_seq_params (THD packed sequences) is not supported")
+    assert packed == "packed_seq_params needs qkv_format='thd' and [t, heads, d] query/key/value"
     assert cp.startswith("context_parallel_size=2 needs ring attention")
