@@ -38,15 +38,17 @@ from megatron.training.argument_utils import (
     enum_by_name,
     get_blend_and_blend_per_split,
 )
+from megatron.training.arguments_model_flags import HETEROGENEOUS
 from megatron.training.arguments_model_flags import TABLES as MODEL_FLAG_TABLES
 from megatron.training.arguments_run_flags import TABLES as RUN_FLAG_TABLES
 from megatron.training.arguments_service_flags import TABLES as SERVICE_FLAG_TABLES
-from megatron.training.arguments_support import add_flag_tables, argument_group
+from megatron.training.arguments_support import add_flag_tables, argument_group, refuse_features_not_built
 from megatron.training.yaml_arguments import yaml_settings
 
 __all__ = [
     "parse_args", "parse_args_list", "parse_and_validate_args", "build_parser", "add_megatron_arguments",
-    "validate_args", "moe_freq_type", "la_freq_type", "no_rope_freq_type", "tuple_type",
+    "validate_args", "validate_model_config_args_from_heterogeneous_config", "moe_freq_type", "la_freq_type",
+    "no_rope_freq_type", "tuple_type",
     # The config builders, importable from here as in Megatron-LM.
     "core_transformer_config_from_args", "core_ddp_config_from_args", "core_optimizer_config_from_args",
     "core_gpt_dataset_config_from_args", "get_blend_and_blend_per_split",
@@ -236,12 +238,9 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
 
 def validate_model_config_args_from_heterogeneous_config(args):
     """Megatron-LM's check of the arguments against a heterogeneous layer config (``--heterogeneous-layers-config-
-    path``); such configs are not supported yet, so a run that names one is refused."""
-    if args.heterogeneous_layers_config_path is not None or args.heterogeneous_layers_config_encoded_json is not None:
-        raise ValueError(
-            "not supported yet: heterogeneous layer configurations (--heterogeneous-layers-config-path / "
-            "--heterogeneous-layers-config-encoded-json). Remove the flag."
-        )
+    path`` / ``-encoded-json``). Such configs are not supported yet: a run that names one is refused, with the
+    message validate_args gives."""
+    refuse_features_not_built(args, (HETEROGENEOUS,), {})
     return args
 
 
@@ -577,7 +576,7 @@ def _add_data_args(parser):
                        help="Another name for --seq-length (give one of them).")
     group.add_argument("--num-workers", type=int, default=2, help="Data-loader worker processes.")
     for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        add_field_argument(group, GPTDatasetConfig, name)
+        add_field_argument(group, GPTDatasetConfig, name, default=False)  # the config's None means "not given"
     add_field_argument(group, GPTDatasetConfig, "create_attention_mask",
                        flags=["--no-create-attention-mask-in-dataloader"], dest="create_attention_mask_in_dataloader")
     add_field_argument(group, BlendedMegatronDatasetConfig, "num_dataset_builder_threads")
