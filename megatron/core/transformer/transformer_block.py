@@ -8,6 +8,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -170,7 +171,7 @@ class TransformerBlock(MegatronModule):
         rotary_pos_cos_sin: Optional[torch.Tensor] = None,
         attention_bias: Optional[torch.Tensor] = None,
         inference_context: Optional[Any] = None,
-        packed_seq_params: Optional[Any] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
         sequence_len_offset: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
         extract_layer_indices: Optional[Set[int]] = None,

@@ -250,7 +250,11 @@ def _layers_and_block():
     assert len(features) == 2 and block.has_final_layernorm_in_this_stage()
     torch.testing.assert_close(block(x, None), hidden)
     no_norm = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * 3, layer_norm=None))
+    set_model_to_sequence_parallel(block, set_to=True, exclude_modules=[block.layers[2]])
+    switched = [block.config.sequence_parallel, block.layers[0].self_attention.linear_qkv.sequence_parallel,
+                block.layers[2].self_attention.linear_qkv.sequence_parallel]
     set_model_to_sequence_parallel(block, set_to=False)
+    assert switched == [True, True, False] and not block.layers[0].mlp.linear_fc1.sequence_parallel
     return layer.layer_number, unshifted.layer_number, no_norm.has_final_layernorm_in_this_stage()
 
 

@@ -11,6 +11,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     RotaryEmbedding,
 )
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -143,15 +144,15 @@ class GPTModel(LanguageModule):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        decoder_input: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inference_context=None,
-        packed_seq_params=None,
-        extra_block_kwargs: Optional[dict] = None,
+        attention_mask: torch.Tensor,
+        decoder_input: torch.Tensor = None,
+        labels: torch.Tensor = None,
+        inference_context: Any = None,
+        packed_seq_params: PackedSeqParams = None,
+        extra_block_kwargs: dict = None,
         runtime_gather_output: Optional[bool] = None,
         *,
-        inference_params=None,
+        inference_params: Optional[Any] = None,
         loss_mask: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
         output_processor: Optional[Callable[..., torch.Tensor]] = None,
