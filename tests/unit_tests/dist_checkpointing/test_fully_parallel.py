@@ -1,19 +1,24 @@
 """Fully parallel save: each replicated piece is written exactly once, by one of the ranks that hold it, and the
-bytes are spread over them. Who wrote what is read back from the DCP metadata (``__<rank>_<n>.distcp``)."""
+bytes are spread over them. Who wrote what is read back from the DCP metadata (``__<rank>_<n>.distcp``).
+Fully parallel load: each piece several ranks ask for is read from disk once and shared."""
 
 import re
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.core.dist_checkpointing import ShardedTensor, load_plain_tensors, save
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, load, load_plain_tensors, save
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
     distribute_shards_to_ranks,
 )
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.unit_tests.test_utilities import run_distributed
 
 SIZES = [64, 48, 40, 32, 16, 8, 8, 4]  # rows of 16 floats
@@ -101,3 +106,78 @@ def test_distribution_is_greedy_by_size_and_deterministic():
     holders = {"a": [0, 1], "b": [0, 1], "c": [0, 1], "d": [1]}
     sizes = {"a": 10, "b": 6, "c": 5, "d": 1}
     assert distribute_shards_to_ranks(holders, sizes) == {"a": 0, "b": 1, "c": 1, "d": 1}
+
+
+# ---- fully parallel load --------------------------------------------------------------------------------------
+
+
+class _RecordingLoadStrategy(TorchDistLoadShardedStrategy):
+    """Remembers which pieces this rank read from disk (but the common state, which every rank reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = []
+
+    def load_local(self, sharded_state_dict, checkpoint_dir):
+        self.read += [leaf.key for leaf in nested_values(sharded_state_dict) if leaf.key != "common_state"]
+        return super().load_local(sharded_state_dict, checkpoint_dir)
+
+
+def _request(rank, with_data):
+    """Every rank asks for all the replicated pieces (some with a buffer to fill, some without), a piece only it
+    holds, a flattened piece and the replicated RNG-like object."""
+    state = {}
+    for i in range(len(SIZES)):
+        piece = _replicated(i, replica_id=rank)
+        state[f"t{i}"] = piece if with_data and i % 2 else piece.without_data()
+    own = ShardedTensor.from_rank_offsets("own", torch.zeros(2, 3), (0, rank, 4), replica_id=0)
+    flat = ShardedTensor.from_rank_offsets_flat("t0", torch.zeros(10), (SIZES[0], 16), flattened_range=slice(5, 15),
+                                                replica_id=rank + 1)
+    return {**state, "own": own, "flat": [flat], "rng": ShardedObject("rng", None, (1,), (0,), replica_id=rank)}
+
+
+def _load_fully_parallel(checkpoint_dir):
+    rank = dist.get_rank()
+    state = {f"t{i}": _replicated(i, replica_id=rank) for i in range(len(SIZES))}
+    state["own"] = ShardedTensor.from_rank_offsets("own", torch.full((2, 3), float(rank)), (0, rank, 4))
+    state["rng"] = ShardedObject("rng", {"seed": 11}, (1,), (0,), replica_id=rank)
+    save(state, checkpoint_dir)
+    base = _RecordingLoadStrategy()
+    wrapper = FullyParallelLoadStrategyWrapper(base, do_cache_distribution=True)
+    request = _request(rank, with_data=True)
+    loaded = load(request, checkpoint_dir, sharded_strategy=wrapper)
+    first_reads = list(base.read)
+    base.read.clear()
+    again = load(_request(rank, with_data=False), checkpoint_dir, sharded_strategy=wrapper)  # cached distribution
+    filled_in_place = all(loaded[f"t{i}"] is request[f"t{i}"].data for i in range(1, len(SIZES), 2))
+    values = {
+        "t": [loaded[f"t{i}"].tolist() == again[f"t{i}"].tolist() == [[float(i)] * 16] * SIZES[i]
+              for i in range(len(SIZES))],
+        "own": loaded["own"].tolist() == [[float(rank)] * 3] * 2,
+        "flat": loaded["flat"][0].tolist() == [0.0] * 10,
+        "rng": (loaded["rng"], again["rng"]),
+    }
+    return values, filled_in_place, first_reads, sorted(base.read) == sorted(first_reads)
+
+
+def test_fully_parallel_load_reads_each_replicated_piece_once_and_shares_it(tmp_path):
+    results = run_distributed(4, _load_fully_parallel, str(tmp_path))
+    reads = [first for _, _, first, _ in results]
+    for rank, (values, filled_in_place, _, same_reads_when_cached) in enumerate(results):
+        assert all(values["t"]) and values["own"] and values["flat"], f"rank {rank}: wrong values"
+        assert values["rng"] == ({"seed": 11}, {"seed": 11})
+        assert filled_in_place and same_reads_when_cached
+        assert "own" in reads[rank]  # a piece only this rank asked for is read here
+    shared = [key for rank_reads in reads for key in rank_reads if key != "own"]
+    assert sorted(shared) == sorted([f"t{i}" for i in range(len(SIZES))] + ["t0", "rng"])  # each piece read once
+    assert all(len(rank_reads) < len(SIZES) for rank_reads in reads)  # the reading is spread over the ranks
+
+
+def test_fully_parallel_load_helpers():
+    piece = ShardedTensor.from_rank_offsets("a", torch.zeros(2))
+    state = {"a": piece, "o": [ShardedObject("o", None, (2,), (1,))]}
+    FullyParallelLoadStrategyWrapper.fill_in_deferred_sharded_tensors(state, {("a", (0,), None): torch.ones(2)})
+    FullyParallelLoadStrategyWrapper.fill_in_deferred_sharded_objects(state, {("o", (1,), None): "x"})
+    assert state["a"].tolist() == [1.0, 1.0] and state["o"] == ["x"]
+    with pytest.raises(ValueError, match="not supported yet: exchange_algo='gather_rounds'"):
+        FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="gather_rounds")
