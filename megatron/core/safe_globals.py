@@ -33,7 +33,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def _enums_of(module) -> List[type]:
-    return [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
+    return [
+        v for v in vars(module).values()
+        if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__
+    ]
 
 
 def _numpy_globals() -> List[Tuple[Any, str]]:

@@ -3,8 +3,9 @@
 A *sharded state dict* is a nested dict/list whose leaves are :class:`ShardedBase` objects (and plain values: the
 common state, saved once, from rank 0, as the ShardedObject ``common_state``). A :class:`ShardedTensor` says "my
 ``data`` is the piece of global tensor ``key`` (shape ``global_shape``) that starts at ``global_offset``"; loading
-fills ``data`` with that piece whatever layout wrote the checkpoint. ``replica_id`` marks copies of the same piece held by several ranks (data
-parallel, or TP for replicated weights): replica 0 -- an int 0 or a tuple of zeros -- is the main replica.
+fills ``data`` with that piece whatever layout wrote the checkpoint. ``replica_id`` marks copies of the same piece
+held by several ranks (data parallel, or TP for replicated weights): replica 0 -- an int 0 or a tuple of zeros -- is
+the main replica.
 """
 
 from abc import ABC, abstractmethod

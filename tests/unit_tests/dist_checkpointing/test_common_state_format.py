@@ -163,7 +163,10 @@ def _rng_object():
     return ShardedObject(
         "rng_state",
         [state],
-        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
         replica_id=parallel_state.get_data_parallel_rank(),
     )
@@ -171,6 +174,13 @@ def _rng_object():
 
 def _draws():
     return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def _after_save_or_load(chunks, optimizer):
+    """The weights, the next RNG draws and the next two training losses."""
+    return {
+        "weights": helpers.full_weights(chunks), "draws": _draws(), "losses": helpers.train(chunks, optimizer, [1, 2])
+    }
 
 
 def _round_trip(directory, tp, pp):
@@ -188,7 +198,7 @@ def _round_trip(directory, tp, pp):
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     save(state, directory, preprocess_common_before_consistancy_check=lambda common: {"iteration": common["iteration"]})
-    expected = {"weights": helpers.full_weights(chunks), "draws": _draws(), "losses": helpers.train(chunks, optimizer, [1, 2])}
+    expected = _after_save_or_load(chunks, optimizer)
 
     chunks, optimizer = helpers.build_chunks(tp, pp, seed=2)
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
@@ -200,7 +210,7 @@ def _round_trip(directory, tp, pp):
     random.setstate(rng["random_rng_state"])
     np.random.set_state(rng["np_rng_state"])
     torch.set_rng_state(rng["torch_rng_state"])
-    got = {"weights": helpers.full_weights(chunks), "draws": _draws(), "losses": helpers.train(chunks, optimizer, [1, 2])}
+    got = _after_save_or_load(chunks, optimizer)
     return expected, got, (loaded["iteration"], loaded["args"].rank), sorted(os.listdir(directory))
 
 

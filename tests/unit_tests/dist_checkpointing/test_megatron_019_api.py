@@ -153,7 +153,9 @@ def test_strictness_helpers(tmp_path, caplog):
     )
     assert "extra" not in kept and unexpected == {"extra"} and missing == {"common_state"}
     with pytest.raises(CheckpointingException, match=r"not in the checkpoint \(unexpected\): \['extra'\]"):
-        validate_integrity_and_strict_load(request, StrictHandling.RAISE_UNEXPECTED, False, ckpt_sharded_metadata=stored)
+        validate_integrity_and_strict_load(
+            request, StrictHandling.RAISE_UNEXPECTED, False, ckpt_sharded_metadata=stored
+        )
     with caplog.at_level(logging.WARNING):
         validate_integrity_and_strict_load(request, StrictHandling.LOG_UNEXPECTED, False, ckpt_sharded_metadata=stored)
     assert "skipping mismatched keys" in caplog.text

@@ -176,14 +176,18 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def stream_ckpt_dequant(self):
         return self.base_strategy.stream_ckpt_dequant
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "mcore") -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "mcore"
+    ) -> StateDict:
         """Collective over all ranks (the reads) and the group (the exchange): the request with every piece
         replaced by its loaded value."""
         check_async_strategy(async_strategy)
         distribution = self.apply_loading_parallelization(sharded_state_dict)
         readers = distribution.main_rank_for_shard
         my_rank = get_rank(self.parallelization_group)
-        pieces = [leaf for leaf in nested_values(sharded_state_dict) if isinstance(leaf, (ShardedTensor, ShardedObject))]
+        pieces = [
+            leaf for leaf in nested_values(sharded_state_dict) if isinstance(leaf, (ShardedTensor, ShardedObject))
+        ]
         mine = {_shard_id(leaf): leaf for leaf in pieces if readers.get(_shard_id(leaf), my_rank) == my_rank}
         # A flat request keyed by position: a loaded object may itself be a dict, so values are not matched by
         # walking nested structures.

@@ -4,8 +4,9 @@ On disk (the layout Megatron-LM's ``torch_dist`` backend writes): ``__<rank>_<n>
 pieces, and ``.metadata`` (a pickled ``torch.distributed.checkpoint.Metadata``) mapping every ShardedTensor key to
 its global shape, dtype and stored chunks, and every ShardedObject ``unique_key`` to its bytes (``torch.save`` of a
 one-element list, as Megatron stores them; the checkpoint's common state is one of them, ``common_state/shard_0_1``).
-Every pickled part is read back with the safe-globals allow-list (``safe_load.py``). Prepended axes are real axes of the stored tensor. Flattened pieces are
-stored as the rectangular boxes they consist of (see ``boxes.py``), so the file holds the plain global tensor.
+Every pickled part is read back with the safe-globals allow-list (``safe_load.py``). Prepended axes are real axes of
+the stored tensor. Flattened pieces are stored as the rectangular boxes they consist of (see ``boxes.py``), so the
+file holds the plain global tensor.
 
 Saving plans every rank's writes locally, with no collective before the write; one all-gather at finalisation gives
 rank 0 the chunk lists and file offsets for ``.metadata``. Loading reads ``.metadata`` and, for each requested piece,
@@ -313,7 +314,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             self._cached = (checkpoint_dir, metadata)
         return metadata
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "mcore") -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "mcore"
+    ) -> StateDict:
         """Collective. Reading is synchronous whatever ``async_strategy`` ('mcore' or 'nvrx') names."""
         loaded, error = None, None
         try:
