@@ -330,6 +330,8 @@ def layers_per_virtual_stage_naming_flags(vpp_flag: str, **split) -> List[int]:
 
 
 def _validate_batch_size(args) -> None:
+    if args.rampup_batch_size is not None and args.step_batch_size_schedule is not None:
+        raise ValueError("--rampup-batch-size and --step-batch-size-schedule both schedule the batch size; give one")
     slice_size = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = slice_size

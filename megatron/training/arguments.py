@@ -321,6 +321,10 @@ def _add_training_args(parser):
     group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                        help="Ramp the global batch size up: <start batch size> <increment> <ramp-up samples>, "
                        "e.g. '16 8 300000' with --global-batch-size 1024.")
+    group.add_argument("--step-batch-size-schedule", type=str, default=None,
+                       help="Global batch size by stages instead of --rampup-batch-size: 'threshold:size' pairs, "
+                       "each threshold counted in consumed tokens (K/M/B suffixes allowed), the first 0 (e.g. "
+                       "'0:768 250B:1536').")
     group.add_argument("--decrease-batch-size-if-needed", action="store_true",
                        help="Round the global batch size down to a multiple of micro-batch size x data-parallel "
                        "size instead of failing.")
@@ -619,6 +623,8 @@ def _add_logging_args(parser):
     group.add_argument("--log-params-norm", action="store_true", help="Compute and log the parameters' norm.")
     add_field_argument(group, OptimizerConfig, "log_num_zeros_in_grad")
     group.add_argument("--log-throughput", action="store_true", help="Log throughput (TFLOP/s per device).")
+    group.add_argument("--log-progress", action="store_true",
+                       help="Append the job's progress (start, checkpoints with throughput) to <--save>/progress.txt.")
     group.add_argument("--timing-log-level", type=int, default=0, choices=range(0, 3),
                        help="Timers to report: 0 only the iteration time (no extra synchronisation), 1 also "
                        "once-per-iteration operations, 2 also frequent operations.")

@@ -201,6 +201,14 @@ def test_openai_gelu_and_no_initialization_reach_the_config():
     assert config.perform_initialization is False
 
 
+def test_step_batch_size_schedule_and_log_progress_are_kept_for_the_run():
+    args = validated("--step-batch-size-schedule", "0:2 1K:4", "--log-progress")
+    assert (args.step_batch_size_schedule, args.log_progress) == ("0:2 1K:4", True)
+    with pytest.raises(ValueError, match="--rampup-batch-size and --step-batch-size-schedule both schedule"):
+        validated("--step-batch-size-schedule", "0:2", "--rampup-batch-size", 2, 2, 100, "--train-samples", 1000,
+                  base=without("--train-iters"))
+
+
 def test_exit_signal_by_name():
     assert parse_args_list(["--exit-signal", "SIGUSR1"]).exit_signal is signal.SIGUSR1
     assert parse_args_list([]).exit_signal is signal.SIGTERM
