@@ -121,7 +121,8 @@ def _stall(args, root: Path) -> dict:
     result = {"state_mb": _state_bytes(state) / 2**20, "step_s": baseline, "sync_stall_s": sync_stall}
     for worker in ("process", "thread"):
         async_dir = _fresh_dir(root, f"stall_async_{worker}")
-        queue = AsyncCallsQueue(worker=worker)
+        queue = AsyncCallsQueue()
+        queue.worker = worker
         start = time.perf_counter()
         queue.schedule_async_request(save(state, async_dir, async_sharded_save=True))
         staging = time.perf_counter() - start

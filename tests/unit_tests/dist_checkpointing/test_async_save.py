@@ -4,6 +4,7 @@ done, the same checkpoint as a synchronous save, and failures reported everywher
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from megatron.core.dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor, load, save
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    TemporalAsyncCaller,
+)
 from tests.unit_tests.test_utilities import run_distributed
 
 
@@ -97,7 +102,8 @@ def test_training_continues_while_the_write_runs_and_the_save_keeps_the_staged_v
     order = []
     request = save({"w": ShardedTensor.from_rank_offsets("w", weights)}, checkpoint_dir, async_sharded_save=True)
     request.add_finalize_fn(lambda: order.append(("latest", (checkpoint_dir / "metadata.json").exists())))
-    queue = AsyncCallsQueue(worker=worker)
+    queue = AsyncCallsQueue()
+    queue.worker = worker
     queue.schedule_async_request(request)
     _wait_for(writing)
 
@@ -167,9 +173,15 @@ def test_an_exception_escaping_an_async_call_is_raised_on_every_rank():
         assert "background failure" in message
 
 
-def test_unknown_worker():
+def test_unknown_worker_and_persistent_caller():
+    queue = AsyncCallsQueue()
+    queue.worker = "fiber"
     with pytest.raises(ValueError, match="worker='fiber' must be 'process' or 'thread'"):
-        AsyncCallsQueue(worker="fiber")
+        queue.schedule_async_request(AsyncRequest(None, (), []))
+    with pytest.raises(ValueError, match=r"not supported yet: a persistent background writer \(persistent=True\)"):
+        AsyncCallsQueue(persistent=True)
+    with pytest.raises(ValueError, match="not supported yet: a persistent background writer"):
+        AsyncCallsQueue.warmup_persistent_caller(0)
 
 
 def _kill_myself(_):
@@ -177,7 +189,8 @@ def _kill_myself(_):
 
 
 def test_a_writer_process_that_dies_is_reported():
-    queue = AsyncCallsQueue(worker="process")
+    queue = AsyncCallsQueue()
+    queue.worker = "process"
     queue.schedule_async_request(AsyncRequest(_kill_myself, (None,), [lambda: None]))
     with pytest.raises(CheckpointingException, match=r"background writer process \d+ died \(wait status 9\)"):
         queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
@@ -190,3 +203,40 @@ def test_a_scheduled_request_is_frozen():
     with pytest.raises(CheckpointingException, match="cannot add a finalize function to a frozen"):
         request.add_finalize_fn(lambda: None)
     assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_temporal_async_caller_runs_one_call_and_reports_it_done(tmp_path, worker):
+    release = tmp_path / "release"
+    caller = TemporalAsyncCaller()
+    caller.worker = worker
+    request = AsyncRequest(_wait_then_return, (str(release),), [])
+    caller.schedule_async_call(request)
+    assert not caller.is_current_async_call_done(no_dist=True)
+    release.touch()
+    assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+    assert request.async_fn_result == "written" and caller.error is None
+    caller.close()
+
+
+def _wait_then_return(release):
+    _wait_for(Path(release))
+    return "written"
+
+
+def test_abort_stops_a_running_write_and_finalizes_nothing(tmp_path):
+    queue = AsyncCallsQueue()
+    queue.worker = "process"
+    finalized = []
+    queue.schedule_async_request(AsyncRequest(_wait_then_return, (str(tmp_path / "never"),), [finalized.append]))
+    queue.close(abort=True)
+    assert queue.get_num_unfinalized_calls() == 0 and finalized == []
+
+
+def _sync_alive(alive_rank):
+    return TemporalAsyncCaller().sync_all_async_calls(int(dist.get_rank() == alive_rank))
+
+
+def test_sync_all_async_calls_is_true_only_when_no_rank_is_busy():
+    assert run_distributed(2, _sync_alive, 1) == [False, False]
+    assert run_distributed(2, _sync_alive, None) == [True, True]

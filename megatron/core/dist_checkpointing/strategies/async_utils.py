@@ -3,17 +3,18 @@
 An :class:`AsyncRequest` is a function that writes already-staged data (``async_fn``) plus the functions that
 finalise the checkpoint once the writes of *all* ranks are done (``finalize_fns``: the DCP ``.metadata``, then
 ``metadata.json``, then e.g. the training loop's "latest" tracker); what ``async_fn`` returns is kept in
-``async_fn_result`` for them. :class:`AsyncCallsQueue` runs each ``async_fn`` in the background and, from the
-training loop, :meth:`AsyncCallsQueue.maybe_finalize_async_calls` agrees with the other ranks (one small all-reduce
-per pending request) on which requests have finished everywhere and runs their finalize functions on every rank.
+``async_fn_result`` for them. :class:`AsyncCallsQueue` runs each ``async_fn`` in the background (a
+:class:`TemporalAsyncCaller` per request) and, from the training loop,
+:meth:`AsyncCallsQueue.maybe_finalize_async_calls` agrees with the other ranks (one small all-reduce per pending
+request) on which requests have finished everywhere and runs their finalize functions on every rank.
 
 The background worker is a forked **process** by default (as in Megatron-LM), or a **thread**. Why a process: the
 write is mostly ``torch.save`` serialisation (zip records, CRC32, copies into the file object), parts of which hold
 the GIL; a writer thread then delays every return of the training thread into Python, e.g. after each collective
 (measured on CPU: a 2-int all-reduce poll takes ~2 ms with a writer thread running, ~0.2 ms with a writer process).
 The forked child sees the staged tensors without a copy (copy-on-write), writes its files, sends its result back
-through a pipe and exits; it takes part in no collective. ``worker="thread"`` remains for platforms without
-``fork``; ``benchmarks/bench_checkpoint.py`` measures the training stall with both.
+through a pipe and exits; it takes part in no collective. A thread worker (``queue.worker = "thread"``) remains for
+platforms without ``fork``; ``benchmarks/bench_checkpoint.py`` measures the training stall with both.
 
 Every rank must call ``maybe_finalize_async_calls`` the same number of times (e.g. once per training iteration),
 because each call takes part in a collective.
@@ -22,7 +23,9 @@ because each call takes part in a collective.
 import logging
 import os
 import pickle
+import signal
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -68,26 +71,58 @@ class AsyncRequest:
         return self
 
 
-class _BackgroundCall:
-    """One request's async_fn running in a forked process or a thread; keeps its result or its error."""
+class AsyncCaller(ABC):
+    """Runs the ``async_fn`` of one request at a time in the background and tells when every rank has finished."""
 
-    def __init__(self, call_idx: int, request: AsyncRequest, worker: str):
-        self.call_idx = call_idx
-        self.request = request
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req.async_fn`` in the background."""
+
+    @abstractmethod
+    def is_current_async_call_done(self, blocking: bool, no_dist: bool) -> bool:
+        """Whether the current call is done on every rank (with ``no_dist``: on this rank); a collective unless
+        ``no_dist``. With ``blocking`` wait for this rank's call first."""
+
+    @abstractmethod
+    def close(self, abort=False):
+        """Release the background worker; with ``abort`` stop a running call instead of waiting for it."""
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """Collective: True when no rank reports a call still running (``is_alive`` 0 everywhere)."""
+        flag = torch.tensor([is_alive], dtype=torch.int64, device=collective_device())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """A new background worker per call: a forked process (the default where ``fork`` exists) or a thread
+    (``worker = "thread"``). The result of ``async_fn`` lands in the request's ``async_fn_result``; an exception
+    (or a process that dies) is kept in :attr:`error` as a message."""
+
+    def __init__(self):
+        self.worker = default_worker()
+        self.request: Optional[AsyncRequest] = None
         self.error: Optional[str] = None
-        if worker == "process":
+        self._thread: Optional[threading.Thread] = None
+        self._pid: Optional[int] = None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        self.request, self.error = async_req, None
+        if self.worker == "process":
             read_fd, write_fd = os.pipe()
             pid = os.fork()
             if pid == 0:
                 os.close(read_fd)
-                _run_in_child(request, write_fd)
+                _run_in_child(async_req, write_fd)
             os.close(write_fd)
+            self._pid = pid
             target, args = self._collect_from_child, (pid, read_fd)
         else:
             target, args = self._run_here, ()
         # The thread only waits on the child (reading a pipe releases the GIL) or runs the write itself.
-        self.thread = threading.Thread(target=target, args=args, name=f"async-checkpoint-{call_idx}", daemon=True)
-        self.thread.start()
+        self._thread = threading.Thread(target=target, args=args, name="async-checkpoint", daemon=True)
+        self._thread.start()
 
     def _run_here(self) -> None:
         try:
@@ -99,17 +134,32 @@ class _BackgroundCall:
         with os.fdopen(read_fd, "rb") as pipe:
             payload = pipe.read()
         _, status = os.waitpid(pid, 0)
+        self._pid = None
         if not payload:
             self.error = f"the background writer process {pid} died (wait status {status}) before reporting"
             return
-        kind, value = pickle.loads(payload)
+        kind, value = pickle.loads(payload)  # this process's own child's result, never a file's bytes
         if kind == "ok":
             self.request.async_fn_result = value
         else:
             self.error = value
 
-    def is_done(self) -> bool:
-        return not self.thread.is_alive()
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        if blocking and self._thread is not None:
+            self._thread.join()
+        alive = int(self._thread is not None and self._thread.is_alive())
+        return not alive if no_dist else self.sync_all_async_calls(alive)
+
+    def close(self, abort=False):
+        if abort and self._pid is not None:
+            os.kill(self._pid, signal.SIGKILL)  # the collecting thread then reaps it
+        if self._thread is not None and (not abort or self.worker == "process"):
+            self._thread.join()
+
+
+def default_worker() -> str:
+    """The background worker where ``fork`` exists: a forked process (see the module docstring); else a thread."""
+    return "process" if hasattr(os, "fork") else "thread"
 
 
 def _run_in_child(request: AsyncRequest, write_fd: int) -> None:
@@ -128,24 +178,38 @@ def _run_in_child(request: AsyncRequest, write_fd: int) -> None:
 
 
 class AsyncCallsQueue:
-    """Requests scheduled for background execution, finalised in scheduling order. ``worker`` is ``"process"``
-    (a forked child per request; the default where ``fork`` exists) or ``"thread"``."""
+    """Requests scheduled for background execution (one :class:`TemporalAsyncCaller` each), finalised in
+    scheduling order. ``persistent=True`` (Megatron's long-lived writer process) is not supported yet. The
+    background worker is :func:`default_worker`'s; set :attr:`worker` to ``"thread"`` or ``"process"`` to choose."""
 
-    def __init__(self, worker: Optional[str] = None):
-        if worker is None:
-            worker = "process" if hasattr(os, "fork") else "thread"
-        if worker not in ("process", "thread"):
-            raise ValueError(f"worker={worker!r} must be 'process' or 'thread'")
-        self.worker = worker
-        self._calls: Deque[_BackgroundCall] = deque()
+    def __init__(self, persistent: bool = False):
+        if persistent:
+            raise ValueError("AsyncCallsQueue: not supported yet: a persistent background writer (persistent=True)")
+        self.persistent = persistent
+        self.worker = default_worker()
+        self._calls: Deque[Tuple[int, TemporalAsyncCaller]] = deque()
         self._next_call_idx = 0
+
+    @classmethod
+    def warmup_persistent_caller(
+        cls, rank: int, mp_mode: str = "spawn", cpu_priority: int = 10, io_priority: Optional[int] = None
+    ):
+        """Megatron starts its persistent writer process ahead of the first save; there is none here."""
+        raise ValueError(
+            "AsyncCallsQueue: not supported yet: a persistent background writer (warmup_persistent_caller)"
+        )
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start ``async_request``'s write in the background; returns its call index."""
-        call = _BackgroundCall(self._next_call_idx, async_request.freeze(), self.worker)
+        if self.worker not in ("process", "thread"):
+            raise ValueError(f"worker={self.worker!r} must be 'process' or 'thread'")
+        caller = TemporalAsyncCaller()
+        caller.worker = self.worker
+        caller.schedule_async_call(async_request.freeze())
+        call_idx = self._next_call_idx
         self._next_call_idx += 1
-        self._calls.append(call)
-        return call.call_idx
+        self._calls.append((call_idx, caller))
+        return call_idx
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._calls)
@@ -159,25 +223,22 @@ class AsyncCallsQueue:
         """
         finalized = []
         while self._calls:
-            call = self._calls[0]
-            if blocking:
-                call.thread.join()
-            flags = torch.tensor(
-                [int(not call.is_done()), int(call.error is not None)], dtype=torch.int64, device=collective_device()
-            )
-            if not no_dist and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if flags[0].item():
+            call_idx, caller = self._calls[0]
+            if not caller.is_current_async_call_done(blocking, no_dist):
                 break
             self._calls.popleft()
-            if flags[1].item():
-                errors = [call.error] if no_dist else all_gather_objects(call.error)
-                raise_gathered_errors(errors, f"asynchronous checkpoint write (call {call.call_idx})")
-            for fn in call.request.finalize_fns:
+            errors = [caller.error] if no_dist else all_gather_objects(caller.error)
+            raise_gathered_errors(errors, f"asynchronous checkpoint write (call {call_idx})")
+            for fn in caller.request.finalize_fns:
                 fn()
-            finalized.append(call.call_idx)
+            finalized.append(call_idx)
         return finalized
 
-    def close(self) -> None:
-        """Wait for and finalise every pending request (call on all ranks before exiting)."""
-        self.maybe_finalize_async_calls(blocking=True)
+    def close(self, abort=False):
+        """Wait for and finalise every pending request (call on all ranks before exiting); with ``abort`` stop the
+        running writes and finalise nothing, so no pending checkpoint is marked complete."""
+        if not abort:
+            self.maybe_finalize_async_calls(blocking=True)
+            return
+        while self._calls:
+            self._calls.popleft()[1].close(abort=True)
