@@ -306,7 +306,7 @@ def _add_regularization_args(parser):
                        help="Weight decay at the end of training (with a non-constant --weight-decay-incr-style).")
     group.add_argument("--weight-decay-incr-style", type=str, default="constant", choices=WD_INCR_STYLES,
                        help="How weight decay moves from --start-weight-decay to --end-weight-decay.")
-    for name in ("clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum"):
+    for name in ("clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "apply_wd_to_qk_layernorm"):
         add_field_argument(group, OptimizerConfig, name)
     return parser
 

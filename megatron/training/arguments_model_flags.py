@@ -109,7 +109,6 @@ MLA = FlagTable("mla", (
 
 
 EXPERIMENTAL_ATTENTION = FlagTable("experimental attention variant", (
-    switch("--apply-wd-to-qk-layernorm"),
     value("--dsa-indexer-head-dim", int, None),
     value("--dsa-indexer-k-norm-epsilon", float, None),
     switch("--dsa-indexer-k-norm-fp32"),

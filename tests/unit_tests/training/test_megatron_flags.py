@@ -11,10 +11,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import warn_once
-from megatron.training.argument_utils import core_transformer_config_from_args
+from megatron.training.argument_utils import (
+    core_ddp_config_from_args,
+    core_optimizer_config_from_args,
+    core_transformer_config_from_args,
+)
 from megatron.training.arguments import (
     FLAG_TABLES,
     build_parser,
@@ -207,6 +212,17 @@ def test_step_batch_size_schedule_and_log_progress_are_kept_for_the_run():
     with pytest.raises(ValueError, match="--rampup-batch-size and --step-batch-size-schedule both schedule"):
         validated("--step-batch-size-schedule", "0:2", "--rampup-batch-size", 2, 2, 100, "--train-samples", 1000,
                   base=without("--train-iters"))
+
+
+def test_config_builders_take_megatron_lms_flag_values():
+    args = validated("--apply-wd-to-qk-layernorm")
+    optimizer = core_optimizer_config_from_args(args)
+    assert optimizer.apply_wd_to_qk_layernorm is True
+    # Megatron-LM's dtype flags hold names; the config holds torch dtypes.
+    assert (optimizer.main_grads_dtype, optimizer.exp_avg_dtype) == (torch.float32, torch.float32)
+    # --data-parallel-sharding-strategy defaults to FSDP's strategy, which plain DDP does not read.
+    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert core_ddp_config_from_args(args).data_parallel_sharding_strategy == "no_shard"
 
 
 def test_exit_signal_by_name():
