@@ -182,3 +182,21 @@ def test_create_hierarchical_groups():
 def test_create_hierarchical_groups_rejects_sizes_that_do_not_cover_the_ranks():
     with pytest.raises(ValueError, match=r"multiply to 6, not the 8 ranks given"):
         ps.create_hierarchical_groups(0, list(range(8)), [2, 3])
+
+
+def _stage_predicates_default_to_the_physical_stage():
+    ps.initialize_model_parallel(1, 2, 2)
+    ps.set_virtual_pipeline_model_parallel_rank(1)  # the second model chunk of each stage
+    return (
+        ps.is_pipeline_first_stage(),  # Megatron's default ignore_virtual=True: the physical stage decides
+        ps.is_pipeline_first_stage(ignore_virtual=False),
+        ps.is_pipeline_last_stage(),
+        ps.is_pipeline_last_stage(ignore_virtual=False),
+        ps.is_rank_in_embedding_group(),
+    )
+
+
+def test_stage_predicates_ignore_virtual_stages_by_default():
+    first, last = run_distributed(2, _stage_predicates_default_to_the_physical_stage)
+    assert first == (True, False, False, False, True)  # chunk 1 of stage 0 is not the model's first chunk
+    assert last == (False, False, True, True, True)  # chunk 1 of stage 1 is the model's last chunk
