@@ -218,6 +218,9 @@ class Attention(MegatronModule, ABC):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
 
+        # Input projections first, then core attention and the output projection: the order in which parameters
+        # draw their initial values from the layer's random stream.
+        self._build_input_projections(submodules)
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
@@ -243,6 +246,10 @@ class Attention(MegatronModule, ABC):
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
         )
+
+    @abstractmethod
+    def _build_input_projections(self, submodules) -> None:
+        """Build the projections that produce queries, keys and values."""
 
     @abstractmethod
     def get_query_key_value_tensors(
@@ -354,6 +361,11 @@ class SelfAttention(Attention):
             pp_layer_offset=pp_layer_offset,
             name=name,
         )
+        self.q_layernorm = self._head_norm(submodules.q_layernorm)
+        self.k_layernorm = self._head_norm(submodules.k_layernorm)
+
+    def _build_input_projections(self, submodules: SelfAttentionSubmodules) -> None:
+        config = self.config
         self.linear_qkv = build_module(
             submodules.linear_qkv,
             config.hidden_size,
@@ -367,8 +379,6 @@ class SelfAttention(Attention):
             tp_comm_buffer_name="qkv",
             tp_group=self.tp_group,
         )
-        self.q_layernorm = self._head_norm(submodules.q_layernorm)
-        self.k_layernorm = self._head_norm(submodules.k_layernorm)
 
     def _head_norm(self, spec):
         if spec is None:
@@ -451,6 +461,9 @@ class CrossAttention(Attention):
             pg_collection=pg_collection,
             name=name,
         )
+
+    def _build_input_projections(self, submodules: CrossAttentionSubmodules) -> None:
+        config = self.config
         column_kwargs = dict(
             config=config,
             init_method=config.init_method,
