@@ -84,10 +84,14 @@ class FlagTable:
         if flag.kwargs.get("help"):
             return flag.kwargs["help"]
         if self.not_supported:
-            return f"{self.not_supported}: not supported yet here (refused when set)."
+            return f"{_capitalized(self.not_supported)}: not supported yet here (refused when set)."
         if self.no_effect:
-            return f"{self.no_effect}: accepted for compatibility; has no effect here (warns when set)."
+            return f"{_capitalized(self.no_effect)}: accepted for compatibility; has no effect here (warns when set)."
         raise ValueError(f"{flag.options[0]} works here and needs its own help text")
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def argument_group(parser: argparse.ArgumentParser, title: str):
