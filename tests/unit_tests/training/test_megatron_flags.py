@@ -3,6 +3,7 @@ default | type | choices | nargs, dumped from Megatron-LM's own parser); what ea
 (refused, or ignored with one warning); the flags that work; Megatron-LM's launch scripts; unknown-flag messages."""
 
 import argparse
+import dataclasses
 import re
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import warn_once
 from megatron.training.argument_utils import (
@@ -223,6 +225,18 @@ def test_config_builders_take_megatron_lms_flag_values():
     # --data-parallel-sharding-strategy defaults to FSDP's strategy, which plain DDP does not read.
     assert args.data_parallel_sharding_strategy == "optim_grads_params"
     assert core_ddp_config_from_args(args).data_parallel_sharding_strategy == "no_shard"
+
+
+def test_every_transformer_config_field_comes_from_the_argument_of_its_name():
+    args = validated("--hidden-dropout", 0.2, "--init-method-std", 0.01, "--qk-layernorm")
+    config = core_transformer_config_from_args(args)
+    # Derived when the config is built: GQA only with --group-query-attention; these two from other fields.
+    derived = {"num_query_groups", "microbatch_group_size_per_vp_stage", "embedding_init_method_std"}
+    copied = [field.name for field in dataclasses.fields(TransformerConfig) if hasattr(args, field.name)]
+    assert len(copied) > 200
+    assert {name: (getattr(config, name), getattr(args, name)) for name in copied
+            if name not in derived and getattr(config, name) != getattr(args, name)} == {}
+    assert (config.hidden_dropout, config.init_method_std, config.qk_layernorm) == (0.2, 0.01, True)
 
 
 def test_exit_signal_by_name():
