@@ -2,9 +2,13 @@
 
 Flags are organised in Megatron-LM's groups (``_add_network_size_args``, ``_add_training_args``, ...). A flag that
 is the mechanical image of a config dataclass field is generated from that field (``add_field_argument``: name,
-type, default and help come from the dataclass); the rest are written here. ``validate_args`` derives the values
-Megatron-LM derives (data-parallel size, global batch size, FFN size, ...) and turns every inconsistent setting into
-one ``ValueError`` that names the flags and the fix, before any process group exists.
+type, default and help come from the dataclass); the rest are written here. Every other Megatron-LM flag comes from
+the tables of ``arguments_model_flags``, ``arguments_run_flags`` and ``arguments_service_flags`` (see
+``arguments_support``): it parses with Megatron-LM's dest, default, type and choices, and ``validate_args`` refuses
+it when set ("not supported yet: <feature> (--flag)") or, for a GPU-kernel or vendor-service knob, ignores it with
+one warning. ``validate_args`` derives the values Megatron-LM derives (data-parallel size, global batch size, FFN
+size, ...) and turns every inconsistent setting into one ``ValueError`` that names the flags and the fix, before
+any process group exists. An unknown flag exits (status 2) with one line naming the closest known flag.
 
 Where this project differs from Megatron-LM, the flag's help says so: ``--transformer-impl`` defaults to ``local``
 (Transformer Engine is optional here), and GPU-only switches (fused kernels, ``--distributed-backend nccl`` without
