@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import (
@@ -30,7 +29,7 @@ from megatron.core.dist_checkpointing import (
     load_content_metadata,
     save,
 )
-from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
+from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner, read_dcp_metadata
 from tests.unit_tests.dist_checkpointing import gpt_checkpoint_helpers as helpers
 from tests.unit_tests.dist_checkpointing.test_serialization import load_plain_objects
 from tests.unit_tests.test_utilities import run_distributed
@@ -60,20 +59,14 @@ def test_save_writes_the_common_state_into_the_dcp_files(tmp_path):
     assert load_content_metadata(preloaded_state_dict={"iteration": 1}) is None
 
 
-class _RawBytesPlanner(DefaultSavePlanner):
-    """Writes a BytesIO value as its bytes (PyTorch's default would torch.save the BytesIO object itself)."""
-
-    def transform_object(self, write_item, object):
-        return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)
-
-
 def _write_megatron_019_checkpoint(directory, weight, common):
-    """0.19's layout from PyTorch's own DCP writer: tensors, the common_state bytes, a two-field metadata.json."""
+    """0.19's layout from PyTorch's own DCP writer (with Megatron's planner, which stores BytesIO values as their
+    bytes): tensors, the common_state bytes, a two-field metadata.json."""
     buffer = io.BytesIO()
     torch.save([common], buffer)
     buffer.seek(0)
     dcp.save({"w": weight, "common_state/shard_0_1": buffer}, checkpoint_id=str(directory), no_dist=True,
-             planner=_RawBytesPlanner())
+             planner=MCoreSavePlanner())
     (directory / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
 
 

@@ -1,10 +1,12 @@
 """The Megatron-Core 0.19 names of dist_checkpointing, each doing what its name says (one process unless noted)."""
 
+import io
 import logging
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import (
     CheckpointingException,
@@ -23,8 +25,11 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_save_sharded_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
+    flatten_state_dict,
 )
 from megatron.core.dist_checkpointing.validation import (
     adjust_non_strict_load,
@@ -182,3 +187,37 @@ def test_load_within_a_process_group(tmp_path):
     results = run_distributed(4, _load_within_a_group, tmp_path)
     assert results[0] == ([[0.0, 1.0], [2.0, 3.0]], 5) and results[1] == ([[4.0, 5.0], [6.0, 7.0]], 5)
     assert results[2:] == [None, None]
+
+
+def test_flatten_state_dict():
+    flat, paths = flatten_state_dict({"model": {"w": 1, "layers": [2, {"b": 3}]}, "it": 4, "empty": {}})
+    assert flat == {"model.w": 1, "model.layers.0": 2, "model.layers.1.b": 3, "it": 4, "empty": {}}
+    assert paths["model.layers.1.b"] == ("model", "layers", 1, "b")
+    with pytest.raises(CheckpointingException, match=r"both flatten to 'a.b'"):
+        flatten_state_dict({"a": {"b": 1}, "a.b": 2})
+
+
+def test_megatron_planners_with_pytorch_dcp(tmp_path):
+    """MCoreSavePlanner stores BytesIO values as bytes (so the objects load here); MCoreLoadPlanner checks shapes."""
+    buffer = io.BytesIO()
+    torch.save(["payload"], buffer)
+    buffer.seek(0)
+    dcp.save({"w": torch.ones(4, 2), "obj/shard_0_1": buffer}, checkpoint_id=str(tmp_path), no_dist=True,
+             planner=MCoreSavePlanner())
+    loaded = TorchDistLoadShardedStrategy().load_local({"o": ShardedObject("obj", None, (1,), (0,))}, tmp_path)
+    assert loaded["o"] == "payload"
+
+    target = {"w": torch.zeros(4, 2)}
+    expected = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2))
+    dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
+             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[expected]))
+    assert torch.equal(target["w"], torch.ones(4, 2))
+    wrong = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3))
+    # PyTorch's loader wraps the planner's CheckpointingException (traceback included) in its CheckpointException,
+    # a BaseException.
+    with pytest.raises(BaseException, match=r"'w': the checkpoint stores global shape \(4, 2\) but \(4, 3\)"):
+        dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
+                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong]))
+    dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
+             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong],
+                                      allow_shape_mismatch_sharded_tensors={"w": wrong}))

@@ -19,10 +19,10 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix  # the per-rank file prefix "__<rank>_"
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -542,6 +542,81 @@ def _plan_tensor_read(
                 f"ShardedTensor {shard.key!r} at offset {wanted.offset} shape {wanted.shape}; it is incomplete"
             )
     return shard.data if shard.data is not None else data
+
+
+class MCoreSavePlanner(DefaultSavePlanner):
+    """A planner for ``torch.distributed.checkpoint.save`` that writes an ``io.BytesIO`` value as its bytes, the
+    way ShardedObjects are stored (PyTorch's default planner would ``torch.save`` the BytesIO object itself): a
+    state dict holding ``{"common_state/shard_0_1": BytesIO(torch.save([state]))}`` and tensors is then a checkpoint
+    this project (and Megatron-Core) loads. ``dedup_replicated_tensors`` goes to PyTorch's planner;
+    ``can_run_decentralized_global_plan`` is kept for Megatron's callers (this project's writer plans each rank's
+    writes locally anyway)."""
+
+    def __init__(
+        self, *args, dedup_replicated_tensors: Optional[bool] = None, can_run_decentralized_global_plan: bool = True,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, dedup_replicated_tensors=dedup_replicated_tensors, **kwargs)
+        self.can_run_decentralized_global_plan = can_run_decentralized_global_plan
+
+    def transform_object(self, write_item: WriteItem, object: Any):
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """A planner for ``torch.distributed.checkpoint.load`` that first checks the checkpoint's global shapes against
+    ``shapes_validation_sharded_tensors`` (ShardedTensors describing what the caller expects), raising a
+    CheckpointingException that names the key and both shapes, except for keys in
+    ``allow_shape_mismatch_sharded_tensors``. ``stream_ckpt_dequant`` concerns FP8 checkpoints; no effect here."""
+
+    def __init__(
+        self,
+        *args,
+        shapes_validation_sharded_tensors: Iterable[ShardedTensor] = (),
+        allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None,
+        stream_ckpt_dequant: bool = True,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = list(shapes_validation_sharded_tensors)
+        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors or {}
+        self.stream_ckpt_dequant = stream_ckpt_dequant
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        for sharded_tensor in self.shapes_validation_sharded_tensors:
+            if sharded_tensor.key in self.allow_shape_mismatch_sharded_tensors:
+                continue
+            entry = stored.get(sharded_tensor.key)
+            if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(sharded_tensor.global_shape):
+                raise CheckpointingException(
+                    f"ShardedTensor {sharded_tensor.key!r}: the checkpoint stores global shape {tuple(entry.size)} "
+                    f"but {tuple(sharded_tensor.global_shape)} is expected"
+                )
+        return super().create_local_plan()
+
+
+def flatten_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, tuple[str | int, ...]]]:
+    """(a one-level dict whose keys are the dot-joined paths of ``state_dict``'s leaves, {flat key: path}); list
+    positions are path elements too. Raises when two paths join to the same key."""
+    flat: Dict[str, Any] = {}
+    paths: Dict[str, tuple] = {}
+
+    def visit(value, path):
+        if isinstance(value, dict) and value or isinstance(value, list) and value:
+            for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+                visit(v, path + (k,))
+            return
+        key = ".".join(map(str, path))
+        if key in flat:
+            raise CheckpointingException(f"flatten_state_dict: {paths[key]} and {path} both flatten to {key!r}")
+        flat[key], paths[key] = value, path
+
+    for k, v in state_dict.items():
+        visit(v, (k,))
+    return flat, paths
 
 
 register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))
