@@ -159,6 +159,13 @@ PYTORCH_PROFILER = FlagTable("training", (
 ), not_supported="PyTorch profiler")
 
 
+CHECKPOINT_LOAD_STRICTNESS = FlagTable("checkpointing", (
+    value("--dist-ckpt-strictness", str, 'assume_ok_unexpected',
+        choices=['assume_ok_unexpected', 'log_unexpected', 'log_all', 'raise_unexpected', 'raise_all',
+            'return_unexpected', 'return_all', 'ignore_all']),
+), no_effect="loads check the checkpoint's keys in Megatron-LM's default mode, assume_ok_unexpected")
+
+
 CHECKPOINT_IO_TUNING = FlagTable("checkpointing", (
     value("--async-ckpt-cpu-priority", int, 10),
     value("--async-ckpt-io-priority", int, 3),
@@ -171,9 +178,6 @@ CHECKPOINT_IO_TUNING = FlagTable("checkpointing", (
     value("--ckpt-fully-parallel-load-process-group", str, 'dp', choices=['dp', 'ep_dp']),
     value("--ckpt-fully-parallel-save-process-group", str, 'dp', choices=['dp', 'ep_dp']),
     value("--dist-ckpt-format", None, None, dest="dist_ckpt_format_deprecated"),
-    value("--dist-ckpt-strictness", str, 'assume_ok_unexpected',
-        choices=['assume_ok_unexpected', 'log_unexpected', 'log_all', 'raise_unexpected', 'raise_all',
-            'return_unexpected', 'return_all', 'ignore_all']),
     value("--dist-ckpt-workers", int, 1),
     off_switch("--no-ckpt-load-validate-sharding-integrity, --disable-ckpt-load-validate-sharding-integrity",
         "ckpt_load_validate_sharding_integrity"),
@@ -277,5 +281,5 @@ FILL_IN_THE_MIDDLE = FlagTable("data and dataloader", (
 TABLES = (
     CONTEXT_PARALLEL, FSDP, COMMUNICATOR_TUNING, DISTRIBUTED_OPTIONS, WEIGHT_SHARDING, CPU_OFFLOADING,
     PRECISION_AWARE_OPTIMIZER, OTHER_OPTIMIZERS, TRAINING_OPTIONS, CUDA_PROFILING, PYTORCH_PROFILER,
-    CHECKPOINT_IO_TUNING, CHECKPOINT_OPTIONS, LOGGING_OPTIONS, DATA_OPTIONS, VALIDATION_OPTIONS, TOKENIZER_OPTIONS,
-    FILL_IN_THE_MIDDLE)
+    CHECKPOINT_LOAD_STRICTNESS, CHECKPOINT_IO_TUNING, CHECKPOINT_OPTIONS, LOGGING_OPTIONS, DATA_OPTIONS,
+    VALIDATION_OPTIONS, TOKENIZER_OPTIONS, FILL_IN_THE_MIDDLE)
