@@ -287,14 +287,15 @@ def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path,
 
 # ---- the checkpoint's arguments ------------------------------------------------------------------------------------
 
-# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists).
+# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists;
+# the padded vocabulary size follows from vocab_size and make_vocab_size_divisible_by when the tokenizer is built).
 _CHECKPOINT_MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
     "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
     "rotary_percent", "rotary_interleaved", "use_rope_scaling", "swiglu", "squared_relu",
     "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
-    "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size", "tensor_model_parallel_size",
+    "vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
     "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
