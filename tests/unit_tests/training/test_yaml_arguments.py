@@ -4,11 +4,19 @@ in Megatron-LM's model_parallel:/language_model: layout; flags still override it
 import textwrap
 
 import pytest
+import yaml
 
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.training.arguments import parse_args_list, validate_args
-from megatron.training.yaml_arguments import load_yaml
-from tests.unit_tests.training.test_arguments import BASE, QUIET
+from megatron.training.yaml_arguments import (
+    core_config_from_args,
+    core_transformer_config_from_yaml,
+    env_constructor,
+    load_yaml,
+    validate_yaml,
+)
+from tests.unit_tests.training.test_arguments import BASE, QUIET, without
 
 QUIET_YAML = """
 distributed_backend: gloo
@@ -176,3 +184,26 @@ def test_missing_file():
 def test_quiet_flags_match_the_quiet_yaml(tmp_path):
     assert vars(parse_args_list(QUIET)) == vars(parse_args_list(["--yaml-cfg", write(tmp_path, QUIET_YAML)])) | {
         "yaml_cfg": None}
+
+
+def test_megatron_lms_yaml_helpers(tmp_path, monkeypatch):
+    path = write(tmp_path, "language_model:\n  num_layers: 2\n  hidden_dropout: 0.0\n" + QUIET_YAML)
+    flags = [item for item in without("--num-layers") if item not in QUIET]  # the file gives num_layers
+    args = validate_yaml(parse_args_list(["--yaml-cfg", path] + flags))
+    assert (args.num_layers, args.hidden_dropout, args.data_parallel_size) == (2, 0.0, 1)
+    config = core_transformer_config_from_yaml(args)
+    assert (config.num_layers, config.hidden_dropout) == (2, 0.0)
+    with pytest.raises(ValueError, match="read from the language_model section"):
+        core_transformer_config_from_yaml(args, "encoder")
+    fields = core_config_from_args(args, ModelParallelConfig)
+    assert (fields["tensor_model_parallel_size"], fields["bf16"]) == (1, False)
+    assert "num_layers" not in fields  # a TransformerConfig field, not a ModelParallelConfig one
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!env", env_constructor)
+    monkeypatch.setenv("RUN_DIR", "/runs/b")
+    assert yaml.load("save: !env ${RUN_DIR}/ckpt", Loader=Loader) == {"save": "/runs/b/ckpt"}
+    with pytest.raises(ValueError, match=r"environment variable NOT_SET_HERE \(in '\$\{NOT_SET_HERE\}'\) is not set"):
+        yaml.load("save: !env ${NOT_SET_HERE}", Loader=Loader)
