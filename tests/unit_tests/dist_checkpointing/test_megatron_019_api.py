@@ -218,6 +218,9 @@ def test_megatron_planners_with_pytorch_dcp(tmp_path):
     with pytest.raises(BaseException, match=r"'w': the checkpoint stores global shape \(4, 2\) but \(4, 3\)"):
         dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
                  planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong]))
-    dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
+    padded = {"w": torch.full((5, 3), 7.0)}  # e.g. a vocabulary padded further than the saved one
+    dcp.load(padded, checkpoint_id=str(tmp_path), no_dist=True,
              planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong],
                                       allow_shape_mismatch_sharded_tensors={"w": wrong}))
+    assert torch.equal(padded["w"][:4, :2], torch.ones(4, 2))
+    assert padded["w"][4:].abs().sum() == 0 and padded["w"][:, 2:].abs().sum() == 0

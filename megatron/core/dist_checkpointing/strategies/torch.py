@@ -569,7 +569,9 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
     """A planner for ``torch.distributed.checkpoint.load`` that first checks the checkpoint's global shapes against
     ``shapes_validation_sharded_tensors`` (ShardedTensors describing what the caller expects), raising a
     CheckpointingException that names the key and both shapes, except for keys in
-    ``allow_shape_mismatch_sharded_tensors``. ``stream_ckpt_dequant`` concerns FP8 checkpoints; no effect here."""
+    ``allow_shape_mismatch_sharded_tensors`` ({state dict key: ShardedTensor}): a tensor there whose shape differs
+    from the stored one receives the part both cover and zeros elsewhere (e.g. a padded vocabulary).
+    ``stream_ckpt_dequant`` concerns FP8 checkpoints; no effect here."""
 
     def __init__(
         self,
@@ -595,7 +597,27 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                     f"ShardedTensor {sharded_tensor.key!r}: the checkpoint stores global shape {tuple(entry.size)} "
                     f"but {tuple(sharded_tensor.global_shape)} is expected"
                 )
+        self._mismatched: Dict[str, torch.Tensor] = {}
+        for key in self.allow_shape_mismatch_sharded_tensors:
+            entry, target = stored.get(key), self.state_dict.get(key)
+            if isinstance(entry, TensorStorageMetadata) and isinstance(target, torch.Tensor):
+                if tuple(entry.size) != tuple(target.shape):
+                    # Read the stored tensor whole into a buffer; commit_tensor copies the common part over.
+                    self._mismatched[key] = target.zero_()
+                    self.state_dict[key] = torch.zeros(tuple(entry.size), dtype=target.dtype)
         return super().create_local_plan()
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        target = self._mismatched.get(read_item.dest_index.fqn)
+        if target is None:
+            return
+        stored_box = Box(tuple(read_item.dest_offsets), tuple(read_item.lengths))
+        common = stored_box.intersection(Box((0,) * target.ndim, tuple(target.shape)))
+        if common is not None:
+            source = self.state_dict[read_item.dest_index.fqn]
+            index = tuple(slice(o, o + n) for o, n in zip(common.offset, common.shape))
+            target[index] = source[index]
 
 
 def flatten_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, tuple[str | int, ...]]]:
