@@ -304,7 +304,8 @@ ERRORS = [
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], dict(world_size=6),
      r"world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x --pipeline-model-parallel-size "
      r"\(2\) x --context-parallel-size \(1\) = 4"),
-    (["--context-parallel-size", "2"], dict(world_size=2), r"not supported yet: context parallelism \(--context-parallel-size 2\)"),
+    (["--context-parallel-size", "2"], dict(world_size=2),
+     r"not supported yet: context parallelism \(--context-parallel-size 2\)"),
     (["--num-experts", "8"], {}, r"not supported yet: mixture of experts \(MoE\) \(--num-experts 8\)"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2), "give only one of them"),
