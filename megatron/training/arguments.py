@@ -155,7 +155,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 class MegatronArgumentParser(argparse.ArgumentParser):
     """argparse with short errors: an unknown flag gets one line with the closest known flag, and no error prints
-    the usage (with 800 flags it would bury the message); ``--help`` still lists every flag."""
+    the usage (with 800 flags it would bury the message); ``--help`` still lists every flag. Under torchrun only
+    rank 0 prints (every rank exits with status 2), so a job shows the message once."""
 
     def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
@@ -174,10 +175,13 @@ class MegatronArgumentParser(argparse.ArgumentParser):
             lines.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else ""))
         if not lines:
             lines = [f"unexpected argument(s): {' '.join(unknown)}"]
-        self.exit(2, "\n".join(lines) + "\n")
+        self._exit_once("\n".join(lines))
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+        self._exit_once(f"{self.prog}: error: {message} (--help lists every flag)")
+
+    def _exit_once(self, message: str) -> None:
+        self.exit(2, message + "\n" if int(os.getenv("RANK", "0")) == 0 else None)
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:

@@ -352,6 +352,14 @@ def test_misspelled_flag_gets_one_line_with_the_closest_flag(capsys):
     assert captured.err == "unknown flag --tensor-model-paralel-size; did you mean --tensor-model-parallel-size?\n"
 
 
+def test_only_rank_0_prints_a_parse_error(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as raised:
+        parse_args_list(["--tensor-model-paralel-size", "2"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == ""
+
+
 def test_several_unknown_flags_get_a_line_each(capsys):
     with pytest.raises(SystemExit) as raised:
         parse_args_list(["--num-layer", "2", "--hiden-size=64", "--zzz"])
