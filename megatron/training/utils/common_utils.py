@@ -289,7 +289,10 @@ def get_batch_on_this_tp_rank(data_iterator) -> Dict[str, Optional[torch.Tensor]
     Only the first and last pipeline stages need data (tokens and positions on the first, labels and the loss mask
     on the last); middle stages get Nones. The attention mask is broadcast when the dataset makes one.
     """
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    # The virtual stage the interleaved schedule is running decides, not just the physical one: only the first
+    # chunk of the first stage and the last chunk of the last stage read batches from the shared iterator.
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False)
     if not (first or last):
         return {key: None for key in _BATCH_KEYS}
     tp_rank_0 = parallel_state.get_tensor_model_parallel_rank() == 0
