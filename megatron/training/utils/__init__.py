@@ -19,7 +19,6 @@ from megatron.training.utils.common_utils import (
     is_last_rank,
     is_rank0,
     logical_and_across_model_parallel_group,
-    print_datetime,
     print_params_min_max_norm,
     print_rank_0,
     print_rank_last,

@@ -3,7 +3,6 @@
 import importlib.util
 import warnings
 from contextlib import contextmanager
-from datetime import datetime
 from typing import Dict, List, Optional
 
 import torch
@@ -49,11 +48,6 @@ def warn_rank_0(message: str) -> None:
     """``warnings.warn`` on global rank 0 only, so a job of N ranks warns once, not N times."""
     if is_rank0():
         warnings.warn(message, stacklevel=2)
-
-
-def print_datetime(message: str) -> None:
-    dist.barrier()
-    print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
 def is_first_or_last_pipeline_stage(vp_stage) -> bool:
