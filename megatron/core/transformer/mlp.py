@@ -15,7 +15,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection, tp_group
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 
 class LinearFc1Interface(Protocol):

@@ -6,20 +6,24 @@ from __future__ import annotations
 import contextlib
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Union
 
-import torch
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+if TYPE_CHECKING:
+    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
+    BaseInferenceContext = Any
 
 # ---- the pipeline layer split ----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.utils import get_current_device
-from megatron.core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedTensor
 
 logger = logging.getLogger(__name__)
 

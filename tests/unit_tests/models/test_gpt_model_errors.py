@@ -17,10 +17,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_mlp_module_spec_for_backend,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from tests.unit_tests.models.gpt_test_helpers import VOCAB, build_config
 from tests.unit_tests.test_utilities import run_distributed
 

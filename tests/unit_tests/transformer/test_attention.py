@@ -62,14 +62,14 @@ def _check_attention():
     ]
     errors = []
     for groups, mask_type, mask, attention_bias, masked in cases:
-        attention = DotProductAttention(_config(num_query_groups=groups), layer_number=1, attn_mask_type=mask_type, attention_type="self")
+        attention = DotProductAttention(_config(num_query_groups=groups), 1, mask_type, "self")
         q, k, v = _inputs(groups)
         out = attention(q, k, v, mask, attention_bias=attention_bias)
         expected = _reference(q, k, v, masked, attention_bias)
         errors.append(((out.double() - expected).abs().max() / expected.abs().max()).item())
 
     # bf16 inputs: the softmax runs in fp32 and the output comes back in bf16
-    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    attention = DotProductAttention(_config(), 1, AttnMaskType.causal, "self")
     q, k, v = _inputs(HEADS, torch.bfloat16)
     out = attention(q, k, v, None)
     bf16_error = ((out.double() - _reference(q, k, v, causal)).abs().max()).item()
@@ -93,7 +93,7 @@ def _with_context_parallelism():
 def _errors():
     parallel_state.initialize_model_parallel(1)
     messages = []
-    attention = DotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    attention = DotProductAttention(_config(), 1, AttnMaskType.causal, "self")
     q, k, v = _inputs(HEADS)
     for call in (
         lambda: attention(q, k, v, torch.zeros(1, 1, S, S)),

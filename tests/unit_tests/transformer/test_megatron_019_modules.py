@@ -93,7 +93,8 @@ def test_l2_norm():
 
 
 def test_fp32_to_float16_and_float16_module_fp32_output():
-    converted = fp32_to_float16(val=(torch.ones(1), [torch.ones(1, dtype=torch.int64)]), float16_convertor=torch.Tensor.half)
+    value = (torch.ones(1), [torch.ones(1, dtype=torch.int64)])
+    converted = fp32_to_float16(val=value, float16_convertor=torch.Tensor.half)
     assert converted[0].dtype == torch.float16 and converted[1][0].dtype == torch.int64
     module = Float16Module(_config(bf16=True), torch.nn.Linear(2, 2))
     assert module(torch.ones(1, 2)).dtype == torch.float32
@@ -130,7 +131,8 @@ def _mlp_behaviour():
     mlp.backward_dw()  # nothing is deferred here
     with pytest.raises(TypeError):
         MLPSubmodules(linear_fc1=ColumnParallelLinear)  # fc2 is required
-    return no_bias is None and mlp.name == "decoder.mlp" and mlp.tp_group is parallel_state.get_tensor_model_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    return no_bias is None and mlp.name == "decoder.mlp" and mlp.tp_group is tp_group
 
 
 def test_mlp_per_token_scale_and_as_mlp_submodule():

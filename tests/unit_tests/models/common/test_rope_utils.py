@@ -42,14 +42,15 @@ def test_mla_interleaved_layout_is_deinterleaved_first():
     t = torch.randn(3, 1, 1, 4)
     deinterleaved = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
     torch.testing.assert_close(
-        apply_rotary_pos_emb(t, freqs, PLAIN, mla_rotary_interleaved=True), apply_rotary_pos_emb(deinterleaved, freqs, PLAIN)
+        apply_rotary_pos_emb(t, freqs, PLAIN, mla_rotary_interleaved=True),
+        apply_rotary_pos_emb(deinterleaved, freqs, PLAIN),
     )
 
 
 def test_context_parallel_split_is_load_balanced():
     emb = torch.arange(8).view(8, 1)
-    chunks = [get_pos_emb_on_this_cp_rank(emb, 0, SimpleNamespace(size=lambda: 2, rank=lambda r=r: r)).flatten().tolist()
-              for r in (0, 1)]
+    groups = [SimpleNamespace(size=lambda: 2, rank=lambda r=r: r) for r in (0, 1)]
+    chunks = [get_pos_emb_on_this_cp_rank(emb, 0, group).flatten().tolist() for group in groups]
     assert chunks == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 

@@ -4,7 +4,7 @@ and multimodal RoPE (M-RoPE, Qwen2-VL) whose channels follow separate temporal /
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -16,8 +16,12 @@ from megatron.core.models.common.embeddings.rope_utils import (  # noqa: F401  (
 from megatron.core.utils import get_current_device
 
 if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
+    BaseInferenceContext = Any
 
 
 def apply_llama3_scaling(
