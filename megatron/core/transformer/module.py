@@ -8,6 +8,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
 
+_SYMMETRIC_AR_TYPES = (None, "two_shot", "one_shot", "multimem_all_reduce")
+
+
 class MegatronModule(torch.nn.Module):
     """A ``torch.nn.Module`` that carries its :class:`TransformerConfig`."""
 
@@ -24,6 +27,17 @@ class MegatronModule(torch.nn.Module):
         for module in self.modules():
             if hasattr(module, "is_first_microbatch"):
                 module.is_first_microbatch = True
+
+    def set_symmetric_ar(self, set_to: Optional[str] = None) -> None:
+        """Switch NCCL symmetric-memory all-reduce (``'two_shot'``, ``'one_shot'``, ``'multimem_all_reduce'``) on
+        or off (None) for every submodule that offers it (an attribute ``symmetric_ar_type``, Transformer Engine's
+        linears). This project's layers all-reduce through torch.distributed and offer none, like the config's
+        ``symmetric_ar_type`` knob; an unknown choice is a ``ValueError``."""
+        if set_to not in _SYMMETRIC_AR_TYPES:
+            raise ValueError(f"set_symmetric_ar: set_to={set_to!r} is not one of {_SYMMETRIC_AR_TYPES}")
+        for module in self.modules():
+            if hasattr(module, "symmetric_ar_type"):
+                module.symmetric_ar_type = set_to
 
     def sharded_state_dict(
         self,

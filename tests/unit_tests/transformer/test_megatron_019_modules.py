@@ -356,3 +356,13 @@ def _packed_gpt():
 
 def test_gpt_model_on_packed_sequences():
     assert run_distributed(1, _packed_gpt) == [True]
+
+
+def test_set_symmetric_ar():
+    module = MegatronModule(_config())
+    module.inner = torch.nn.Linear(2, 2)
+    module.inner.symmetric_ar_type = None
+    module.set_symmetric_ar("two_shot")
+    assert module.inner.symmetric_ar_type == "two_shot"
+    with pytest.raises(ValueError, match="set_to='three_shot' is not one of"):
+        module.set_symmetric_ar("three_shot")
