@@ -84,12 +84,14 @@ def register_safe_globals() -> None:
 
 def _dcp_metadata_globals() -> Dict[str, Any]:
     """What a DCP ``.metadata`` pickle names besides the allow-list: torch's checkpoint metadata records."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     records = [
         metadata.Metadata, metadata.MetadataIndex, metadata.StorageMeta, metadata.TensorProperties,
         metadata.TensorStorageMetadata, metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
         metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo,
+        # Megatron-Core 0.19 also stores every rank's save plan (Metadata.all_local_plans).
+        planner.SavePlan, planner.WriteItem, planner.WriteItemType, planner.TensorWriteData, planner.BytesIOWriteData,
     ]
     found = {f"{r.__module__}.{r.__qualname__}": r for r in records}
     found["torch.Size"] = torch.Size

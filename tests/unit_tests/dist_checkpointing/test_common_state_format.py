@@ -13,6 +13,8 @@ import io
 import json
 import os
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,6 +79,39 @@ def test_a_checkpoint_without_common_pt_written_by_another_dcp_writer_loads(tmp_
     assert torch.equal(loaded["w"], weight)
     assert {k: loaded[k] for k in COMMON} == COMMON
     assert load_common_state_dict(tmp_path) == COMMON
+
+
+# Written by megatron-core 0.19.2 itself (its dist_checkpointing.save, one gloo rank) from this state:
+# "embedding.weight" = arange(12).reshape(4, 3); "decoder.layers.bias" = two [3] layers stacked on a prepended axis,
+# layer i full of i; ShardedObject "rng_state" (1, 1) = [{"seed": 5}]; common state args=Namespace(lr=0.5,
+# tensor_model_parallel_size=1), iteration=42, checkpoint_version=3.0.
+MEGATRON_019_CHECKPOINT = Path(__file__).parent / "data" / "megatron_core_0_19_2"
+
+
+def test_a_checkpoint_written_by_megatron_core_0_19_loads(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(MEGATRON_019_CHECKPOINT, checkpoint)  # loading writes nothing, but keep the fixture pristine
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "metadata.json"]  # no common.pt
+    request = {
+        "w": ShardedTensor.from_rank_offsets("embedding.weight", torch.zeros(4, 3)),
+        "layers": [
+            ShardedTensor.from_rank_offsets("decoder.layers.bias", torch.zeros(3), (0, i, 2), prepend_axis_num=1)
+            for i in range(2)
+        ],
+        "rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0)),
+    }
+    loaded = load(request, checkpoint, strict="raise_all")
+    assert torch.equal(loaded["w"], torch.arange(12.0).reshape(4, 3))
+    assert [t.tolist() for t in loaded["layers"]] == [[0.0] * 3, [1.0] * 3]
+    assert loaded["rng_state"] == [{"seed": 5}]
+    assert loaded["args"] == argparse.Namespace(lr=0.5, tensor_model_parallel_size=1)
+    assert (loaded["iteration"], loaded["checkpoint_version"]) == (42, 3.0)
+    # Megatron-Core 0.19 also pickles every rank's save plan into .metadata; the allow-list admits those records.
+    assert read_dcp_metadata(checkpoint).all_local_plans
+    # Resharded: two "tensor-parallel" halves of the embedding, read by one process.
+    halves = [ShardedTensor.from_rank_offsets("embedding.weight", torch.zeros(2, 3), (0, i, 2)) for i in range(2)]
+    parts = load({"h": halves}, checkpoint, validate_access_integrity=False)["h"]
+    assert torch.equal(torch.cat(parts), torch.arange(12.0).reshape(4, 3))
 
 
 def test_a_legacy_checkpoint_with_common_pt_loads(tmp_path):
