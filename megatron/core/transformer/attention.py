@@ -111,7 +111,6 @@ class CoreAttentionBuilder(Protocol):
         attn_mask_type: AttnMaskType,
         attention_type: str,
         cp_comm_type: str | None,
-        softmax_scale: float | None,
         pg_collection: ProcessGroupCollection | None,
     ) -> CoreAttentionInterface: ...
 
