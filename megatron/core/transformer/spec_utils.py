@@ -56,13 +56,16 @@ def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
 
     A bare function (such as ``get_bias_dropout_add``) is returned as it is; a class is called with ``args`` and
     ``kwargs``; a :class:`ModuleSpec` is called with ``args``, its ``params`` and ``kwargs`` (``kwargs`` win), plus
-    ``submodules`` when the spec has them.
+    ``submodules`` when the spec has them. Any other callable (a builder such as
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)``) is called with ``args`` and ``kwargs``.
     """
     if isinstance(spec_or_module, types.FunctionType):
         return spec_or_module
     if isinstance(spec_or_module, ModuleSpec) and isinstance(spec_or_module.module, types.FunctionType):
         return spec_or_module.module
-    if isinstance(spec_or_module, type):
+    if isinstance(spec_or_module, type) or (
+        callable(spec_or_module) and not isinstance(spec_or_module, ModuleSpec)
+    ):
         return spec_or_module(*args, **kwargs)
     module = get_module(spec_or_module)
     params = {**spec_or_module.params, **kwargs}

@@ -59,6 +59,9 @@ def test_module_spec_metainfo_and_get_submodules():
         get_submodules(functools.partial(MLP))
     # metainfo describes the spec; it is never passed to the module.
     assert isinstance(build_module(ModuleSpec(module=torch.nn.Identity, metainfo={"x": 1})), torch.nn.Identity)
+    # A builder (any callable that is not a class or a function) is called.
+    linear = build_module(functools.partial(torch.nn.Linear, bias=False), 2, 3)
+    assert isinstance(linear, torch.nn.Linear) and linear.bias is None
 
 
 def test_enum_members():
@@ -247,6 +250,10 @@ def _layers_and_block():
     out_a, _ = with_cross(x, context=context)
     out_b, _ = with_cross(x, context=context + 1)
     assert not torch.allclose(out_a, out_b)  # the output depends on the context
+    # An MLP builder that is not a spec is called with the layer's config and process groups.
+    builder = functools.partial(MLP.as_mlp_submodule, submodules=subs.mlp.submodules)
+    built = TransformerLayer(config, TransformerLayerSubmodules(mlp=builder))
+    assert isinstance(built.mlp, MLP) and built.mlp.tp_group is parallel_state.get_tensor_model_parallel_group()
     block = TransformerBlock(config, spec)
     hidden, features = block(x, None, extract_layer_indices={0, 2})
     assert len(features) == 2 and block.has_final_layernorm_in_this_stage()
