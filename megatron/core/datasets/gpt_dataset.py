@@ -95,7 +95,6 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
                 f"the tokenizer ({type(self.tokenizer).__name__}) has no `eod` attribute; GPTDataset needs the "
                 f"end-of-document id"
             )
-        _check_pad_is_not_ambiguous(self)
 
 
 def _check_unsupported_gpt_fields(config: GPTDatasetConfig) -> None:
@@ -114,21 +113,22 @@ def _check_unsupported_gpt_fields(config: GPTDatasetConfig) -> None:
         raise ValueError(f"data_parallel_size must be a positive integer, got {config.data_parallel_size!r}")
 
 
-def _check_pad_is_not_ambiguous(config: GPTDatasetConfig) -> None:
-    """A pad id equal to the end-of-document id would mask every real EOD label out of the loss as padding."""
-    pad, eod = _pad_token_id(config.tokenizer), config.tokenizer.eod
-    if pad == _PAD_TOKEN_ID or pad != eod:
-        return
-    if not config.allow_ambiguous_pad_tokens:
-        raise ValueError(
-            f"the tokenizer's padding id {pad} is also its end-of-document id, so GPTDataset could not tell padding "
-            "from real end-of-document tokens (their labels would get no loss); use a tokenizer with a distinct pad "
-            "token, or set allow_ambiguous_pad_tokens=True (--allow-ambiguous-pad-tokens) to accept that"
-        )
+def _padding_id(config: GPTDatasetConfig) -> int:
+    """The id GPTDataset pads samples with.
+
+    A tokenizer whose pad id is also its end-of-document id would have every real EOD label masked out of the loss
+    as padding, so, as in Megatron-LM, such a pad id is replaced by -1 (which no token has), unless
+    ``allow_ambiguous_pad_tokens`` asks for the tokenizer's own.
+    """
+    pad = _pad_token_id(config.tokenizer)
+    if pad == _PAD_TOKEN_ID or pad != config.tokenizer.eod or config.allow_ambiguous_pad_tokens:
+        return pad
     log_single_rank(
         logger, logging.WARNING,
-        f"allow_ambiguous_pad_tokens: padding id {pad} equals the end-of-document id; those labels get no loss",
+        f"the tokenizer's padding id {pad} is also its end-of-document id; padding with {_PAD_TOKEN_ID} instead, so "
+        "end-of-document labels keep their loss (--allow-ambiguous-pad-tokens pads with the tokenizer's id)",
     )
+    return _PAD_TOKEN_ID
 
 
 class GPTDataset(MegatronDataset):
@@ -153,7 +153,7 @@ class GPTDataset(MegatronDataset):
             [config.reset_position_ids, config.reset_attention_mask, config.eod_mask_loss]
         )
         self._cached_masks_and_position_ids = None
-        self._pad_token_id = _pad_token_id(config.tokenizer)
+        self._pad_token_id = _padding_id(config)
         self._check_indices()
         self.document_index, self.sample_index, self.shuffle_index = self._build_document_sample_shuffle_indices()
 

@@ -14,7 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatr
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import compile_helpers
-from tests.unit_tests.datasets.corpus import EOD, ToyTokenizer, write_corpus
+from tests.unit_tests.datasets.corpus import EOD, write_corpus
 from tests.unit_tests.datasets.test_gpt_dataset import make_config, make_dataset
 from tests.unit_tests.test_utilities import run_distributed
 
@@ -69,15 +69,19 @@ def test_gpt_config_defaults(tmp_path):
         make_config(tmp_path, data_parallel_size=0)
 
 
-def test_a_pad_id_equal_to_eod_is_refused_unless_allowed(tmp_path, caplog):
-    with pytest.raises(ValueError, match=r"padding id 0 is also its end-of-document id, .*allow_ambiguous_pad_tokens"):
-        make_config(tmp_path, tokenizer=PadIsEod())
+def test_a_pad_id_equal_to_eod_pads_with_minus_one_unless_allowed(tmp_path, caplog):
+    documents = [[5, 6, EOD], [7, 8, 9, EOD]]
     with caplog.at_level(logging.WARNING):
-        dataset = make_dataset(tmp_path, [[5, 6, EOD], [7, 8, 9, EOD]], 2, tokenizer=PadIsEod(),
-                               allow_ambiguous_pad_tokens=True, sequence_length=4)
-    assert "padding id 0 equals the end-of-document id" in caplog.text
+        dataset = make_dataset(tmp_path, documents, 2, tokenizer=PadIsEod(), sequence_length=4)
+    assert "padding id 0 is also its end-of-document id; padding with -1 instead" in caplog.text
     sample = dataset[0]
-    assert all(sample["loss_mask"][sample["labels"] == EOD] == 0)  # what the check warns about
+    assert (sample["labels"] == EOD).any() and all(sample["loss_mask"][sample["labels"] == EOD] == 1)
+
+    (tmp_path / "allowed").mkdir()
+    allowed = make_dataset(tmp_path / "allowed", documents, 2, tokenizer=PadIsEod(),
+                           allow_ambiguous_pad_tokens=True, sequence_length=4)
+    sample = allowed[0]
+    assert all(sample["loss_mask"][sample["labels"] == EOD] == 0)  # the tokenizer's pad id masks EODs out
 
 
 def _corpus(tmp_path):
