@@ -293,3 +293,77 @@ def test_evaluate_collects_non_loss_data():
     assert from_func == "direct"
     assert received == [([{"tokens seen": 64}], 1, True)]
     assert consumed == 2 * (3 + 3)  # the default --eval-iters 3, twice (samples of global batch 2)
+
+
+def _get_model_hands_on_config_and_groups():
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.training import get_model
+
+    global_vars.set_args(validated())
+    parallel_state.initialize_model_parallel()
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    seen = []
+
+    def provider(pre_process, post_process, **kwargs):
+        seen.append((pre_process, post_process, sorted(kwargs)))
+        return torch.nn.Linear(2, 2)
+
+    get_model(provider, wrap_with_ddp=False)
+    get_model(provider, wrap_with_ddp=False, config="the config", pg_collection=groups)
+    global_vars.unset_global_variables()
+    return seen
+
+
+def test_get_model_hands_config_and_pg_collection_to_the_provider():
+    assert run_distributed(1, _get_model_hands_on_config_and_groups)[0] == [
+        (True, True, []), (True, True, ["config", "pg_collection"])]
+
+
+def _training_log_line():
+    from megatron.core import parallel_state
+    from megatron.training.training import training_log
+
+    global_vars.set_global_variables(validated("--log-interval", 5, "--log-params-norm"))
+    parallel_state.initialize_model_parallel()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        global_vars.get_timers()("interval-time", log_level=0).start()
+        loss = {"lm loss": torch.tensor(2.5)}
+        # Not a log iteration: only accumulated; the first iteration prints anyway when asked to.
+        flag = training_log(loss, {}, 1e-3, 3, 1.0, True, 0, 1.5, None, None, None)
+        quiet = out.getvalue()
+        flag = training_log(loss, {}, 1e-3, 3, 1.0, flag, 0, 1.5, 12.25, None, 7.5, is_first_iteration=True)
+    global_vars.unset_global_variables()
+    return quiet, out.getvalue(), flag
+
+
+def test_training_log_prints_params_norm_and_max_attention_logit():
+    quiet, printed, flag = run_distributed(1, _training_log_line)[0]
+    assert quiet == "" and flag is False
+    assert " params norm: 12.250 |" in printed and " max attention logit: 7.500 |" in printed
+    assert " lm loss: 2.500000E+00 |" in printed and "(after iteration 3) memory (MB)" in printed
+
+
+def _rng_state_per_data_parallel_rank():
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import get_rng_state
+
+    args = validated(world_size=2)
+    args.data_parallel_random_init = True
+    global_vars.set_args(args)
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(100 + dist.get_rank())
+    tp, pp = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()
+    sharded = get_rng_state("torch_dist", tp, pp, key_prefix="x.")
+    plain = get_rng_state("torch", tp, pp)
+    global_vars.unset_global_variables()
+    seeds = [torch.Generator().set_state(state["torch_rng_state"]).initial_seed() for state in sharded.data]
+    return sharded.key, sharded.replica_id, seeds, len(plain)
+
+
+def test_rng_state_holds_every_data_parallel_ranks_state_with_data_parallel_random_init():
+    assert run_distributed(2, _rng_state_per_data_parallel_rank) == [
+        ("x.rng_state", 0, [100, 101], 2), ("x.rng_state", 1, [100, 101], 2)]
