@@ -24,6 +24,10 @@ class ModuleSpec:
     submodules: object = None
     metainfo: dict = field(default_factory=lambda: {})
 
+    def __call__(self, *args, **kwargs):
+        """A spec is a builder too: calling it builds its module (:func:`build_module`)."""
+        return build_module(self, *args, **kwargs)
+
 
 def import_module(module_path: Tuple[str, str]):
     """Import ``name`` from ``module_path`` given as ``(module_path, name)``."""

@@ -59,7 +59,8 @@ def test_module_spec_metainfo_and_get_submodules():
         get_submodules(functools.partial(MLP))
     # metainfo describes the spec; it is never passed to the module.
     assert isinstance(build_module(ModuleSpec(module=torch.nn.Identity, metainfo={"x": 1})), torch.nn.Identity)
-    # A builder (any callable that is not a class or a function) is called.
+    # A spec is itself a builder; any other callable that is not a class or a function is called.
+    assert isinstance(ModuleSpec(module=torch.nn.Linear, params={"bias": False})(2, 3), torch.nn.Linear)
     linear = build_module(functools.partial(torch.nn.Linear, bias=False), 2, 3)
     assert isinstance(linear, torch.nn.Linear) and linear.bias is None
 

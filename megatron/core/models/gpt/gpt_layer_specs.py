@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_block import (
     get_transformer_layer_offset,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import MlpBuilder, TransformerLayer, TransformerLayerSubmodules
 
 _LOCAL = LocalSpecProvider()
 LNImpl = _LOCAL.layer_norm()
@@ -59,7 +59,7 @@ def get_mlp_module_spec_for_backend(
     use_te_op_fuser: Optional[bool] = False,
     use_te_activation_func: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
-) -> ModuleSpec:
+) -> MlpBuilder:
     """The dense MLP spec with ``backend``'s linears (and activation module, if it has one). The kernel-choice
     parameters make no difference to the local backend's modules."""
     _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
@@ -79,7 +79,7 @@ def get_mlp_module_spec(
     moe_grouped_gemm: Optional[bool] = False,
     fp8: Optional[str] = None,
     use_te_op_fuser: Optional[bool] = False,
-) -> ModuleSpec:
+) -> MlpBuilder:
     """The dense MLP spec; ``use_te=False`` for the local modules (Megatron's default, Transformer Engine, is
     not supported yet)."""
     if use_te:
