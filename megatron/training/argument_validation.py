@@ -125,7 +125,6 @@ def validate_args(args, defaults={}):
     _validate_logging(args)
     _turn_off_what_cannot_run_here(args)
     _set_run_state(args)
-    _print_args("arguments", args)
     return args
 
 
@@ -665,7 +664,8 @@ def _set_run_state(args) -> None:
 
 
 def _print_args(title: str, args) -> None:
-    """Print every argument on rank 0, in Megatron-LM's layout."""
+    """Print every argument on rank 0, in Megatron-LM's layout (once start-up has succeeded: a job that fails on
+    a bad flag prints its error, not two hundred lines of settings first)."""
     if not _is_rank_0(args):
         return
     lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]

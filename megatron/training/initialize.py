@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import cuda_available, get_current_device, set_device_for_rank
+from megatron.training.argument_validation import _print_args
+from megatron.training.error_handling import exit_with_launcher
 from megatron.training.global_vars import (
     get_adlr_autoresume,
     get_args,
@@ -79,6 +81,7 @@ def initialize_megatron(
             ep_group=seed_ep_group, etp_group=seed_etp_group,
         )
     _init_autoresume()
+    _print_args("arguments", args)  # once start-up has succeeded
     return args
 
 
@@ -95,6 +98,7 @@ def _initialize_distributed(args, store, get_embedding_ranks, get_position_embed
                             skip_model_parallel_init) -> None:
     """torchrun's environment (or ``store``) -> process group (nccl on GPUs, gloo on CPUs) -> model-parallel
     groups."""
+    exit_with_launcher()  # before anything that can block: a rank must not outlive a killed torchrun
     if cuda_available():
         set_device_for_rank(args.local_rank)
     else:

@@ -43,6 +43,7 @@ from megatron.training import checkpointing
 from megatron.training import flops
 from megatron.training.argument_utils import core_ddp_config_from_args, core_optimizer_config_from_args
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.error_handling import exit_on_error
 from megatron.training.global_vars import (
     destroy_global_vars,
     get_args,
@@ -105,6 +106,14 @@ def _arguments_from(cfg_container):
     return cfg_container
 
 
+def _flush_log_writers() -> None:
+    """Keep what the writers buffered (TensorBoard events) when a failing rank exits without interpreter shutdown."""
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+
+
+@exit_on_error(before_exit=_flush_log_writers)
 def pretrain(
     cfg_container,
     train_valid_test_dataset_provider,

@@ -54,10 +54,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun_command(args: Sequence[str], nproc: int) -> List[str]:
+def torchrun_command(args: Sequence[str], nproc: int, entry_point: Path = ENTRY_POINT) -> List[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ENTRY_POINT), *map(str, args),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(entry_point), *map(str, args),
     ]
 
 
@@ -88,14 +88,16 @@ class RunResult:
 
 
 def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-                 expect_success: bool = True, threads_per_rank: int = 1) -> RunResult:
+                 expect_success: bool = True, threads_per_rank: int = 1, entry_point: Path = ENTRY_POINT,
+                 env: Optional[Dict[str, str]] = None) -> RunResult:
     """Run pretrain_gpt.py on `nproc` CPU ranks and return its combined output.
 
     With `expect_success` a non-zero exit fails the test with the command and the end of the output; a run that
     outlives `timeout` is killed (with its whole process group) and fails the same way, as a hang. Tests keep one
-    thread per rank (reproducible fp32 sums); benchmarks give each rank its share of the cores.
+    thread per rank (reproducible fp32 sums); benchmarks give each rank its share of the cores. `entry_point`
+    replaces pretrain_gpt.py (tests that inject failures wrap it); `env` adds environment variables.
     """
-    process = PretrainProcess(args, nproc, threads_per_rank)
+    process = PretrainProcess(args, nproc, threads_per_rank, entry_point, env)
     result = process.wait(timeout)
     if expect_success and result.returncode != 0:
         raise AssertionError(f"pretrain_gpt.py on {nproc} rank(s) failed\n{result.describe()}")
@@ -105,13 +107,15 @@ def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_T
 class PretrainProcess:
     """A running torchrun job in its own process group, its output read line by line as it arrives."""
 
-    def __init__(self, args: Sequence[str], nproc: int = 1, threads_per_rank: int = 1):
+    def __init__(self, args: Sequence[str], nproc: int = 1, threads_per_rank: int = 1,
+                 entry_point: Path = ENTRY_POINT, env: Optional[Dict[str, str]] = None):
         self.nproc = nproc
-        self.command = torchrun_command(args, nproc)
+        self.command = torchrun_command(args, nproc, entry_point)
         self._lines: List[str] = []
         self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
         self._popen = subprocess.Popen(
-            self.command, cwd=REPO_ROOT, env=_subprocess_env(threads_per_rank), stdout=subprocess.PIPE,
+            self.command, cwd=REPO_ROOT, env={**_subprocess_env(threads_per_rank), **(env or {})},
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # its own process group: one signal reaches torchrun and every rank
         )
@@ -150,6 +154,11 @@ class PretrainProcess:
             ended = f"it did not appear within {timeout:.0f} s"
         self.kill()
         raise AssertionError(f"waiting for a log line: {ended}\n{self._result().describe()}")
+
+    @property
+    def launcher_pid(self) -> int:
+        """torchrun's process id (the ranks are its children)."""
+        return self._popen.pid
 
     def send_signal_to_group(self, sig: int = signal.SIGTERM) -> None:
         """Deliver `sig` to torchrun and every rank at once, as a cluster scheduler does."""

@@ -1,0 +1,143 @@
+"""A job that fails, fails fast and says why once: no hang on an exception, no rank outliving a killed torchrun,
+one report of an error however many ranks hit it."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+from tests.functional_tests.configs import GOLDEN_FLAGS, with_flag
+from tests.functional_tests.harness import PretrainProcess, run_pretrain
+
+FAIL_AT_ITERATION = Path(__file__).parent / "entry_points" / "fail_at_iteration.py"
+# After torchrun is killed, its ranks (and their DataLoader workers) must be gone within this many seconds.
+LAUNCHER_DEATH_BOUND_S = 10.0
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+
+
+def _children_by_parent() -> Dict[int, List[int]]:
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) is in parentheses and may hold spaces; the parent pid follows the state.
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> Set[int]:
+    tree = _children_by_parent()
+    found, stack = set(), [pid]
+    while stack:
+        for child in tree.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _alive(pids: Set[int]) -> Set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":  # a zombie has exited; only its (dead) parent would reap it
+            alive.add(pid)
+    return alive
+
+
+def _kill_all(pids: Set[int]) -> None:
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run_failing(flags, nproc, fail_with="crash"):
+    env = {"FAIL_AT_ITERATION": "2", "FAIL_WITH": fail_with}
+    started = time.monotonic()
+    result = run_pretrain(flags + ["--num-workers", "2"], nproc=nproc, expect_success=False, timeout=120,
+                          entry_point=FAIL_AT_ITERATION, env=env)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, []), (4, ["--tensor-model-parallel-size", "2"])])
+def test_an_exception_during_training_ends_the_job_with_its_message_once(cpu_data_flags, nproc, layout):
+    """With DataLoader workers (which ignore SIGTERM) an exception used to leave the rank joining them forever."""
+    result, elapsed = _run_failing(GOLDEN_FLAGS + cpu_data_flags + layout, nproc)
+    assert result.returncode != 0, result.describe()
+    assert elapsed < 60, f"the failing job took {elapsed:.0f} s to end\n{result.describe()}"
+    assert [r["iteration"] for r in result.records] == [1], result.describe()
+    assert result.output.count("RuntimeError: injected failure at iteration 2") == 1, result.describe()
+    assert result.output.count("crashed:\nTraceback") == 1, result.describe()
+
+
+def test_an_input_error_is_one_short_block_starting_with_the_message(cpu_data_flags):
+    result, _ = _run_failing(GOLDEN_FLAGS + cpu_data_flags, 1, fail_with="input")
+    assert result.returncode != 0, result.describe()
+    lines = result.output.splitlines()
+    first = next(i for i, line in enumerate(lines) if "injected failure" in line)
+    assert lines[first].endswith("error: injected failure at iteration 2"), result.describe()
+    assert "MEGATRON_LITE_VERBOSE_ERRORS=1" in lines[first + 1], result.describe()
+    assert "Traceback" not in "\n".join(lines[first - 3:first + 3]), result.describe()
+    assert result.output.count("injected failure") == 1, result.describe()
+
+
+def test_a_configuration_error_on_four_ranks_prints_once_and_no_argument_dump(cpu_data_flags):
+    flags = with_flag(GOLDEN_FLAGS, "--global-batch-size", "10") + cpu_data_flags
+    result = run_pretrain(flags, nproc=4, expect_success=False, timeout=120)
+    assert result.returncode != 0, result.describe()
+    message = "--global-batch-size (10) must be a multiple of --micro-batch-size (4) x data-parallel size (4)"
+    assert result.output.count(message) == 1, result.describe()
+    assert "Traceback" not in result.output.split(message)[0], result.describe()
+    assert "------------------------ arguments" not in result.output, result.describe()
+
+
+def test_verbose_errors_give_every_rank_its_traceback(cpu_data_flags):
+    flags = with_flag(GOLDEN_FLAGS, "--global-batch-size", "10") + cpu_data_flags
+    result = run_pretrain(flags, nproc=2, expect_success=False, timeout=120,
+                          env={"MEGATRON_LITE_VERBOSE_ERRORS": "1"})
+    assert result.returncode != 0, result.describe()
+    assert result.output.count("crashed:\nTraceback") == 2, result.describe()
+
+
+@linux_only
+def test_killing_torchrun_takes_every_rank_down_and_nothing_is_written_after(cpu_data_flags, tmp_path):
+    save_dir = tmp_path / "checkpoints"
+    flags = with_flag(GOLDEN_FLAGS, "--train-iters", "100000") + cpu_data_flags + [
+        "--tensor-model-parallel-size", "2", "--num-workers", "2", "--eval-iters", "0",
+        "--save", save_dir, "--save-interval", "2",
+    ]
+    job = PretrainProcess(flags, nproc=4)
+    processes: Set[int] = set()
+    try:
+        job.wait_for_line(lambda line: "successfully saved checkpoint from iteration       4" in line, timeout=120)
+        processes = _descendants(job.launcher_pid)
+        assert len(processes) >= 4 + 4 * 2, f"expected 4 ranks with 2 workers each, found {sorted(processes)}"
+        os.kill(job.launcher_pid, signal.SIGKILL)  # torchrun only, as a cancelled step or a closed terminal does
+        killed_at = time.time()
+        deadline = time.monotonic() + LAUNCHER_DEATH_BOUND_S
+        while _alive(processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = _alive(processes)
+        assert not survivors, f"{len(survivors)} processes outlived torchrun by {LAUNCHER_DEATH_BOUND_S} s"
+        written_after = [
+            path for path in save_dir.rglob("*") if path.stat().st_mtime > killed_at + 0.5
+        ]
+        assert not written_after, f"written after torchrun was killed: {written_after}"
+    finally:
+        _kill_all(processes)
+        job.kill()
