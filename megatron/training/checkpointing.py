@@ -358,6 +358,47 @@ def fix_query_key_value_ordering(model, checkpoint_version):
         )
 
 
+def incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[Tuple[int, str]]:
+    """(iteration, directory) of every ``iter_*`` checkpoint under ``checkpoints_path`` whose save never finished.
+
+    ``metadata.json`` is the last file a save writes (after every rank's data is durable), so a directory without
+    it, or without the DCP index, is the remains of an interrupted save: the tracker never pointed at it.
+    """
+    found = []
+    if not os.path.isdir(checkpoints_path):
+        return found
+    for name in sorted(os.listdir(checkpoints_path)):
+        directory = os.path.join(checkpoints_path, name)
+        if not (name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(directory)):
+            continue
+        if not all(os.path.exists(os.path.join(directory, f)) for f in (CONFIG_FNAME, DCP_METADATA_FNAME)):
+            found.append((int(name[5:]), directory))
+    return found
+
+
+def describe_incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[str]:
+    """One line per incomplete checkpoint, saying that it is ignored and when it goes away."""
+    return [
+        f"ignoring incomplete checkpoint {os.path.basename(directory)} in {checkpoints_path}: no metadata (its save "
+        "was interrupted); it is removed after the next successful save"
+        for _, directory in incomplete_checkpoints(checkpoints_path)
+    ]
+
+
+def remove_incomplete_checkpoints(checkpoints_path: Union[str, Path], saved_iteration: int) -> List[str]:
+    """Delete the incomplete checkpoints of iterations before ``saved_iteration``, which was just marked latest.
+
+    Only earlier iterations: asynchronous saves finish in order, so an earlier one still lacking its metadata was
+    interrupted, while a later one may be in flight. Complete checkpoints are never touched. Returns what was removed.
+    """
+    removed = []
+    for iteration, directory in incomplete_checkpoints(checkpoints_path):
+        if iteration < saved_iteration:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
 # ---- saving and loading a training job ---------------------------------------------------------------------------
 # The functions below use the training globals (arguments, model chunks, optimizer, scheduler); everything above is
 # plain path handling that tools can use without them.
@@ -568,6 +609,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             write_tracker_atomically(save_dir, RELEASE_DIRNAME if release else iteration)
             if non_persistent_ckpt:
                 cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1)
+            elif not release:
+                for directory in remove_incomplete_checkpoints(save_dir, iteration):
+                    print(f"  removed incomplete checkpoint {directory} (left by an interrupted save)", flush=True)
         dist.barrier()
 
     request = dist_checkpointing.save(
@@ -612,6 +656,9 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
+    if load_dir is not None:
+        for line in describe_incomplete_checkpoints(load_dir):
+            print_rank_0(line)
     found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)

@@ -141,3 +141,28 @@ def test_killing_torchrun_takes_every_rank_down_and_nothing_is_written_after(cpu
     finally:
         _kill_all(processes)
         job.kill()
+
+
+def _file_digests(directory: Path) -> Dict[str, int]:
+    return {str(path.relative_to(directory)): hash(path.read_bytes()) for path in directory.rglob("*") if path.is_file()}
+
+
+def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(golden_run, cpu_data_flags,
+                                                                                 tmp_path):
+    import shutil
+
+    save_dir = tmp_path / "checkpoints"
+    shutil.copytree(golden_run.checkpoint_dir / "iter_0000010", save_dir / "iter_0000010")
+    (save_dir / "latest_checkpointed_iteration.txt").write_text("10")
+    interrupted = save_dir / "iter_0000015"  # what a save killed before its metadata leaves behind
+    interrupted.mkdir()
+    (interrupted / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    complete_before = _file_digests(save_dir / "iter_0000010")
+
+    resumed = run_pretrain(GOLDEN_FLAGS + cpu_data_flags + ["--load", save_dir, "--save", save_dir,
+                                                           "--save-interval", "10"])
+    assert f"ignoring incomplete checkpoint iter_0000015 in {save_dir}: no metadata" in resumed.output
+    assert f"removed incomplete checkpoint {interrupted}" in resumed.output
+    assert not interrupted.exists()
+    assert (save_dir / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert _file_digests(save_dir / "iter_0000010") == complete_before
