@@ -571,7 +571,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
-    from megatron.training.utils import print_rank_0
+    # Progress is printed by the rank that prints the training and validation lines, so events stay in order.
+    from megatron.training.utils import print_rank_last
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
@@ -582,7 +583,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                              "(only 'global' non-persistent checkpoints)")
         save_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
     checkpoint_dir = get_checkpoint_name(save_dir, iteration, release, return_base_dir=True)
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
+    print_rank_last(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
     content_metadata = _content_metadata(args)
     rng_state = None if args.no_save_rng else get_rng_state(
         "torch_dist", tp_group, pp_group, dp_cp_group, dp_group, key_prefix=rng_state_key_prefix
@@ -625,7 +626,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     else:
         dist.barrier()
         mark_latest()
-        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
+        print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,

@@ -667,7 +667,7 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
         save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
                                  num_floating_point_operations_so_far, checkpointing_context,
                                  train_data_iterator=train_data_iterator)
-    print_rank_0(f"exiting program {reason}")
+    print_rank_last(f"exiting program {reason}")
     return True
 
 
@@ -831,7 +831,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
     with torch.no_grad():
         for step in range(eval_iters):
             if verbose:
-                print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
+                print_rank_last(f"Evaluating iter {step + 1}/{eval_iters}")
             losses = forward_backward_func(**schedule_kwargs)
             for key, value in _reduce_losses_over_data_parallel(losses).items():
                 totals[key] = totals.get(key, 0) + value

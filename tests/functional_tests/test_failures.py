@@ -2,6 +2,7 @@
 one report of an error however many ranks hit it."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -166,3 +167,22 @@ def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(
     assert not interrupted.exists()
     assert (save_dir / "latest_checkpointed_iteration.txt").read_text() == "20"
     assert _file_digests(save_dir / "iter_0000010") == complete_before
+
+
+def test_progress_events_of_a_multi_rank_job_are_printed_in_order(cpu_data_flags, tmp_path):
+    """Training and validation lines, evaluation progress and checkpoint messages come from one rank (the last),
+    so the merged output of TP2 x DP2 (rank 0 is not the last rank) reads in the order things happened."""
+    flags = with_flag(with_flag(GOLDEN_FLAGS, "--train-iters", "4"), "--eval-interval", "2") + cpu_data_flags + [
+        "--tensor-model-parallel-size", "2", "--save", tmp_path, "--save-interval", "2",
+    ]
+    output = run_pretrain(flags, nproc=4).output
+    patterns = {
+        "train": re.compile(r"\biteration\s+\d+/\s*\d+ \|"),
+        "validation": re.compile(r"validation loss at iteration"),
+        "evaluating": re.compile(r"Evaluating iter \d+/"),
+        "saving": re.compile(r"saving checkpoint at iteration"),
+        "saved": re.compile(r"successfully saved checkpoint from iteration"),
+    }
+    events = [kind for line in output.splitlines() for kind, pattern in patterns.items() if pattern.search(line)]
+    per_save = ["train", "train", "validation", "saving", "saved"]
+    assert events == per_save * 2 + ["evaluating"] * 2 + ["validation"], f"{events}\n{output[-3000:]}"
