@@ -7,7 +7,7 @@
 #
 # It takes a couple of minutes on a 4-core laptop. Settings, all optional, from the environment:
 #   CHECKPOINT_DIR  where checkpoints go (default /tmp/megatron-lite/gpt_cpu); running the script again resumes
-#                   from the latest one there, so raise TRAIN_ITERS to train further
+#                   from the latest one there, so raise TRAIN_ITERS to train further (see TRAINING_ARGS)
 #   TRAIN_ITERS     training iterations (default 100)
 #   DATA_CACHE_DIR  where the dataset's sample indices are cached (default /tmp/megatron-lite/data_cache)
 # Extra arguments are passed on to pretrain_gpt.py, e.g. `--dry-run` to only print the rank layout and memory.
@@ -62,6 +62,11 @@ TRAINING_ARGS=(
     --adam-beta2 0.95
     --clip-grad 1.0
     --use-distributed-optimizer
+    # The LR and weight-decay schedule follows this run's flags, the position in it comes from the checkpoint: so
+    # raising TRAIN_ITERS and running again continues training, with warm-up and decay stretched over the new
+    # length. Without this flag a resumed run refuses a schedule that differs from the checkpoint's (Megatron-LM's
+    # default); --use-checkpoint-opt_param-scheduler would instead keep the checkpoint's schedule.
+    --override-opt-param-scheduler
 )
 
 # The fused GPU kernels do not exist on a CPU; say so, rather than get a fallback warning.

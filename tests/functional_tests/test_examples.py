@@ -161,18 +161,28 @@ def test_cpu_quickstart_flags_parse_and_validate(stand_in_path, tmp_path, monkey
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size) == (2, 2, 4)
 
 
-def test_cpu_quickstart_trains_and_says_where_it_saved(tmp_path):
-    checkpoint_dir = tmp_path / "quickstart"
+def _run_quickstart(checkpoint_dir, tmp_path, train_iters):
     env = dict(os.environ)
-    env.update(CHECKPOINT_DIR=str(checkpoint_dir), DATA_CACHE_DIR=str(tmp_path / "cache"), TRAIN_ITERS="2",
-               OMP_NUM_THREADS="1")
+    env.update(CHECKPOINT_DIR=str(checkpoint_dir), DATA_CACHE_DIR=str(tmp_path / "cache"),
+               TRAIN_ITERS=str(train_iters), OMP_NUM_THREADS="1")
     ran = subprocess.run(
         ["bash", str(CPU_QUICKSTART), "--eval-iters", "1", "--log-interval", "1"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     output = ran.stdout + ran.stderr
     assert ran.returncode == 0, output[-4000:]
-    assert re.search(r"iteration\s+2/\s+2 \|.*lm loss: ", output), output[-4000:]
-    assert f"Checkpoint of iteration 2 saved in {checkpoint_dir}" in ran.stdout
-    assert (checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert re.search(rf"iteration\s+{train_iters}/\s+{train_iters} \|.*lm loss: ", output), output[-4000:]
+    assert f"Checkpoint of iteration {train_iters} saved in {checkpoint_dir}" in ran.stdout
+    assert (checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(train_iters)
     assert "Warning" not in output, "the quickstart should run without warnings"
+    return output
+
+
+def test_cpu_quickstart_trains_and_says_where_it_saved_then_trains_further(tmp_path):
+    """The documented way to continue: run the script again with a larger TRAIN_ITERS."""
+    checkpoint_dir = tmp_path / "quickstart"
+    _run_quickstart(checkpoint_dir, tmp_path, train_iters=2)
+    resumed = _run_quickstart(checkpoint_dir, tmp_path, train_iters=3)
+    assert "successfully loaded checkpoint" in resumed
+    iterations = [int(i) for i in re.findall(r"iteration\s+(\d+)/\s+3 \|", resumed)]
+    assert iterations == [3], resumed[-4000:]
