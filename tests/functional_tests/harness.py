@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from megatron.training import builtin_data
 
@@ -189,6 +189,58 @@ class PretrainProcess:
     def _result(self) -> RunResult:
         returncode = self._popen.poll()
         return RunResult(self.command, -1 if returncode is None else returncode, self.output)
+
+
+# ---- the process tree of a job (Linux /proc) ---------------------------------------------------------------------
+
+
+def _children_by_parent() -> Dict[int, List[int]]:
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) is in parentheses and may hold spaces; the parent pid follows the state.
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> Set[int]:
+    """Every process below `pid` (for a torchrun: its ranks and their DataLoader workers)."""
+    tree = _children_by_parent()
+    found: Set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in tree.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive_processes(pids: Set[int]) -> Set[int]:
+    """The processes of `pids` still running (a zombie has exited: only its parent's reaping is left)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def kill_processes(pids: Set[int]) -> None:
+    for pid in alive_processes(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # ---- Megatron-LM's log lines -----------------------------------------------------------------------------------
