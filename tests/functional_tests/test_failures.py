@@ -33,6 +33,7 @@ def _run_failing(flags, nproc, tmp_path, fail_with="crash"):
     env = {"FAIL_AT_ITERATION": "2", "FAIL_WITH": fail_with, "FAIL_LOG": str(failed_at)}
     result = run_pretrain(flags + ["--num-workers", "2"], nproc=nproc, expect_success=False, timeout=120,
                           entry_point=FAIL_AT_ITERATION, env=env)
+    assert failed_at.exists(), f"the job ended before the injected failure\n{result.describe()}"
     return result, time.time() - float(failed_at.read_text())
 
 
