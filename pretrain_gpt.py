@@ -23,6 +23,7 @@ from megatron.training.arguments import (
     core_transformer_config_from_args,
     parse_and_validate_args,
 )
+from megatron.training.error_handling import exit_on_error
 from megatron.training.utils import get_batch_on_this_tp_rank
 
 
@@ -100,10 +101,7 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 if __name__ == "__main__":
-    pretrain(
-        parse_and_validate_args(),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-    )
+    with exit_on_error():  # a bad flag or input is reported once for the job, not once per rank
+        args = parse_and_validate_args()
+    pretrain(args, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)
