@@ -16,6 +16,9 @@ Three rules, each for a failure mode a multi-rank job otherwise has:
   cancelled SLURM step, a closed terminal) does not reach the ranks; :func:`exit_with_launcher` makes a rank die
   with the process that started it.
 
+These rules apply to the ranks of a torchrun job. Elsewhere (a test or notebook calling ``pretrain``, a plain
+``python pretrain_gpt.py``) exceptions propagate as usual, and DataLoader workers keep SIGTERM, so nothing hangs.
+
 Reports are de-duplicated through marker files in a per-job directory under the temporary directory, named after
 the launcher's process and rendezvous port, so ranks need no collective (which could hang) to agree on who speaks.
 On a multi-node job each node reports once.
@@ -143,13 +146,14 @@ def exit_now(code: int) -> None:
 
 @contextmanager
 def exit_on_error(before_exit: Optional[Callable[[], None]] = None) -> Iterator[None]:
-    """Run the body (or, as a decorator, the function); if it raises, report the error once for the job, call
-    ``before_exit`` (e.g. to flush log writers) and end this rank with exit code 1 (130 for Ctrl-C).
-    ``SystemExit`` passes through: it is a deliberate exit (a finished job, argparse's usage error)."""
+    """Run the body (or, as a decorator, the function); if it raises in a rank of a torchrun job, report the error
+    once for the job, call ``before_exit`` (e.g. to flush log writers) and end the rank with exit code 1 (130 for
+    Ctrl-C). Anywhere else (a test, a notebook, a plain ``python`` run) the exception propagates as usual, and
+    ``SystemExit`` always does: it is a deliberate exit (a finished job, argparse's usage error)."""
     try:
         yield
     except BaseException as exc:
-        if isinstance(exc, SystemExit):
+        if isinstance(exc, SystemExit) or not launched_by_torchrun():
             raise
         if not isinstance(exc, KeyboardInterrupt):
             report_error(exc)

@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from megatron.core.utils import cuda_available
-from megatron.training.error_handling import die_with_parent
+from megatron.training.error_handling import die_with_parent, launched_by_torchrun
 
 DATALOADER_TYPES = ("single", "cyclic", "external")
 
@@ -198,12 +198,14 @@ def build_pretraining_data_loader(
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM to their rank, and die with it.
+    """DataLoader workers of a torchrun job leave SIGTERM to their rank, and every worker dies with its rank.
 
     Schedulers and torchrun signal every process of a job; a worker that died of it would take its rank down
     before the rank's signal handler (``--exit-signal-handler``) could save a checkpoint and exit cleanly. Since a
     worker then ignores the usual way to stop it, it ends with its rank instead (the kernel's parent-death signal,
-    or a watching thread), so a killed rank never leaves workers behind.
+    or a watching thread), so a killed rank never leaves workers behind. Outside torchrun nothing signals the
+    whole job, and a worker keeps SIGTERM, which is how Python stops it when its process exits.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if launched_by_torchrun():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
