@@ -146,12 +146,12 @@ def _not_training(args) -> bool:
 
 
 def _apply_script_defaults(args, defaults) -> None:
-    for key, value in defaults.items():
+    for key, default in defaults.items():
         current = getattr(args, key, None)
         if current is None:
-            setattr(args, key, value)
+            setattr(args, key, default)
         elif _is_rank_0(args):
-            print(f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}", flush=True)
+            print(f"WARNING: overriding default arguments for {key}:{default} with {key}:{current}", flush=True)
 
 
 def _check_flag_support(args) -> None:

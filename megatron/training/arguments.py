@@ -22,7 +22,7 @@ import difflib
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import List
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig

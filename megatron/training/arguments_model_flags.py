@@ -6,7 +6,7 @@ default value does here (refused by validate_args, or ignored with a warning). N
 Megatron-LM's argparse types, defined in ``megatron.training.arguments``.
 """
 
-from megatron.training.arguments_support import FlagTable, bool_optional, off_switch, switch, value
+from megatron.training.arguments_support import FlagTable, off_switch, switch, value
 
 MOE = FlagTable("moe", (
     switch("--delay-wgrad-compute"),

@@ -6,7 +6,7 @@ the table says what a non-default value does here (refused by validate_args, or 
 (``"moe_freq_type"``) are Megatron-LM's argparse types, defined in ``megatron.training.arguments``.
 """
 
-from megatron.training.arguments_support import FlagTable, bool_optional, off_switch, switch, value
+from megatron.training.arguments_support import FlagTable, off_switch, switch, value
 
 CONTEXT_PARALLEL = FlagTable("distributed", (
     value("--cp-comm-type", str, ['p2p'], nargs="+"),

@@ -22,7 +22,7 @@ import os
 import struct
 import uuid
 from array import array
-from typing import Any, List, Optional, Tuple, Type, Union
+from typing import Any, Optional, Tuple, Type, Union
 
 import numpy as np
 

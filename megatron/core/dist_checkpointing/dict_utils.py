@@ -1,6 +1,6 @@
 """Helpers for nested dicts/lists (state dicts): map over leaves, split by a predicate, merge, compare."""
 
-from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, Tuple, Union
 
 import torch
 

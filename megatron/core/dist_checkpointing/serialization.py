@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 from torch.distributed import ProcessGroup
 
 from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, save_config
-from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
 from .mapping import (
     CommonStateDict,
@@ -35,7 +35,6 @@ from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
-    SaveShardedStrategy,
     StrategyAction,
     get_default_strategy,
 )

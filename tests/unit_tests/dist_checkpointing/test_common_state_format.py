@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import (
     CheckpointingException,
     ShardedObject,

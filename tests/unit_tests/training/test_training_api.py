@@ -4,7 +4,6 @@ with non-loss data."""
 
 import argparse
 import io
-import os
 import types
 from contextlib import redirect_stdout
 from datetime import datetime, timedelta
