@@ -163,9 +163,19 @@ class _SigtermDisposition(torch.utils.data.Dataset):
         return torch.tensor(int(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN))
 
 
-def test_loader_workers_ignore_sigterm():
+def test_loader_workers_of_a_torchrun_job_ignore_sigterm(monkeypatch):
     """A SIGTERM sent to the whole job must reach the rank's handler, not kill its DataLoader workers."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     loader = build_pretraining_data_loader(
         _SigtermDisposition(), 0, micro_batch_size=2, num_workers=1, data_parallel_rank=0, data_parallel_size=1
     )
     assert [batch.tolist() for batch in loader] == [[1, 1], [1, 1]]
+
+
+def test_loader_workers_outside_torchrun_keep_sigterm(monkeypatch):
+    """Nothing signals a whole plain-python job; SIGTERM is how Python stops its workers when the process exits."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    loader = build_pretraining_data_loader(
+        _SigtermDisposition(), 0, micro_batch_size=2, num_workers=1, data_parallel_rank=0, data_parallel_size=1
+    )
+    assert [batch.tolist() for batch in loader] == [[0, 0], [0, 0]]
