@@ -171,6 +171,12 @@ def ensure_directory_exists(filename, check_parent=True):
     os.makedirs(directory, exist_ok=True)
 
 
+def _missing_completion_markers(checkpoint_dir: Union[str, Path]) -> List[str]:
+    """The files a finished save writes last (``metadata.json``, the DCP index) that ``checkpoint_dir`` lacks."""
+    markers = (CONFIG_FNAME, DCP_METADATA_FNAME)
+    return [name for name in markers if not os.path.exists(os.path.join(checkpoint_dir, name))]
+
+
 def find_checkpoint_to_load(
     load_dir: Union[str, Path], iteration: Optional[int] = None
 ) -> Optional[Tuple[str, int, bool]]:
@@ -190,8 +196,7 @@ def find_checkpoint_to_load(
     what = f"checkpoint {checkpoint_dir} ({source})"
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointingException(f"{what} does not exist")
-    missing = [name for name in (CONFIG_FNAME, DCP_METADATA_FNAME)
-               if not os.path.exists(os.path.join(checkpoint_dir, name))]
+    missing = _missing_completion_markers(checkpoint_dir)
     if missing:
         raise CheckpointingException(
             f"{what} is incomplete: {', '.join(missing)} missing (its save was interrupted); resume from an earlier "
@@ -205,9 +210,7 @@ def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
     """The directory of the distributed checkpoint of ``iteration`` when it is complete, else None (no
     collective: any rank may ask)."""
     checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release, return_base_dir=True)
-    if all(os.path.exists(os.path.join(checkpoint_dir, name)) for name in (CONFIG_FNAME, DCP_METADATA_FNAME)):
-        return checkpoint_dir
-    return None
+    return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
 
 
 def get_load_checkpoint_path_by_args(args, load_arg="load"):
@@ -371,7 +374,7 @@ def incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[Tuple[int
         directory = os.path.join(checkpoints_path, name)
         if not (name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(directory)):
             continue
-        if not all(os.path.exists(os.path.join(directory, f)) for f in (CONFIG_FNAME, DCP_METADATA_FNAME)):
+        if _missing_completion_markers(directory):
             found.append((int(name[5:]), directory))
     return found
 
