@@ -100,8 +100,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
-if __name__ == "__main__":
+def main(forward_step_func=forward_step) -> None:
+    """Parse the command line and train (scripts that wrap this one pass their own forward step)."""
     with exit_on_error():  # a bad flag or input is reported once for the job, not once per rank
         args = parse_and_validate_args()
-    pretrain(args, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+    pretrain(args, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step_func,
              model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,10 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training import checkpointing, training  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.error_handling import exit_on_error  # noqa: E402
+from megatron.training import checkpointing  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
 from tests.functional_tests.harness import descendants  # noqa: E402
 
@@ -83,7 +80,4 @@ def save_checkpoint(iteration, *args, **kwargs):
 if __name__ == "__main__":
     register_optimizer_step_pre_hook(_before_optimizer_step)
     checkpointing.save_checkpoint = save_checkpoint
-    with exit_on_error():
-        args = parse_and_validate_args()
-    training.pretrain(args, pretrain_gpt.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                      forward_step, model_provider=pretrain_gpt.model_provider)
+    pretrain_gpt.main(forward_step)

@@ -15,11 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch.distributed as dist  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.error_handling import exit_on_error  # noqa: E402
 from megatron.training.global_vars import get_args  # noqa: E402
-from megatron.training.training import pretrain  # noqa: E402
 
 FAIL_AT_ITERATION = int(os.environ["FAIL_AT_ITERATION"])
 FAIL_WITH = os.environ.get("FAIL_WITH", "crash")
@@ -36,7 +32,4 @@ def failing_forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
-    with exit_on_error():
-        args = parse_and_validate_args()
-    pretrain(args, pretrain_gpt.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-             failing_forward_step, model_provider=pretrain_gpt.model_provider)
+    pretrain_gpt.main(failing_forward_step)
