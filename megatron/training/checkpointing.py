@@ -654,15 +654,15 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     from megatron.core.num_microbatches_calculator import update_num_microbatches
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
-    from megatron.training.utils import print_rank_0
+    from megatron.training.utils import is_rank0, print_rank_0
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
-    if load_dir is not None:
+    if load_dir is not None and is_rank0():  # one rank lists the directory: it may hold thousands of files
         for line in describe_incomplete_checkpoints(load_dir):
-            print_rank_0(line)
+            print(line, flush=True)
     found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
