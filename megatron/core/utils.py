@@ -763,6 +763,14 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
 # ---- batches ---------------------------------------------------------------------------------------------------
 
 
+def chunks_of_cp_rank(tensor: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """CP rank ``cp_rank``'s part of ``tensor`` along ``seq_dim`` in the load-balanced split: the sequence is cut into
+    ``2 * cp_size`` chunks and the rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``, so with causal
+    attention every rank gets the same amount of work."""
+    chunks = tensor.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=seq_dim)
+
+
 def get_batch_on_this_cp_rank(
     batch: Dict[str, Any],
     is_hybrid_cp: bool,
@@ -770,11 +778,8 @@ def get_batch_on_this_cp_rank(
     hybrid_cp_group_func: Optional[Callable[[int], torch.distributed.ProcessGroup]] = None,
     use_per_sequence_balancing: bool = False,
 ):
-    """This context-parallel rank's part of ``batch`` (Megatron's load-balanced "zigzag" split).
-
-    The sequence is cut into ``2 * cp`` chunks and CP rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r``, so with
-    causal attention every rank gets the same amount of work. Tensors are split along the sequence dimension (1, or
-    2 for ``attention_mask``); ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
+    """This context-parallel rank's part of ``batch`` (Megatron's load-balanced "zigzag" split,
+    :func:`chunks_of_cp_rank`). Tensors are split along the sequence dimension (1, or 2 for ``attention_mask``); ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
     left alone. ``cp_group`` defaults to parallel_state's context-parallel group.
     """
     if is_hybrid_cp:
@@ -788,7 +793,6 @@ def get_batch_on_this_cp_rank(
     cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
     if cp_size == 1:
         return batch
-    keep = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
     split = {}
     for key, value in batch.items():
         if value is None or not isinstance(value, torch.Tensor) or key.startswith(("cu_seqlens", "max_seqlen")):
@@ -801,9 +805,7 @@ def get_batch_on_this_cp_rank(
                 f"batch[{key!r}] has sequence length {length} along dim {seq_dim}, not divisible by "
                 f"2 x context_parallel_size = {2 * cp_size}"
             )
-        chunks = value.view(*value.shape[:seq_dim], 2 * cp_size, length // (2 * cp_size), *value.shape[seq_dim + 1 :])
-        mine = chunks.index_select(seq_dim, keep.to(value.device))
-        split[key] = mine.reshape(*value.shape[:seq_dim], -1, *value.shape[seq_dim + 1 :])
+        split[key] = chunks_of_cp_rank(value, seq_dim, cp_size, cp_rank)
     return split
 
 

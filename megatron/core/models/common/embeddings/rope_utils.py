@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from megatron.core.utils import chunks_of_cp_rank
+
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -73,11 +75,9 @@ def apply_rotary_pos_emb(
 
 
 def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: torch.distributed.ProcessGroup) -> Tensor:
-    """This context-parallel rank's share of ``pos_emb`` along ``seq_dim``, in the load-balanced split: the sequence
-    is cut into ``2 * cp`` chunks and rank ``r`` takes chunks ``r`` and ``2 * cp - 1 - r`` (so every rank gets as
-    much of the causal mask's work), as ``megatron.core.utils.get_batch_on_this_cp_rank`` splits the tokens."""
+    """This context-parallel rank's share of ``pos_emb`` along ``seq_dim``, in the same load-balanced split as
+    ``megatron.core.utils.get_batch_on_this_cp_rank`` gives the tokens."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     if cp_size == 1:
         return pos_emb
-    chunks = pos_emb.chunk(2 * cp_size, dim=seq_dim)
-    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=seq_dim)
+    return chunks_of_cp_rank(pos_emb, seq_dim, cp_size, cp_rank)
