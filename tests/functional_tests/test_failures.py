@@ -74,7 +74,11 @@ def test_verbose_errors_give_every_rank_its_traceback(cpu_data_flags):
     result = run_pretrain(flags, nproc=2, expect_success=False, timeout=120,
                           env={"MEGATRON_LITE_VERBOSE_ERRORS": "1"})
     assert result.returncode != 0, result.describe()
-    assert result.output.count("crashed:\nTraceback") == 2, result.describe()
+    # Both ranks fail the same check, but torchrun SIGTERMs the others as soon as the first one exits: each rank
+    # printed its own traceback (the once-per-error deduplication is off) unless it was stopped before the check.
+    printed = [rank for rank in (0, 1) if result.output.count(f"rank {rank} crashed:\nTraceback") == 1]
+    assert printed, result.describe()
+    assert len(printed) == 2 or "exitcode  : -15" in result.output, result.describe()
 
 
 @linux_only
