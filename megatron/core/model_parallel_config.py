@@ -29,9 +29,11 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     """Split the activations of non-tensor-parallel regions (norms, dropout) along the sequence over the TP group."""
     context_parallel_size: int = 1
-    """Number of ranks the sequence is split over inside attention (not supported yet: must be 1)."""
+    """Number of ranks the sequence is split over (context parallelism; attention exchanges keys/values as
+    TransformerConfig.cp_comm_type says)."""
     hierarchical_context_parallel_sizes: Optional[List[int]] = None
-    """Group sizes of hierarchical (a2a+p2p) context parallelism (not supported yet: must be None)."""
+    """Group sizes of hierarchical context parallelism, ``[a2a size, p2p size]`` for cp_comm_type='a2a+p2p'
+    (product = context_parallel_size)."""
     max_seqlen_per_dp_cp_rank: Optional[int] = None
     """Hybrid context parallelism: longest sequence one DP x CP rank holds (not supported yet: must be None)."""
     hybrid_context_parallel: bool = False

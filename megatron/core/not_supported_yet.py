@@ -9,15 +9,14 @@ one place that refuses it; whoever builds the feature removes the row and valida
 Not listed, and accepted at any value: knobs that only select or tune GPU kernels and communication overlap
 (``*_fusion``, ``tp_comm_*``, ``flash_attention_version``, ...), which have no effect here (the config warns where
 they would be expected to change something), and sub-options that Megatron itself ignores until their feature is
-switched on (``cp_comm_type`` with ``context_parallel_size == 1``, ``cuda_graph_modules`` with
-``cuda_graph_impl='none'``; Megatron-LM's command line passes non-default values of both by default).
+switched on (``cuda_graph_modules`` with ``cuda_graph_impl='none'``; Megatron-LM's command line passes a
+non-default value by default).
 """
 
 import dataclasses
 from typing import Dict, Tuple
 
 NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
-    "context parallelism": ("context_parallel_size", "hierarchical_context_parallel_sizes"),
     "hybrid context parallelism": ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank"),
     "GTP weight rematerialisation": (
         "tensor_parallel_num_weight_shards",

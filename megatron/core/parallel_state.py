@@ -266,8 +266,9 @@ def initialize_model_parallel(
     ``nccl_communicator_config_path`` (a YAML file of per-group NCCL options, see :func:`get_nccl_options`) is
     applied when the backend is NCCL. ``use_sharp``, ``sharp_enabled_group``, ``high_priority_stream_groups`` and
     ``pipeline_model_parallel_comm_backend`` are NCCL tuning knobs, accepted and ignored (they do not change what the
-    groups compute). Hierarchical or hybrid context parallelism, several distributed-optimizer instances, GTP weight
-    rematerialisation and layouts over part of the world (``rank_offset``, ``local_world_size``) are not supported
+    groups compute). ``hierarchical_context_parallel_sizes`` (product = ``context_parallel_size``) builds the
+    per-level CP groups that ``cp_comm_type='a2a+p2p'`` uses. Hybrid context parallelism, several
+    distributed-optimizer instances, GTP weight rematerialisation and layouts over part of the world (``rank_offset``, ``local_world_size``) are not supported
     yet and are refused with a ValueError before any group is created.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
@@ -277,7 +278,6 @@ def initialize_model_parallel(
             "(or run under torchrun / megatron.training.initialize) first"
         )
     _refuse_unsupported_layouts(
-        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         hybrid_context_parallel=hybrid_context_parallel,
         gtp_remat_size=gtp_remat_size,
         expert_gtp_remat_size=expert_gtp_remat_size,
@@ -301,6 +301,12 @@ def initialize_model_parallel(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if hierarchical_context_parallel_sizes and prod(hierarchical_context_parallel_sizes) != cp:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes={list(hierarchical_context_parallel_sizes)} multiply to "
+            f"{prod(hierarchical_context_parallel_sizes)}, not context_parallel_size={cp}; give sizes whose product "
+            "is the context-parallel size"
+        )
     world_size = dist.get_world_size()
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(
@@ -393,6 +399,14 @@ def initialize_model_parallel(
     groups.gtp_remat = None
     groups.expt_gtp_remat = None
     groups.hcp = None
+    if hierarchical_context_parallel_sizes:
+        # One set of per-level groups inside every CP group (group creation is collective: all ranks, same order).
+        for cp_ranks in decoder.get_ranks("cp"):
+            levels, _ = create_hierarchical_groups(
+                rank, cp_ranks, hierarchical_context_parallel_sizes, timeout=timeout, group_desc="CONTEXT_PARALLEL"
+            )
+            if rank in cp_ranks:
+                groups.hcp = levels
     groups.dp_cp_ag = None
     groups.expt_dp_ag = None
 
@@ -406,7 +420,6 @@ def initialize_model_parallel(
 def _refuse_unsupported_layouts(**requested) -> None:
     """Raise before any collective for layout options whose feature is not built yet."""
     defaults = {
-        "hierarchical_context_parallel_sizes": None,
         "hybrid_context_parallel": False,
         "gtp_remat_size": 1,
         "expert_gtp_remat_size": 1,
@@ -415,7 +428,6 @@ def _refuse_unsupported_layouts(**requested) -> None:
         "local_world_size": None,
     }
     features = {
-        "hierarchical_context_parallel_sizes": "hierarchical context parallelism",
         "hybrid_context_parallel": "hybrid context parallelism",
         "gtp_remat_size": "GTP weight rematerialisation",
         "expert_gtp_remat_size": "expert GTP weight rematerialisation",
@@ -426,7 +438,7 @@ def _refuse_unsupported_layouts(**requested) -> None:
     for name, value in requested.items():
         if name == "local_world_size" and value == dist.get_world_size():
             continue
-        if value != defaults[name] and not (name == "hierarchical_context_parallel_sizes" and not value):
+        if value != defaults[name]:
             raise ValueError(
                 f"not supported yet: {features[name]} ({name}={value!r}); leave it at {defaults[name]!r}"
             )
@@ -617,7 +629,8 @@ def get_tensor_and_data_parallel_group(check_initialized=True, with_context_para
 
 
 def get_hierarchical_context_parallel_groups(check_initialized=True):
-    """The per-level context-parallel groups of hierarchical CP (not built yet, so None or an error)."""
+    """The per-level context-parallel groups of hierarchical CP (``[a2a group, p2p group]`` for ``a2a+p2p``), built
+    when ``hierarchical_context_parallel_sizes`` was given (otherwise None, or an error with check_initialized)."""
     return _group("hcp", check_initialized)
 
 

@@ -2,7 +2,9 @@
 
 Runs PyTorch's ``scaled_dot_product_attention``, which picks a flash / memory-efficient kernel on GPU and a fused
 CPU kernel otherwise. Masks are boolean with True = masked out (Megatron's convention); SDPA wants True = keep, so
-the mask is inverted once here.
+the mask is inverted once here. With ``context_parallel_size > 1`` the work goes to the context-parallel core
+attention (:mod:`megatron.core.transformer.context_parallel`, ``cp_comm_type`` picks ring / all-gather / all-to-all),
+so the local layer spec runs CP without any model change.
 """
 
 import math
@@ -11,9 +13,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -42,11 +45,6 @@ class DotProductAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size={config.context_parallel_size} needs ring attention, which this "
-                "DotProductAttention does not implement; use context_parallel_size=1"
-            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -61,6 +59,38 @@ class DotProductAttention(MegatronModule):
             self.window_size = tuple(config.window_size)
         else:
             self.window_size = None
+        self.context_parallel = None
+        if config.context_parallel_size > 1:
+            self.context_parallel = self._context_parallel_attention(cp_comm_type, pg_collection)
+
+    def _context_parallel_attention(self, cp_comm_type, pg_collection) -> ContextParallelAttention:
+        """The CP core attention this module runs: ``cp_comm_type`` (or the config's, default ``p2p``) over the
+        context-parallel group of ``pg_collection`` (default parallel_state's)."""
+        config = self.config
+        if self.attention_type != "self":
+            raise ValueError(f"context parallelism supports self-attention only, not {self.attention_type!r} "
+                             "attention; use context_parallel_size=1")
+        if self.window_size is not None:
+            raise ValueError("context parallelism does not support sliding-window attention (window_size)")
+        if cp_comm_type is None:
+            cp_comm_type = config.cp_comm_type
+            if isinstance(cp_comm_type, list):
+                cp_comm_type = cp_comm_type[self.layer_number - 1]
+        cp_comm_type = cp_comm_type or "p2p"
+        if pg_collection is not None and hasattr(pg_collection, "cp"):
+            cp_group, hierarchical = pg_collection.cp, getattr(pg_collection, "hcp", None)
+        else:
+            cp_group = parallel_state.get_context_parallel_group()
+            hierarchical = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if cp_group.size() != config.context_parallel_size:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} but the context-parallel group has "
+                f"{cp_group.size()} ranks; initialize_model_parallel(context_parallel_size=...) must match the config"
+            )
+        return ContextParallelAttention(
+            cp_comm_type, cp_group, self.attn_mask_type, self.softmax_scale, self.num_attention_heads_per_partition,
+            self.num_query_groups_per_partition, hierarchical,
+        )
 
     def forward(
         self,
@@ -73,6 +103,15 @@ class DotProductAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ):
         mask_type = attn_mask_type or self.attn_mask_type
+        if self.context_parallel is not None:
+            if packed_seq_params is not None:
+                raise ValueError("not supported yet: packed sequences (THD) with context parallelism; use "
+                                 "context_parallel_size=1 or unpacked [s, b] batches")
+            if attention_bias is not None:
+                raise ValueError("not supported yet: attention_bias with context parallelism")
+            dropout_p = self.dropout_p if self.training else 0.0
+            return self.context_parallel(query, key, value, attention_mask, mask_type, dropout_p,
+                                         self.config.sequence_parallel)
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias,
                                         packed_seq_params)

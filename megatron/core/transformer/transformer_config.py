@@ -6,6 +6,7 @@ when set; GPU-kernel knobs are accepted and warn once that they have no effect h
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -431,8 +432,10 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---- context parallelism ----
     cp_comm_type: Optional[Union[str, List[str]]] = None
-    """Context-parallel attention communication, 'p2p', 'all_gather', 'a2a' or 'a2a+p2p' (one or one per layer);
-    only read when context_parallel_size > 1, which is not supported yet."""
+    """Context-parallel attention communication (one value, or a list with one per layer; None = 'p2p'): 'p2p'
+    (ring attention), 'all_gather' (gather keys/values), 'a2a' (Ulysses head scatter) or 'a2a+p2p' (all-to-all
+    inside groups of hierarchical_context_parallel_sizes[0] ranks, ring across them). Read only when
+    context_parallel_size > 1."""
 
     # ---- CUDA graphs (not supported yet) ----
     enable_cuda_graph: bool = False
@@ -548,6 +551,7 @@ class TransformerConfig(ModelParallelConfig):
         _validate_shape(self)
         _derive_defaults(self)
         _validate_tensor_parallel_split(self)
+        _validate_context_parallel(self)
         _validate_recompute(self)
         _validate_transformer_impl(self)
         _warn_about_kernel_knobs(self)
@@ -600,6 +604,46 @@ def _validate_tensor_parallel_split(config: TransformerConfig) -> None:
                 f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                 f"change {name} or the tensor-parallel size"
             )
+
+
+def _validate_context_parallel(config: TransformerConfig) -> None:
+    """cp_comm_type values (one, or one per layer), the head split a2a needs, and a2a+p2p's hierarchy."""
+    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+
+    cp = config.context_parallel_size
+    sizes = config.hierarchical_context_parallel_sizes
+    if sizes:
+        if any(not isinstance(size, int) or size < 1 for size in sizes) or math.prod(sizes) != cp:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={list(sizes)} must be positive integers whose product is "
+                f"context_parallel_size={cp}"
+            )
+    if cp == 1:
+        return
+    comm_types = config.cp_comm_type if isinstance(config.cp_comm_type, list) else [config.cp_comm_type]
+    if isinstance(config.cp_comm_type, list) and len(comm_types) != config.num_layers:
+        raise ValueError(
+            f"cp_comm_type is a list of {len(comm_types)} values but the model has num_layers={config.num_layers}; "
+            "give one value for every layer, or a single string"
+        )
+    tp = config.tensor_model_parallel_size
+    for comm_type in comm_types:
+        if comm_type is not None and comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
+        if comm_type == "a2a+p2p" and (not sizes or len(sizes) != 2):
+            raise ValueError(
+                f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[a2a size, p2p size] with product "
+                f"context_parallel_size={cp}, got {sizes!r}"
+            )
+        a2a_size = {"a2a": cp, "a2a+p2p": sizes[0] if sizes else 1}.get(comm_type, 1)
+        for name in ("num_attention_heads", "num_query_groups"):
+            per_rank = getattr(config, name) // tp
+            if per_rank % a2a_size != 0:
+                raise ValueError(
+                    f"cp_comm_type={comm_type!r} scatters heads over {a2a_size} context-parallel ranks, but {name}="
+                    f"{getattr(config, name)} gives {per_rank} per tensor-parallel rank, not divisible by "
+                    f"{a2a_size}; use cp_comm_type='p2p' or 'all_gather', or a divisible head count"
+                )
 
 
 def _validate_recompute(config: TransformerConfig) -> None:

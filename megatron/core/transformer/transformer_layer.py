@@ -261,6 +261,12 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         attention_kwargs = dict(config=config, layer_number=self.layer_number, pg_collection=pg_collection)
+        if config.context_parallel_size > 1 and config.cp_comm_type is not None:
+            # A list holds one communication type per layer (global layer numbers start at 1).
+            cp_comm_type = config.cp_comm_type
+            if isinstance(cp_comm_type, list):
+                cp_comm_type = cp_comm_type[self.layer_number - 1]
+            attention_kwargs["cp_comm_type"] = cp_comm_type
         if pp_layer_offset is not None:
             attention_kwargs["pp_layer_offset"] = pp_layer_offset
         self.input_layernorm = build_module(submodules.input_layernorm, **norm_kwargs)

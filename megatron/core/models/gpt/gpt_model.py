@@ -4,7 +4,7 @@ from typing import Any, Callable, Dict, Literal, Optional
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     MultimodalRotaryEmbedding,
@@ -107,6 +107,7 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=self._context_parallel_group(pg_collection),
             )
         self.decoder = TransformerBlock(
             config=config,
@@ -139,6 +140,14 @@ class GPTModel(LanguageModule):
                 raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
+
+    def _context_parallel_group(self, pg_collection):
+        """The CP group rotary angles are split over (this rank's chunks of the sequence), or None without CP."""
+        if self.config.context_parallel_size == 1:
+            return None
+        if pg_collection is not None and hasattr(pg_collection, "cp"):
+            return pg_collection.cp
+        return parallel_state.get_context_parallel_group()
 
     def forward(
         self,
