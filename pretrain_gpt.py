@@ -17,6 +17,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import (
     core_gpt_dataset_config_from_args,
@@ -59,7 +60,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked token loss: the sum and the token count, so the schedule can average over the whole batch."""
+    """Masked token loss: the sum and the token count, so the schedule can average over the whole batch (with
+    context parallelism both are this CP rank's share; the schedule, the gradient reduction over data x context
+    ranks and the logged loss, reduced over the same group, make the totals)."""
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
@@ -68,13 +71,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": reporting_loss}
 
 
+def get_batch(data_iterator, vp_stage=None):
+    """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of the next micro-batch on this rank: read on
+    TP rank 0 and broadcast to the other TP ranks, then cut to this context-parallel rank's load-balanced chunks of
+    the sequence (every CP rank of a data-parallel replica reads the same sample)."""
+    del vp_stage  # the stage is read from parallel_state, which the schedules keep current
+    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator), is_hybrid_cp=False)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
 def forward_step(data_iterator, model: GPTModel):
-    """One micro-batch: read (on TP rank 0, broadcast to the others), forward, and the loss function to apply."""
-    batch = get_batch_on_this_tp_rank(data_iterator)
-    output_tensor = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output_tensor, partial(loss_func, batch["loss_mask"])
+    """One micro-batch: read, forward, and the loss function to apply."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
 
 
 def is_dataset_built_on_rank() -> bool:

@@ -190,6 +190,8 @@ def core_transformer_config_from_args(args, config_class=None):
     kwargs["pipeline_dtype"] = args.params_dtype
     kwargs["batch_p2p_comm"] = not args.overlap_p2p_comm
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    if isinstance(args.cp_comm_type, list) and len(args.cp_comm_type) == 1:
+        kwargs["cp_comm_type"] = args.cp_comm_type[0]  # one value for every layer, as Megatron-LM passes it
     if args.swiglu:
         kwargs["activation_func"] = F.silu
         kwargs["gated_linear_unit"] = True

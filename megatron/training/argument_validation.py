@@ -9,6 +9,7 @@ backend without a GPU, Transformer Engine when it is not installed) are turned o
 """
 
 import importlib.util
+import math
 import os
 import re
 from typing import List
@@ -70,7 +71,6 @@ DEPRECATED_FLAGS = {
 # Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
 # with the implemented ones in arguments.py; these rows only carry their defaults).
 _NOT_BUILT_SETTINGS = (
-    FlagTable("distributed", (value("--context-parallel-size", int, 1),), not_supported="context parallelism"),
     FlagTable("moe", (value("--num-experts", int, None), value("--expert-model-parallel-size", int, 1)),
               not_supported="mixture of experts (MoE)"),
     FlagTable("distributed", (value("--num-distributed-optimizer-instances", int, 1),),
@@ -225,11 +225,47 @@ def _validate_parallel_layout(args) -> None:
     if args.sequence_parallel and tp == 1:
         warn_once("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off")
         args.sequence_parallel = False
+    _validate_context_parallel(args)
     if _is_rank_0(args):
         print(
             f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, context-parallel "
             f"size: {cp}, tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp}",
             flush=True,
+        )
+
+
+def _validate_context_parallel(args) -> None:
+    """The sequence must split into 2 x CP load-balanced chunks (and each CP rank's share over TP under SP); the
+    communication types and the a2a+p2p hierarchy must fit the layout."""
+    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    sizes = args.hierarchical_context_parallel_sizes
+    if sizes and math.prod(sizes) != cp:
+        raise ValueError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} multiply to {math.prod(sizes)}, not "
+            f"--context-parallel-size {cp}; give sizes whose product is the context-parallel size"
+        )
+    comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    for comm_type in comm_types:
+        if comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {comm_type} is not one of {', '.join(CP_COMM_TYPES)}")
+    if len(comm_types) not in (1, args.num_layers):
+        raise ValueError(
+            f"--cp-comm-type has {len(comm_types)} values; give one, or one per layer (--num-layers {args.num_layers})"
+        )
+    if cp == 1 or args.seq_length is None:
+        return
+    if args.seq_length % (2 * cp) != 0:
+        raise ValueError(
+            f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} (the "
+            "load-balanced split gives every CP rank two of 2 x CP equal chunks); change the sequence length or CP size"
+        )
+    if args.sequence_parallel and (args.seq_length // cp) % tp != 0:
+        raise ValueError(
+            f"--sequence-parallel splits each CP rank's {args.seq_length // cp} tokens over "
+            f"--tensor-model-parallel-size {tp}, which does not divide them; use a --seq-length divisible by "
+            f"{cp * tp}"
         )
 
 

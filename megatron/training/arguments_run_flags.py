@@ -1,6 +1,6 @@
 """Megatron-LM's flags for training, checkpointing, distribution and data options this project does not have.
 
-Tables of training-run options not built yet (context parallelism, FSDP, offloading, ...) and
+Tables of training-run options not built yet (hybrid context parallelism, FSDP, offloading, ...) and
 GPU/NCCL/checkpoint-I/O tuning. Each row holds Megatron-LM's option strings, dest, type, default, choices and nargs;
 the table says what a non-default value does here (refused by validate_args, or ignored with a warning). Named types
 (``"moe_freq_type"``) are Megatron-LM's argparse types, defined in ``megatron.training.arguments``.
@@ -9,11 +9,18 @@ the table says what a non-default value does here (refused by validate_args, or 
 from megatron.training.arguments_support import FlagTable, off_switch, switch, value
 
 CONTEXT_PARALLEL = FlagTable("distributed", (
-    value("--cp-comm-type", str, ['p2p'], nargs="+"),
-    value("--hierarchical-context-parallel-sizes", int, None, nargs="+"),
+    value("--cp-comm-type", str, ['p2p'], nargs="+",
+          help="How context-parallel attention exchanges keys/values: p2p (ring), all_gather, a2a (Ulysses head "
+               "scatter) or a2a+p2p (hierarchical); one value, or one per layer."),
+    value("--hierarchical-context-parallel-sizes", int, None, nargs="+",
+          help="Group sizes of hierarchical context parallelism for --cp-comm-type a2a+p2p: the a2a group size "
+               "and the p2p (ring) size, whose product is --context-parallel-size."),
+))
+
+HYBRID_CONTEXT_PARALLEL = FlagTable("distributed", (
     switch("--hybrid-context-parallel"),
     value("--max-seqlen-per-dp-cp-rank", int, None),
-), not_supported="context parallelism")
+), not_supported="hybrid context parallelism")
 
 
 FSDP = FlagTable("distributed", (
@@ -279,7 +286,7 @@ FILL_IN_THE_MIDDLE = FlagTable("data and dataloader", (
 
 
 TABLES = (
-    CONTEXT_PARALLEL, FSDP, COMMUNICATOR_TUNING, DISTRIBUTED_OPTIONS, WEIGHT_SHARDING, CPU_OFFLOADING,
+    CONTEXT_PARALLEL, HYBRID_CONTEXT_PARALLEL, FSDP, COMMUNICATOR_TUNING, DISTRIBUTED_OPTIONS, WEIGHT_SHARDING, CPU_OFFLOADING,
     PRECISION_AWARE_OPTIMIZER, OTHER_OPTIMIZERS, TRAINING_OPTIONS, CUDA_PROFILING, PYTORCH_PROFILER,
     CHECKPOINT_LOAD_STRICTNESS, CHECKPOINT_IO_TUNING, CHECKPOINT_OPTIONS, LOGGING_OPTIONS, DATA_OPTIONS,
     VALIDATION_OPTIONS, TOKENIZER_OPTIONS, FILL_IN_THE_MIDDLE)

@@ -123,6 +123,7 @@ def _initialize_distributed(args, store, get_embedding_ranks, get_position_embed
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,

@@ -304,8 +304,16 @@ ERRORS = [
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], dict(world_size=6),
      r"world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x --pipeline-model-parallel-size "
      r"\(2\) x --context-parallel-size \(1\) = 4"),
-    (["--context-parallel-size", "2"], dict(world_size=2),
-     r"not supported yet: context parallelism \(--context-parallel-size 2\)"),
+    (["--context-parallel-size", "3"], dict(world_size=3),
+     r"--seq-length 32 is not divisible by 2 x --context-parallel-size = 6"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length",
+      "20"], dict(world_size=8), r"--sequence-parallel splits each CP rank's 10 tokens over "
+     r"--tensor-model-parallel-size 4, which does not divide them; use a --seq-length divisible by 8"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "2"], dict(world_size=2),
+     r"--hierarchical-context-parallel-sizes 2 2 multiply to 4, not --context-parallel-size 2"),
+    (["--cp-comm-type", "ring"], {}, r"--cp-comm-type ring is not one of p2p, all_gather, a2a, a2a\+p2p"),
+    (["--cp-comm-type", "p2p", "a2a"], {}, r"--cp-comm-type has 2 values; give one, or one per layer "
+     r"\(--num-layers 4\)"),
     (["--num-experts", "8"], {}, r"not supported yet: mixture of experts \(MoE\) \(--num-experts 8\)"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2), "give only one of them"),

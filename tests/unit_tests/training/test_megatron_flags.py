@@ -153,10 +153,10 @@ def test_flags_without_effect_warn_only_on_rank_0(capsys):
 
 def test_every_refused_setting_is_named_in_one_error():
     with pytest.raises(ValueError) as raised:
-        validated("--num-experts", 8, "--multi-latent-attention", "--context-parallel-size", 2, world_size=2)
+        validated("--num-experts", 8, "--multi-latent-attention", "--hybrid-context-parallel", world_size=2)
     assert str(raised.value) == (
         "not supported yet: multi-latent attention (MLA) and YaRN rotary scaling (--multi-latent-attention); "
-        "context parallelism (--context-parallel-size 2); mixture of experts (MoE) (--num-experts 8). Remove the "
+        "hybrid context parallelism (--hybrid-context-parallel); mixture of experts (MoE) (--num-experts 8). Remove the "
         "flag(s) or use the default."
     )
 
@@ -230,13 +230,15 @@ def test_config_builders_take_megatron_lms_flag_values():
 def test_every_transformer_config_field_comes_from_the_argument_of_its_name():
     args = validated("--hidden-dropout", 0.2, "--init-method-std", 0.01, "--qk-layernorm")
     config = core_transformer_config_from_args(args)
-    # Derived when the config is built: GQA only with --group-query-attention; these two from other fields.
-    derived = {"num_query_groups", "microbatch_group_size_per_vp_stage", "embedding_init_method_std"}
+    # Derived when the config is built: GQA only with --group-query-attention; these two from other fields; a
+    # one-element --cp-comm-type list becomes the one string for every layer (as Megatron-LM passes it).
+    derived = {"num_query_groups", "microbatch_group_size_per_vp_stage", "embedding_init_method_std", "cp_comm_type"}
     copied = [field.name for field in dataclasses.fields(TransformerConfig) if hasattr(args, field.name)]
     assert len(copied) > 200
     assert {name: (getattr(config, name), getattr(args, name)) for name in copied
             if name not in derived and getattr(config, name) != getattr(args, name)} == {}
     assert (config.hidden_dropout, config.init_method_std, config.qk_layernorm) == (0.2, 0.01, True)
+    assert (args.cp_comm_type, config.cp_comm_type) == (["p2p"], "p2p")
 
 
 def test_exit_signal_by_name():

@@ -91,7 +91,21 @@ def test_selective_recompute_defaults_to_core_attention():
         ({"fp16": True, "bf16": True}, r"fp16 and bf16 are both set"),
         (
             {"hierarchical_context_parallel_sizes": [2, 2]},
-            r"not supported yet: context parallelism \(hierarchical_context_parallel_sizes=\[2, 2\]\)",
+            r"hierarchical_context_parallel_sizes=\[2, 2\] must be positive integers whose product is "
+            r"context_parallel_size=1",
+        ),
+        ({"context_parallel_size": 2, "cp_comm_type": "ring"}, r"cp_comm_type='ring' is not one of p2p, all_gather"),
+        (
+            {"context_parallel_size": 2, "cp_comm_type": ["p2p"]},
+            r"cp_comm_type is a list of 1 values but the model has num_layers=2",
+        ),
+        (
+            {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p"},
+            r"cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes=\[a2a size, p2p size\]",
+        ),
+        (
+            {"context_parallel_size": 16, "cp_comm_type": "a2a"},
+            r"cp_comm_type='a2a' scatters heads over 16 context-parallel ranks, but num_attention_heads=8",
         ),
     ],
 )
