@@ -93,6 +93,10 @@ def num_floating_point_operations(args, batch_size: int, causal_attention: bool 
 
     With multi-head attention, f = 4h, GELU and ``causal_attention=False`` this is Korthikanti et al.'s Eq. 7,
     ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``.
+
+    The count is for the whole batch, so it does not depend on the layout: context parallelism splits the same
+    work over more ranks (ring attention skips the masked half of the causal blocks, which the ``s/2`` above
+    already leaves out), and :func:`throughput_and_mfu` divides by the world size, CP ranks included.
     """
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")

@@ -236,6 +236,8 @@ def describe_parallel_layout(
     width = max(len(kind) for kind in layout.groups)
     for kind, groups in layout.groups.items():
         lines.append(f"  {kind:<{width}}  {_format_groups(groups)}")
+    if cp > 1:
+        lines.append(_describe_context_parallel(cp, model_args))
 
     stage_parameters = stage_parameter_counts(model_args, layout) if model_args is not None else None
     virtual = f", {vpp} virtual stages per rank" if vpp else ""
@@ -271,6 +273,16 @@ def describe_parallel_layout_for_args(args) -> str:
         account_for_loss_in_pipeline_split=getattr(args, "account_for_loss_in_pipeline_split", False),
         model_args=args,
     )
+
+
+def _describe_context_parallel(cp: int, model_args) -> str:
+    """Which part of every sequence a CP rank holds (the load-balanced split) and how attention communicates."""
+    seq = getattr(model_args, "seq_length", None)
+    tokens = f"{seq // cp} of {seq} tokens: " if seq else ""
+    comm_type = getattr(model_args, "cp_comm_type", None) or ["p2p"]
+    comm = " ".join(comm_type) if isinstance(comm_type, list) else comm_type
+    return (f"Context parallelism: every sequence is cut into {2 * cp} chunks and CP rank r holds chunks r and "
+            f"{2 * cp - 1}-r ({tokens}load-balanced for causal attention); attention communicates by {comm}")
 
 
 def _describe_chunk(chunk: PipelineChunk) -> str:

@@ -17,7 +17,9 @@ Activations follow Korthikanti et al. 2022 (arXiv 2205.05198), 16-bit activation
   are recomputed (selective recomputation) or never stored (flash attention).
 
 The interleaved schedule multiplies activations by ``1 + (p - 1)/(p v)``; 1F1B with fewer micro-batches than
-stages by ``m / p``. Full recomputation, context parallelism and MoE token routing are not modelled.
+stages by ``m / p``. Context parallelism gives every rank ``s / cp`` of each sequence, so every activation term is
+divided by ``cp`` (ring attention's two in-flight key/value blocks, ``4 (s/cp) b n_kv d`` bytes per layer being
+computed, are temporaries and not counted). Full recomputation and MoE token routing are not modelled.
 """
 
 import math
@@ -183,9 +185,14 @@ def _print_billions(what: str, count: float, digits: int = 2) -> None:
     print_rank_0(f"{what} in billions: {count / 10**9:.{digits}f}")
 
 
+def _tokens_per_rank(args) -> float:
+    """Tokens of one micro-batch on one rank: context parallelism splits every sequence over ``cp`` ranks."""
+    return args.seq_length * args.micro_batch_size / getattr(args, "context_parallel_size", 1)
+
+
 def _embedding_activations(args) -> float:
     """Token ids (8-byte) and the embedding dropout mask for the ``pp`` micro-batches in flight on stage 0."""
-    tokens = args.seq_length * args.micro_batch_size
+    tokens = _tokens_per_rank(args)
     pp = args.pipeline_model_parallel_size
     return 8 * tokens * pp + tokens * args.hidden_size * pp
 
@@ -214,8 +221,9 @@ def _pipeline_schedule_factor(args, num_microbatches: Optional[int], verbose: bo
 
 def compute_activation_memory(args, num_microbatches: Optional[int], verbose: bool = False) -> float:
     """Activation bytes on the first stage with sequence parallelism and selective recomputation (Table 2 of
-    Korthikanti et al. 2022 with Megatron's ``18 + 4 f/h`` per-layer term), all divided by the TP size."""
-    sbh = args.seq_length * args.micro_batch_size * args.hidden_size
+    Korthikanti et al. 2022 with Megatron's ``18 + 4 f/h`` per-layer term), all divided by the TP size (and the
+    sequence by the CP size)."""
+    sbh = _tokens_per_rank(args) * args.hidden_size
     per_layer = sbh * (18 + 4 * args.ffn_hidden_size / args.hidden_size)
     if verbose:
         tp = args.tensor_model_parallel_size
@@ -233,7 +241,7 @@ def compute_activation_memory_without_sp(args, num_microbatches: Optional[int], 
     """Activation bytes on the first stage without sequence parallelism: ``s b h (10 + 24/t)`` per layer (the
     ``10 s b h`` of norm inputs, QKV/fc1 inputs and dropout masks is replicated on every TP rank), plus 5%."""
     tp = args.tensor_model_parallel_size
-    tokens = args.seq_length * args.micro_batch_size
+    tokens = _tokens_per_rank(args)
     per_layer = tokens * args.hidden_size * (10 + 24 / tp)
     if verbose:
         print_rank_0(

@@ -209,3 +209,14 @@ def test_cpu_matmul_peak_is_a_real_rate():
 def test_cpu_matmul_peak_rejects_bad_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         measured_cpu_matmul_peak_flops(**kwargs)
+
+
+def test_context_parallelism_spreads_the_same_flops_over_more_ranks():
+    """CP splits every sequence, not the work: the batch's FLOPs are unchanged and per-device throughput counts
+    the CP ranks in the world size."""
+    at_cp1 = num_floating_point_operations(llama3_8b_args(context_parallel_size=1), batch_size=8)
+    at_cp4 = num_floating_point_operations(llama3_8b_args(context_parallel_size=4), batch_size=8)
+    assert at_cp4 == at_cp1
+    dp8 = throughput_and_mfu(at_cp1, 1.0, world_size=8, peak_flops_per_device=None)
+    cp4_dp8 = throughput_and_mfu(at_cp4, 1.0, world_size=32, peak_flops_per_device=None)
+    assert cp4_dp8.tflops_per_device == pytest.approx(dp8.tflops_per_device / 4)

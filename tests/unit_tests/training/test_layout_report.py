@@ -260,3 +260,13 @@ def test_report_for_megatron_args_uses_their_names():
     assert "order tp-cp-ep-pp-dp" in text
     assert "    layer 0 + embedding" in text and "    layers 1-3 + final norm + output layer" in text
     assert "  pipeline-parallel           [0, 1] [2, 3]" in text
+
+
+def test_report_says_what_each_context_parallel_rank_holds():
+    args = model_args("gpt2", 1)
+    args.__dict__.update(seq_length=64, cp_comm_type=["a2a"])
+    text = describe_parallel_layout(8, 1, 2, 2, 1, None, "tp-cp-ep-dp-pp", 4, model_args=args)
+    assert "  context-parallel            [0, 1] [2, 3] [4, 5] [6, 7]" in text
+    assert ("Context parallelism: every sequence is cut into 4 chunks and CP rank r holds chunks r and 3-r (32 of 64 "
+            "tokens: load-balanced for causal attention); attention communicates by a2a") in text.splitlines()
+    assert "Context parallelism" not in describe_parallel_layout(8, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", 4)

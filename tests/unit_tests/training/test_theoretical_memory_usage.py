@@ -240,3 +240,18 @@ def test_tool_shows_the_layout_when_asked(capsys):
 def test_tool_rejects_inconsistent_flags(extra, message):
     with pytest.raises(SystemExit, match=message):
         load_tool().main(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS + extra)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_context_parallelism_divides_activations_by_cp(sequence_parallel):
+    """Each CP rank holds s/cp of every sequence: the same estimate as a cp-times shorter sequence."""
+    recompute = "selective" if sequence_parallel else None
+    activation = compute_activation_memory if sequence_parallel else compute_activation_memory_without_sp
+    at_cp4 = activation(llama3_8b(context_parallel_size=4, sequence_parallel=sequence_parallel,
+                                  recompute_granularity=recompute), num_microbatches=8)
+    at_cp1 = activation(llama3_8b(context_parallel_size=1, sequence_parallel=sequence_parallel,
+                                  recompute_granularity=recompute), num_microbatches=8)
+    shorter = activation(llama3_8b(seq_length=8192 // 4, sequence_parallel=sequence_parallel,
+                                   recompute_granularity=recompute), num_microbatches=8)
+    assert at_cp4 == pytest.approx(shorter)
+    assert at_cp4 == pytest.approx(at_cp1 / 4)
