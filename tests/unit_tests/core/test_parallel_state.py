@@ -652,10 +652,10 @@ INITIALIZE_ERRORS = {
         ValueError,
         r"virtual_pipeline_model_parallel_size must be >= 1, got 0",
     ),
-    "hierarchical context parallel": (
-        dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]),
+    "hierarchical context parallel sizes": (
+        dict(context_parallel_size=1, hierarchical_context_parallel_sizes=[2, 2]),
         ValueError,
-        r"not supported yet: hierarchical context parallelism \(hierarchical_context_parallel_sizes=\[2, 2\]\)",
+        r"hierarchical_context_parallel_sizes=\[2, 2\] multiply to 4, not context_parallel_size=1",
     ),
     "several distributed optimizer instances": (
         dict(num_distributed_optimizer_instances=2),

@@ -83,7 +83,7 @@ def test_attention_matches_explicit_softmax():
 
 
 def _with_context_parallelism():
-    # TransformerConfig itself refuses context_parallel_size > 1; this reaches the attention's own check.
+    # A config asking for CP=2 while the process groups were initialised without CP.
     config = _config()
     config.context_parallel_size = 2
     return config
@@ -111,4 +111,4 @@ def test_attention_errors():
     bad_mask, packed, cp = run_distributed(1, _errors)[0]
     assert bad_mask == "attention_mask must be a bool tensor (True = masked), got torch.float32"
     assert packed == "packed_seq_params needs qkv_format='thd' and [t, heads, d] query/key/value"
-    assert cp.startswith("context_parallel_size=2 needs ring attention")
+    assert cp.startswith("context_parallel_size=2 but the context-parallel group has 1 ranks")

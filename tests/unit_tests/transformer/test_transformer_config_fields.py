@@ -80,8 +80,8 @@ def test_unsupported_feature_field_is_refused_when_set(feature, name):
 
 
 def test_model_parallel_config_alone_refuses_its_own_fields():
-    with pytest.raises(ValueError, match=r"^not supported yet: context parallelism \(context_parallel_size=2\)"):
-        ModelParallelConfig(context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^not supported yet: hybrid context parallelism \(hybrid_context_parallel=Tr"):
+        ModelParallelConfig(hybrid_context_parallel=True)
     with pytest.raises(ValueError, match=r"CPU offloading \(cpu_offloading=True, cpu_offloading_num_layers=1\)"):
         ModelParallelConfig(cpu_offloading=True, cpu_offloading_num_layers=1)
 

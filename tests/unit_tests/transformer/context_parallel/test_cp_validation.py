@@ -75,3 +75,17 @@ def test_every_refusal_names_the_problem_and_the_fix():
 def test_config_refusals(overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(**overrides)
+
+
+def _hierarchical_group_ranks():
+    import torch.distributed as dist
+
+    parallel_state.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    return [sorted(dist.get_process_group_ranks(group))
+            for group in parallel_state.get_hierarchical_context_parallel_groups()]
+
+
+def test_hierarchical_groups_are_consecutive_then_strided():
+    # Level 0 (a2a) groups consecutive CP ranks, level 1 (p2p) ranks a2a-size apart, as Megatron builds them.
+    results = run_distributed(4, _hierarchical_group_ranks)
+    assert results == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
