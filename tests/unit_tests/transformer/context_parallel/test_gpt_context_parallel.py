@@ -28,7 +28,7 @@ from tests.unit_tests.test_utilities import run_distributed
 TOLERANCE = 1e-5
 
 
-def _loss_and_grads(tp, sp, cp, variant, comm_type=None, hierarchical=None):
+def _loss_and_grads(tp, sp, cp, variant, comm_type=None, hierarchical=None, extra=None):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=hierarchical
@@ -36,9 +36,11 @@ def _loss_and_grads(tp, sp, cp, variant, comm_type=None, hierarchical=None):
     model_parallel_cuda_manual_seed(1234)
     spec = VARIANTS[variant]
     overrides = {**spec["config"], "context_parallel_size": cp, "cp_comm_type": comm_type,
-                 "hierarchical_context_parallel_sizes": hierarchical}
+                 "hierarchical_context_parallel_sizes": hierarchical, **(extra or {})}
     config = build_config(tp, sp, overrides)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ, **spec["model"])
+    core = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert all((c.context_parallel is not None) == (cp > 1) for c in core), "the local spec must pick CP attention"
     tokens, position_ids, labels = batch()
     data = get_batch_on_this_cp_rank(
         {"tokens": tokens, "position_ids": position_ids, "labels": labels}, is_hybrid_cp=False
@@ -54,10 +56,10 @@ def _loss_and_grads(tp, sp, cp, variant, comm_type=None, hierarchical=None):
     return total, grads
 
 
-def _compare_layouts(tp, sp, cp, variant, comm_types):
+def _compare_layouts(tp, sp, cp, variant, comm_types, extra=None):
     expected_loss, expected_grads = _loss_and_grads(1, False, 1, variant)
     for comm_type, hierarchical in comm_types:
-        loss, grads = _loss_and_grads(tp, sp, cp, variant, comm_type, hierarchical)
+        loss, grads = _loss_and_grads(tp, sp, cp, variant, comm_type, hierarchical, extra)
         what = f"tp={tp} sp={sp} cp={cp} {variant} {comm_type}"
         assert abs(loss - expected_loss) <= TOLERANCE * abs(expected_loss), f"{what}: loss {loss} vs {expected_loss}"
         assert_close_dicts(grads, expected_grads, TOLERANCE, what)
@@ -80,6 +82,16 @@ ALL_CP4 = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", [2, 2
 )
 def test_gpt_at_context_parallel_layout_matches_one_process(world, tp, sp, cp, variant, comm_types):
     assert all(run_distributed(world, _compare_layouts, tp, sp, cp, variant, comm_types))
+
+
+def _with_recomputation():
+    # Full-layer recomputation re-runs the ring attention's forward inside backward.
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return _compare_layouts(1, False, 2, "gpt2", [("p2p", None)], extra)
+
+
+def test_context_parallel_with_activation_recomputation():
+    assert all(run_distributed(2, _with_recomputation))
 
 
 def _per_layer_comm_types():

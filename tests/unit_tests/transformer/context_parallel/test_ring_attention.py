@@ -90,6 +90,30 @@ def test_ring_with_an_odd_number_of_ranks_and_a_long_mask():
     _assert_small(run_distributed(3, _check_against_full, cases, 96))
 
 
+def _bf16_against_fp32():
+    """bf16 inputs run the blocks in fp32 and return bf16: within bf16 rounding of the fp32 result."""
+    cp = dist.get_world_size()
+    parallel_state.initialize_model_parallel(context_parallel_size=cp)
+    group = parallel_state.get_context_parallel_group()
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(16, B, n, D, generator=generator) for n in (HEADS, GROUPS, GROUPS))
+    errors = {}
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        attention = ContextParallelAttention(comm_type, group, AttnMaskType.causal, 1 / math.sqrt(D), HEADS, GROUPS)
+        local = [chunks_of_cp_rank(t, 0, cp, dist.get_rank(group)) for t in (q, k, v)]
+        exact = attention(*local, None, None, 0.0, False)
+        low = [t.bfloat16().requires_grad_() for t in local]
+        out = attention(*low, None, None, 0.0, False)
+        out.float().sum().backward()
+        assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in low)
+        errors[comm_type] = ((out.float() - exact).abs().max() / exact.abs().max()).item()
+    return errors
+
+
+def test_bf16_inputs():
+    _assert_small(run_distributed(2, _bf16_against_fp32), tolerance=2e-2)
+
+
 def _ring_dropout_directional_derivative():
     """With dropout the ring backward must be the derivative of the ring forward under the same masks: compare
     <grad, u> with a central difference in float64 (the generator is reset before every call)."""
