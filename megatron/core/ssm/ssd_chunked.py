@@ -16,11 +16,11 @@ of ``seqlen`` small products; the chunked form splits the sequence into chunks o
 4. what those entering states contribute to each output, ``C_t state_in exp(sum_{first <= k <= t} dt_k A)``,
 
 and ``y = (1) + (4) + D x``. All of it is matmuls and cumulative sums, so autograd gives the gradients, and it runs on
-any device. Sums of log-decays are taken as cumulative sums of masked copies (:func:`segsum`), not as differences of
-one long cumulative sum, which would lose precision. A sequence length that is not a multiple of ``chunk_size`` is
+any device. The decay matrices (steps within a chunk, chunks within the sequence) are cumulative sums of masked
+copies (:func:`segsum`), not differences of one running sum, so no entry suffers cancellation. A sequence length that is not a multiple of ``chunk_size`` is
 padded at the end with ``dt = 0`` steps (no decay, no input): they change neither the outputs before them nor the
-final state. Inputs in bf16 / fp16 are computed in fp32 and the output is returned in the input's dtype, as the
-fused kernels do.
+final state. Inputs in bf16 / fp16 are computed in fp32 (fp64 stays fp64) and the output is returned in the input's
+dtype, as the fused kernels do.
 
 The arguments follow mamba-ssm's ``mamba_chunk_scan_combined`` (same layout, same names), so the fused kernel is a
 drop-in replacement (see :mod:`megatron.core.ssm.ssd_kernels`).
@@ -99,22 +99,24 @@ def ssd_chunked_scan(
     ``dt_limit``); ``A [h]`` (negative); ``B``, ``C [b, l, g, n]``; ``D [h]`` or ``[h, p]`` adds ``D * x``; ``z``
     (x's shape) gates the output by ``silu(z)``; ``initial_states`` is the state before the first step.
     ``states_dtype`` rounds the states passed between chunks to that dtype (a memory/precision trade the fused
-    kernels offer); by default they stay in fp32. The final state is returned in fp32.
+    kernels offer); by default they stay in fp32. The final state is returned in fp32 (fp64 for fp64 inputs).
     """
     _check_shapes(x, dt, A, B, C, chunk_size, D, z, initial_states)
     out_dtype = x.dtype
+    # Half-precision inputs are computed in fp32; fp64 stays fp64.
+    compute = torch.promote_types(x.dtype, torch.float32)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, d_state = B.shape[2], B.shape[3]
     heads_per_group = nheads // ngroups
 
-    dt = dt.float()
+    dt = dt.to(compute)
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + dt_bias.to(compute)
     if dt_softplus:
         dt = F.softplus(dt)
     if tuple(dt_limit) != (0.0, float("inf")):
         dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    x_in, B, C = x.float(), B.float(), C.float()
+    x_in, B, C = x.to(compute), B.to(compute), C.to(compute)
 
     pad = (-seqlen) % chunk_size
     if pad:
@@ -127,7 +129,7 @@ def ssd_chunked_scan(
     B = B.view(batch, chunks, chunk_size, ngroups, d_state)
     C = C.view(batch, chunks, chunk_size, ngroups, d_state)
     # Log-decay of every step, [b, h, c, Q], and its running sum inside each chunk.
-    log_decay = (dt * A.float()).view(batch, chunks, chunk_size, nheads).permute(0, 3, 1, 2)
+    log_decay = (dt * A.to(compute)).view(batch, chunks, chunk_size, nheads).permute(0, 3, 1, 2)
     cum_decay = torch.cumsum(log_decay, dim=-1)
 
     def by_group(t: Tensor) -> Tensor:  # [b, h, ...] -> [b, g, hpg, ...]
@@ -145,13 +147,13 @@ def ssd_chunked_scan(
 
     # 3. The state entering each chunk: earlier chunks' states, decayed across the chunks in between.
     if initial_states is None:
-        initial_states = torch.zeros(batch, nheads, headdim, d_state, dtype=torch.float32, device=x.device)
-    states = torch.cat([initial_states.float().unsqueeze(1), chunk_states], dim=1)  # [b, c + 1, h, p, n]
+        initial_states = torch.zeros(batch, nheads, headdim, d_state, dtype=compute, device=x.device)
+    states = torch.cat([initial_states.to(compute).unsqueeze(1), chunk_states], dim=1)  # [b, c + 1, h, p, n]
     chunk_log_decay = F.pad(cum_decay[..., -1], (1, 0))  # [b, h, c + 1]
     across_chunks = torch.exp(segsum(chunk_log_decay))  # [b, h, c + 1, c + 1]
     states = torch.einsum("bhzc,bchpn->bzhpn", across_chunks, states)
     if states_dtype is not None:
-        states = states.to(states_dtype).float()
+        states = states.to(states_dtype).to(compute)
     entering, final_states = states[:, :-1], states[:, -1]
 
     # 4. What the entering state adds to each step of the chunk.
@@ -161,9 +163,9 @@ def ssd_chunked_scan(
 
     y = (y_intra + y_inter).reshape(batch, chunks * chunk_size, nheads, headdim)[:, :seqlen]
     if D is not None:
-        D = D.float()
-        y = y + x.float() * (D.unsqueeze(-1) if D.dim() == 1 else D)
+        D = D.to(compute)
+        y = y + x.to(compute) * (D.unsqueeze(-1) if D.dim() == 1 else D)
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z.to(compute))
     y = y.to(out_dtype)
     return (y, final_states) if return_final_states else y
