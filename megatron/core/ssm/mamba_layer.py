@@ -66,7 +66,9 @@ class MambaLayer(MegatronModule):
             pg_collection=pg_collection,
             pp_layer_offset=pp_layer_offset,
         )
-        self.norm = build_module(submodules.norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.norm = build_module(
+            submodules.norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+        )
         self.mamba_bda = build_module(submodules.mamba_bda)
 
     def forward(
@@ -103,5 +105,6 @@ class MambaLayer(MegatronModule):
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         keys_map = self.submodules_config.sharded_state_dict_keys_map
         if keys_map:
-            apply_prefix_mapping(sharded_state_dict, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
+            prefixed_map = {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()}
+            apply_prefix_mapping(sharded_state_dict, prefixed_map)
         return sharded_state_dict

@@ -150,7 +150,8 @@ class MambaMixer(MegatronModule):
         self.layer_number, self.pp_layer_offset, self.name = layer_number, pp_layer_offset, name
         self.pg_collection = pg_collection
 
-        self.d_state, self.headdim, self.ngroups = config.mamba_state_dim, config.mamba_head_dim, config.mamba_num_groups
+        self.d_state, self.headdim = config.mamba_state_dim, config.mamba_head_dim
+        self.ngroups = config.mamba_num_groups
         self.d_inner, self.nheads = mamba_mixer_sizes(config, d_model, expand, self.tp_size)
         self.d_inner_local_tp = self.d_inner // self.tp_size
         self.ngroups_local_tp = self.ngroups // self.tp_size
@@ -265,8 +266,9 @@ class MambaMixer(MegatronModule):
         # PyTorch's Conv1d default: uniform(+-1/sqrt(fan_in)) with fan_in = d_conv for a depthwise conv.
         bound = 1.0 / math.sqrt(self.d_conv)
         weight_bound = self.conv_init if self.conv_init is not None else bound
+        weight_shape = tuple(self.conv1d.weight.shape)
         self.conv1d.weight.copy_(
-            self._draw(tuple(self.conv1d.weight.shape), self.conv_sections, lambda t: t.uniform_(-weight_bound, weight_bound))
+            self._draw(weight_shape, self.conv_sections, lambda t: t.uniform_(-weight_bound, weight_bound))
         )
         if conv_bias:
             self.conv1d.bias.copy_(self._draw((conv_dim,), self.conv_sections, lambda t: t.uniform_(-bound, bound)))

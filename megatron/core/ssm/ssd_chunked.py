@@ -17,21 +17,29 @@ of ``seqlen`` small products; the chunked form splits the sequence into chunks o
 
 and ``y = (1) + (4) + D x``. All of it is matmuls and cumulative sums, so autograd gives the gradients, and it runs on
 any device. The decay matrices (steps within a chunk, chunks within the sequence) are cumulative sums of masked
-copies (:func:`segsum`), not differences of one running sum, so no entry suffers cancellation. A sequence length that is not a multiple of ``chunk_size`` is
-padded at the end with ``dt = 0`` steps (no decay, no input): they change neither the outputs before them nor the
-final state. Inputs in bf16 / fp16 are computed in fp32 (fp64 stays fp64) and the output is returned in the input's
-dtype, as the fused kernels do.
+copies (:func:`segsum`), not differences of one running sum, so no entry suffers cancellation. A sequence length
+that is not a multiple of ``chunk_size`` is padded at the end with ``dt = 0`` steps (no decay, no input): they change
+neither the outputs before them nor the final state. Inputs in bf16 / fp16 are computed in fp32 (fp64 stays fp64) and
+the output is returned in the input's dtype, as the fused kernels do.
 
 The arguments follow mamba-ssm's ``mamba_chunk_scan_combined`` (same layout, same names), so the fused kernel is a
 drop-in replacement (see :mod:`megatron.core.ssm.ssd_kernels`).
 """
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _lower_triangular_masks(length: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(i > j, i >= j)`` as ``[length, length]`` bool masks (cached: every chunk and layer uses the same ones)."""
+    steps = torch.arange(length, device=device)
+    return steps[:, None] > steps[None, :], steps[:, None] >= steps[None, :]
 
 
 def segsum(log_decay: Tensor) -> Tensor:
@@ -41,10 +49,9 @@ def segsum(log_decay: Tensor) -> Tensor:
     sum down the rows of a masked copy, so every entry is a sum of the terms it covers, without cancellation.
     """
     length = log_decay.size(-1)
+    strictly_lower, lower = _lower_triangular_masks(length, log_decay.device)
     repeated = log_decay.unsqueeze(-1).expand(*log_decay.shape, length)  # [..., i, j] = a_i
-    strictly_lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=log_decay.device), -1)
     sums = torch.cumsum(repeated.masked_fill(~strictly_lower, 0.0), dim=-2)
-    lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=log_decay.device))
     return sums.masked_fill(~lower, float("-inf"))
 
 

@@ -35,7 +35,8 @@ def _perturb(module, seed):
 
 def _reference_mixer(params, x, mixer):
     """in_proj -> causal depthwise conv + SiLU -> step-by-step SSD -> gated group RMSNorm -> out_proj, by hand."""
-    d_inner, nheads, ngroups, d_state, headdim = mixer.d_inner, mixer.nheads, mixer.ngroups, mixer.d_state, mixer.headdim
+    d_inner, nheads, ngroups = mixer.d_inner, mixer.nheads, mixer.ngroups
+    d_state, headdim = mixer.d_state, mixer.headdim
     seqlen, batch, _ = x.shape
     zxbcdt = x.transpose(0, 1) @ params["in_proj.weight"].T  # [b, s, d]
     z, xBC, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * ngroups * d_state, nheads], dim=-1)
@@ -172,7 +173,8 @@ def _config(**overrides):
         (dict(mamba_head_dim=-4), "mamba_head_dim must be a positive integer, got -4"),
         (dict(mamba_num_groups=2.5), "mamba_num_groups must be a positive integer, got 2.5"),
         (dict(mamba_num_heads=0), "mamba_num_heads must be a positive integer or None, got 0"),
-        (dict(mamba_num_groups=4, mamba_num_heads=6), r"mamba_num_heads \(6\) must be a multiple of mamba_num_groups \(4\)"),
+        (dict(mamba_num_groups=4, mamba_num_heads=6),
+         r"mamba_num_heads \(6\) must be a multiple of mamba_num_groups \(4\)"),
         (dict(mamba_num_groups=2, mamba_num_heads=6, tensor_model_parallel_size=4),
          r"mamba_num_heads \(6\) must be divisible by tensor_model_parallel_size \(4\)"),
         (dict(is_hybrid_model=True, mamba_num_groups=2, tensor_model_parallel_size=4),
@@ -254,3 +256,32 @@ def _mixer_argument_errors():
 def test_mixer_refuses_bad_arguments_and_unsupported_inputs():
     for expected, message in run_distributed(1, _mixer_argument_errors)[0]:
         assert expected in message and message.startswith("MambaMixer: "), (expected, message)
+
+
+# ---- initialisation ----------------------------------------------------------------------------------------------
+
+
+def _initial_values(use_cpu_initialization):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    overrides = {"use_cpu_initialization": use_cpu_initialization}
+    helpers.Utils.initialize_model_parallel(1)
+    model_parallel_cuda_manual_seed(3)
+    torch.manual_seed(3)
+    mixer = helpers.MambaMixer(helpers.config(**overrides), helpers.MIXER_SUBMODULES, d_model=helpers.HIDDEN,
+                               A_init_range=(2, 4), dt_min=0.01, dt_max=0.05, dt_init_floor=0.02, conv_init=0.3)
+    return {name: param.detach().clone() for name, param in mixer.named_parameters()}
+
+
+@pytest.mark.parametrize("use_cpu_initialization", [True, False])
+def test_initial_values_follow_the_mamba2_init(use_cpu_initialization):
+    params = run_distributed(1, _initial_values, use_cpu_initialization)[0]
+    A = torch.exp(params["A_log"])
+    assert params["A_log"].dtype == torch.float32 and ((A >= 2) & (A <= 4)).all()
+    dt = F.softplus(params["dt_bias"])
+    torch.testing.assert_close(dt.clamp(0.02, 0.05), dt)  # drawn in [0.01, 0.05], floored at 0.02
+    assert (dt > 0.02).any()
+    assert torch.equal(params["D"], torch.ones(8)) and torch.equal(params["norm.weight"], torch.ones(32))
+    assert params["conv1d.weight"].abs().max() <= 0.3 and params["conv1d.weight"].std() > 0.05
+    assert params["conv1d.bias"].abs().max() <= 0.5  # 1 / sqrt(d_conv = 4)
+    assert len(set(params["A_log"].tolist())) == 8, "heads drew the same A"
