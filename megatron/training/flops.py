@@ -93,7 +93,14 @@ def num_floating_point_operations(args, batch_size: int, causal_attention: bool 
 
     With multi-head attention, f = 4h, GELU and ``causal_attention=False`` this is Korthikanti et al.'s Eq. 7,
     ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``.
+
+    Hybrid models (``--hybrid-layer-pattern``) use Megatron-LM's hybrid formula instead
+    (``hybrid_accounting.hybrid_floating_point_operations``).
     """
+    if getattr(args, "hybrid_layer_pattern", None):
+        from megatron.training.hybrid_accounting import hybrid_floating_point_operations
+
+        return hybrid_floating_point_operations(args, batch_size, causal_attention)
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
     vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
