@@ -285,3 +285,43 @@ def test_initial_values_follow_the_mamba2_init(use_cpu_initialization):
     assert params["conv1d.weight"].abs().max() <= 0.3 and params["conv1d.weight"].std() > 0.05
     assert params["conv1d.bias"].abs().max() <= 0.5  # 1 / sqrt(d_conv = 4)
     assert len(set(params["A_log"].tolist())) == 8, "heads drew the same A"
+
+
+# ---- mamba-ssm's kernels (GPU machines with mamba-ssm installed) ---------------------------------------------------
+
+
+def _kernel_paths_against_pytorch():
+    from megatron.core.ssm import ssd_kernels
+
+    mixer = helpers.build_mixer(1, seed=7, chunk_size=CHUNK)
+    _perturb(mixer, seed=8)
+    x, upstream = (t.cuda() for t in _inputs())
+
+    def run(use_mem_eff_path, kernels):
+        mixer.use_mem_eff_path = use_mem_eff_path
+        saved = ssd_kernels.kernels_usable, ssd_kernels.conv1d_kernel_usable
+        if not kernels:
+            ssd_kernels.kernels_usable = ssd_kernels.conv1d_kernel_usable = lambda tensor=None: False
+        try:
+            inputs = x.clone().requires_grad_(True)
+            out, _ = mixer(inputs)
+            (out * upstream).sum().backward()
+        finally:
+            ssd_kernels.kernels_usable, ssd_kernels.conv1d_kernel_usable = saved
+        grads = {name: p.grad.cpu() for name, p in mixer.named_parameters()}
+        mixer.zero_grad(set_to_none=True)
+        return out.detach().cpu(), inputs.grad.cpu(), grads
+
+    reference = run(False, kernels=False)
+    return {path: [reference, run(path == "fused", kernels=True)] for path in ("fused", "separate")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mamba_ssm_kernels_match_the_pytorch_path():
+    pytest.importorskip("mamba_ssm")
+    for path, (reference, kernel) in run_distributed(1, _kernel_paths_against_pytorch)[0].items():
+        torch.testing.assert_close(kernel[0], reference[0], rtol=1e-3, atol=1e-4, msg=f"{path}: output")
+        torch.testing.assert_close(kernel[1], reference[1], rtol=1e-3, atol=1e-4, msg=f"{path}: input grad")
+        for name, grad in reference[2].items():
+            torch.testing.assert_close(kernel[2][name], grad, rtol=1e-3, atol=1e-4, msg=f"{path}: {name}")
