@@ -325,3 +325,22 @@ def test_mamba_ssm_kernels_match_the_pytorch_path():
         torch.testing.assert_close(kernel[1], reference[1], rtol=1e-3, atol=1e-4, msg=f"{path}: input grad")
         for name, grad in reference[2].items():
             torch.testing.assert_close(kernel[2][name], grad, rtol=1e-3, atol=1e-4, msg=f"{path}: {name}")
+
+
+def _bf16_against_fp32():
+    mixer = helpers.build_mixer(1, seed=7, chunk_size=CHUNK)
+    _perturb(mixer, seed=8)
+    x, upstream = _inputs()
+    fp32_out, _ = mixer(x)
+    fp32_grad = torch.autograd.grad((fp32_out * upstream).sum(), mixer.in_proj.weight)[0]
+    mixer.to(torch.bfloat16)
+    bf16_out, _ = mixer(x.bfloat16())
+    bf16_grad = torch.autograd.grad((bf16_out.float() * upstream).sum(), mixer.in_proj.weight)[0]
+    return fp32_out.detach(), bf16_out.detach(), fp32_grad, bf16_grad
+
+
+def test_bf16_mixer_stays_close_to_fp32():
+    fp32_out, bf16_out, fp32_grad, bf16_grad = run_distributed(1, _bf16_against_fp32)[0]
+    assert bf16_out.dtype == torch.bfloat16 and bf16_grad.dtype == torch.bfloat16
+    for ours, reference in ((bf16_out, fp32_out), (bf16_grad, fp32_grad)):
+        assert ((ours.float() - reference).abs().max() / reference.abs().max()).item() < 3e-2
