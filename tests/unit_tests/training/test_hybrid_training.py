@@ -158,11 +158,12 @@ def test_the_8b_hybrid_per_token():
 
 
 def _model_args(tp: int, pattern: str):
+    pp = 2 if "|" in pattern else 1
     return hybrid("--hybrid-layer-pattern", pattern, "--normalization", "RMSNorm", "--squared-relu",
                   "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
-                  "--ffn-hidden-size", "96", "--position-embedding-type", "none", "--untie-embeddings-and-output-weights",
-                  "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(2 if "|" in pattern else 1),
-                  world_size=tp * (2 if "|" in pattern else 1))
+                  "--ffn-hidden-size", "96", "--position-embedding-type", "none",
+                  "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", str(tp),
+                  "--pipeline-model-parallel-size", str(pp), world_size=tp * pp)
 
 
 def _built_stage_parameters(tp: int, pattern: str):
