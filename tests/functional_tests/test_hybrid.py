@@ -86,3 +86,16 @@ def test_hybrid_resume_reproduces_the_uninterrupted_run(hybrid_run, cpu_data_fla
     for key in CURVES:
         expected = {i: v for i, v in result.curve(key).items() if i > 6}
         assert resumed.curve(key) == expected, f"{key}\n{resumed.describe()}"
+
+
+def test_checkpoint_args_carry_the_hybrid_shape(hybrid_run):
+    """--use-checkpoint-args takes the pattern and the Mamba sizes from the checkpoint."""
+    from megatron.training.arguments import parse_args_list
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from pretrain_hybrid import hybrid_model_flags
+
+    _, save_dir = hybrid_run
+    args = parse_args_list(["--load", str(save_dir), "--use-checkpoint-args"], extra_args_provider=hybrid_model_flags)
+    load_args_from_checkpoint(args)
+    assert (args.hybrid_layer_pattern, args.num_layers, args.mamba_state_dim, args.mamba_head_dim,
+            args.mamba_num_groups, args.is_hybrid_model) == ("M*-M-", 5, 8, 16, 2, True)
