@@ -99,3 +99,22 @@ def test_checkpoint_args_carry_the_hybrid_shape(hybrid_run):
     load_args_from_checkpoint(args)
     assert (args.hybrid_layer_pattern, args.num_layers, args.mamba_state_dim, args.mamba_head_dim,
             args.mamba_num_groups, args.is_hybrid_model) == ("M*-M-", 5, 8, 16, 2, True)
+
+
+def test_hybrid_pipeline_and_data_parallel_train_like_one_process(cpu_data_flags):
+    """PP2 (the '|' split of the pattern, 3 + 2 layers) x DP2 with the distributed optimizer follows the
+    single-process loss curve (no dropout, layout-independent initialisation)."""
+    from tests.functional_tests.configs import with_flag
+    from tests.functional_tests.test_layout_equivalence import LOSS_REL_TOL as LAYOUT_REL_TOL
+
+    flags = [flag for flag in HYBRID_FLAGS if flag not in ("--sequence-parallel", "--use-distributed-optimizer")]
+    for name, value in (("--tensor-model-parallel-size", "1"), ("--hidden-dropout", "0"),
+                        ("--attention-dropout", "0"), ("--train-iters", "6")):
+        flags = with_flag(flags, name, value)
+    flags += ["--use-cpu-initialization"] + cpu_data_flags
+    reference = run_pretrain(flags, nproc=1, entry_point=ENTRY_POINT)
+    split = with_flag(flags, "--hybrid-layer-pattern", "M*-|M-")
+    parallel = run_pretrain(split + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], nproc=4,
+                            entry_point=ENTRY_POINT)
+    assert len(reference.curve()) == 6
+    assert_curves_close(parallel.curve(), reference.curve(), LAYOUT_REL_TOL, f"PP2 x DP2\n{parallel.describe()}")
