@@ -16,7 +16,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 if TYPE_CHECKING:
-    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
+    # The layer hands the context to its mixer (protocol: megatron.core.ssm.mamba_inference); the annotation keeps
+    # Megatron's name without importing megatron.core.inference.
     BaseInferenceContext = Any
 
 

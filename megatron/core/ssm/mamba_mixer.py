@@ -11,6 +11,17 @@ Tensor parallelism splits heads and groups: rank r of t holds heads ``[r*h/t, (r
 channels ``[x_r | B_r | C_r]`` and its slices of ``A_log``, ``D``, ``dt_bias`` and the norm weight. Heads only read
 groups on their own rank, so nothing is communicated between in_proj and out_proj. The checkpoint stores every
 segment as a full tensor of its own (``in_proj.weight.z`` ...), so it does not depend on the TP size.
+
+Inference: ``forward(hidden_states, inference_context=ctx)`` carries a conv state ``[conv channels, d_conv]`` and an
+SSM state ``[heads, headdim, d_state]`` per request instead of a KV cache, each rank its own heads' and channels'
+part. The context provides ``is_decode_only()`` and ``mamba_states_cache(layer_number - pp_layer_offset) ->
+(conv_state [slots, ...], ssm_state [slots, ...])``, optionally ``mamba_metadata`` (``batch_indices_prefill`` /
+``batch_indices_decode``: the slot of each batch row, else ``batch_size_offset + row``; ``prefill_lengths`` for
+right-padded prompts of different lengths). Prefill (``is_decode_only()`` False) runs the chunked scan over the
+prompts from zero states and writes the states after each prompt's last token into the slots; decode (True, one
+token per request) shifts the conv state, applies the depthwise conv and advances the recurrence
+``h = exp(dt A) h + dt x B^T``, ``y = h C + D x`` in O(1), then the gated norm and out_proj. The full protocol and the
+state layout: :mod:`megatron.core.ssm.mamba_inference`; ``allocate_inference_cache`` allocates the states.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import torch.nn.functional as F
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
-from megatron.core.ssm import ssd_kernels
+from megatron.core.ssm import mamba_inference, ssd_kernels
 from megatron.core.ssm.gated_rmsnorm import GatedRMSNorm
 from megatron.core.ssm.ssd_chunked import ssd_chunked_scan
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -35,7 +46,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint,
 from megatron.core.utils import get_current_device, warn_once
 
 if TYPE_CHECKING:
-    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
+    # The inference contexts live in megatron.core.inference; the mixer only needs the protocol of
+    # megatron.core.ssm.mamba_inference, so it does not import them. The annotation keeps Megatron's name.
     BaseInferenceContext = Any
 
 
@@ -301,28 +313,34 @@ class MambaMixer(MegatronModule):
         packed_seq_params=None,
     ):
         """``(output [s, b, d_model], out_proj bias or None)`` for ``hidden_states [s, b, d_model]`` (this rank's
-        ``[s/tp, b, d_model]`` slice under sequence parallelism)."""
+        ``[s/tp, b, d_model]`` slice under sequence parallelism). With ``inference_context`` the mixer prefills or
+        decodes against the context's conv and SSM states (protocol: :mod:`megatron.core.ssm.mamba_inference`)."""
         inference_context = inference_context if inference_context is not None else inference_params
-        if inference_context is not None:
-            raise ValueError(
-                "MambaMixer: inference_context is not supported yet (the Mamba conv/SSM state cache comes with "
-                "inference); call the mixer without it"
-            )
         if packed_seq_params is not None:
             raise ValueError("MambaMixer: packed sequences (packed_seq_params) are not supported; pass None")
+        if inference_context is not None:
+            return self._inference_forward(hidden_states, inference_context)
         zxbcdt, _ = self.in_proj(hidden_states)
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, d]: the scan's layout
         if self.use_mem_eff_path and ssd_kernels.kernels_usable(zxbcdt):
             y = self._fused_conv_scan_norm(zxbcdt)
         else:
-            y = self._conv_scan_norm(zxbcdt)
+            y, _, _ = self._conv_scan_norm(zxbcdt)
         return self.out_proj(y.transpose(0, 1))
 
-    def _conv_scan_norm(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+    def _conv_scan_norm(
+        self, zxbcdt: torch.Tensor, return_states: bool = False, prefill_lengths: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(y [b, s, d_inner_local], conv state, SSM state)``; the states (see ``mamba_inference``) are those after
+        each sequence's last step (after ``prefill_lengths[i]`` steps when given), computed only with
+        ``return_states``."""
         batch, seqlen, _ = zxbcdt.shape
         group_width = self.ngroups_local_tp * self.d_state
         z, xBC, dt = torch.split(
             zxbcdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * group_width, self.nheads_local_tp], dim=-1
+        )
+        conv_state = (
+            mamba_inference.conv_state_after_prompt(xBC, self.d_conv, prefill_lengths) if return_states else None
         )
         xBC = self._causal_conv_silu(xBC)
         x, B, C = torch.split(xBC, [self.d_inner_local_tp, group_width, group_width], dim=-1)
@@ -333,16 +351,102 @@ class MambaMixer(MegatronModule):
             z=None if self.rmsnorm else z.reshape(heads),
             dt_bias=self.dt_bias,
             dt_softplus=True,
+            return_final_states=return_states,
         )
+        if prefill_lengths is not None:
+            # Steps past a prompt's end get dt = 0 after the softplus, so its final state is the one at its end.
+            dt = mamba_inference.mask_padded_steps(F.softplus(dt.float() + self.dt_bias.float()), prefill_lengths)
+            scan_args.update(dt_bias=None, dt_softplus=False)
         A = -torch.exp(self.A_log.float())
         x, B, C = x.reshape(heads), B.reshape(groups), C.reshape(groups)
         if ssd_kernels.kernels_usable(x):
-            y = ssd_kernels.mamba_chunk_scan_combined(x, dt, A, B, C, self.chunk_size, **scan_args)
+            out = ssd_kernels.mamba_chunk_scan_combined(x, dt, A, B, C, self.chunk_size, **scan_args)
         else:
             states_dtype = self.config.mamba_training_ssm_states_dtype
-            y = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size, states_dtype=states_dtype, **scan_args)
+            out = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size, states_dtype=states_dtype, **scan_args)
+        y, ssm_state = out if return_states else (out, None)
         y = y.reshape(batch, seqlen, self.d_inner_local_tp)
+        return (self.norm(y, z) if self.rmsnorm else y), conv_state, ssm_state
+
+    # ---- inference -----------------------------------------------------------------------------------------------
+
+    def _inference_forward(self, hidden_states: torch.Tensor, inference_context: Any):
+        """Prefill (chunked scan, then store the states) or decode (one O(1) step from the stored states)."""
+        if self.config.sequence_parallel:
+            raise ValueError(
+                "MambaMixer: inference_context with sequence_parallel=True is not supported (a decode step has one "
+                "token per request, which cannot be split over ranks); build the inference model with "
+                "sequence_parallel=False"
+            )
+        if self.layer_number is None:
+            raise ValueError(
+                "MambaMixer: inference_context needs the mixer's layer_number (it names the layer's states in the "
+                "context); build the mixer with layer_number"
+            )
+        decode = mamba_inference.is_decode_step(inference_context)
+        seqlen, batch = hidden_states.shape[:2]
+        if decode and seqlen != 1:
+            raise ValueError(
+                f"MambaMixer: a decode step (inference_context.is_decode_only() is True) takes one token per request, "
+                f"got hidden_states of shape {tuple(hidden_states.shape)}; pass [1, batch, hidden]"
+            )
+        local_layer_number = self.layer_number - self.pp_layer_offset
+        conv_state, ssm_state = inference_context.mamba_states_cache(local_layer_number)
+        mamba_inference.check_state_shapes(
+            conv_state, ssm_state, *self.mamba_state_shapes_per_request(), self.layer_number
+        )
+        slots = mamba_inference.state_slots(inference_context, batch, decode, hidden_states.device)
+        zxbcdt, _ = self.in_proj(hidden_states)
+        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, d]
+        if decode:
+            y = self._decode_step(zxbcdt[:, 0], conv_state, ssm_state, slots).unsqueeze(1)
+        else:
+            lengths = mamba_inference.prefill_lengths(inference_context)
+            y, new_conv, new_ssm = self._conv_scan_norm(zxbcdt, return_states=True, prefill_lengths=lengths)
+            conv_state[slots] = new_conv.to(conv_state.dtype)
+            ssm_state[slots] = new_ssm.to(ssm_state.dtype)
+        return self.out_proj(y.transpose(0, 1))
+
+    def _decode_step(
+        self, zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """``y [b, d_inner_local]`` for one token per request (``zxbcdt [b, d]``), updating the rows ``slots`` of
+        ``conv_state`` and ``ssm_state`` in place."""
+        batch = zxbcdt.shape[0]
+        group_width = self.ngroups_local_tp * self.d_state
+        z, xBC, dt = torch.split(
+            zxbcdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * group_width, self.nheads_local_tp], dim=-1
+        )
+        xBC, new_conv = mamba_inference.conv_step(conv_state[slots], xBC, self.conv1d.weight[:, 0], self.conv1d.bias)
+        conv_state[slots] = new_conv
+        x, B, C = torch.split(xBC, [self.d_inner_local_tp, group_width, group_width], dim=-1)
+        heads = (batch, self.nheads_local_tp, self.headdim)
+        groups = (batch, self.ngroups_local_tp, self.d_state)
+        y, new_ssm = mamba_inference.ssm_step(
+            ssm_state[slots],
+            x.reshape(heads),
+            F.softplus(dt.float() + self.dt_bias.float()),
+            -torch.exp(self.A_log.float()),
+            B.reshape(groups),
+            C.reshape(groups),
+            self.D.view(self.nheads_local_tp, self.headdim) if self.D_has_hdim else self.D,
+        )
+        ssm_state[slots] = new_ssm.to(ssm_state.dtype)
+        if not self.rmsnorm:
+            y = y * F.silu(z.float().reshape(heads))
+        y = y.reshape(batch, self.d_inner_local_tp).to(zxbcdt.dtype)
         return self.norm(y, z) if self.rmsnorm else y
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: Optional[torch.dtype] = None):
+        """Zeroed ``(conv_state [batch_size, *conv shape], ssm_state [batch_size, *SSM shape])`` for this rank (shapes
+        of :meth:`mamba_state_shapes_per_request`). ``max_seqlen`` is unused: the states do not grow with the
+        sequence (the argument is mamba-ssm's). ``dtype`` sets both; by default the conv state has the conv weight's
+        dtype and the SSM state is fp32, so a bf16 model does not round its recurrent state every step."""
+        conv_shape, ssm_shape = self.mamba_state_shapes_per_request()
+        device = self.conv1d.weight.device
+        conv_state = torch.zeros(batch_size, *conv_shape, device=device, dtype=dtype or self.conv1d.weight.dtype)
+        ssm_state = torch.zeros(batch_size, *ssm_shape, device=device, dtype=dtype or torch.float32)
+        return conv_state, ssm_state
 
     def _causal_conv_silu(self, xBC: torch.Tensor) -> torch.Tensor:
         """``silu(causal depthwise conv(xBC))`` for ``xBC [b, s, channels]``."""
