@@ -32,7 +32,9 @@ The protocol (duck-typed; Megatron's names where Megatron has them). The mixer r
     static-batching layout. ``prefill_lengths`` (optional, int64 ``[b]``) gives each prompt's length when prompts
     of different lengths are right-padded to one length: the states are those after each prompt's own last token
     (padding steps get ``dt = 0``, which leaves the SSM state unchanged) and outputs at padded positions are
-    meaningless. Without it every row is a full-length prompt.
+    meaningless. Without it every row is a full-length prompt. ``prefill_has_initial_states`` (optional, bool
+    ``[b]``; mamba-ssm's name) marks rows whose prefill continues a request from its stored states (the next piece
+    of a prompt prefilled in pieces, a chunked prefill) instead of starting from zeros.
 """
 
 from typing import Any, Optional, Tuple
@@ -74,6 +76,28 @@ def prefill_lengths(inference_context: Any) -> Optional[Tensor]:
     """Each prompt's length when right-padded prompts of different lengths share a batch, else None."""
     metadata = getattr(inference_context, "mamba_metadata", None)
     return getattr(metadata, "prefill_lengths", None) if metadata is not None else None
+
+
+def prefill_initial_states(
+    inference_context: Any, conv_state: Tensor, ssm_state: Tensor, slots: Tensor
+) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(conv inputs before the prefill [b, d_conv - 1, channels], SSM state [b, h, p, n])`` of the rows, from
+    their slots where ``prefill_has_initial_states`` is set and zeros elsewhere; None when the context does not set
+    it (every row starts from zeros)."""
+    metadata = getattr(inference_context, "mamba_metadata", None)
+    continues = getattr(metadata, "prefill_has_initial_states", None) if metadata is not None else None
+    if continues is None:
+        return None
+    if tuple(continues.shape) != tuple(slots.shape):
+        raise ValueError(
+            f"MambaMixer: inference_context.mamba_metadata.prefill_has_initial_states must have one flag per batch "
+            f"row ({slots.numel()}), got shape {tuple(continues.shape)}"
+        )
+    keep = continues.to(device=slots.device, dtype=torch.bool)
+    # where, not a product: a never-written slot may hold anything, NaN included.
+    conv = torch.where(keep.view(-1, 1, 1), conv_state[slots], 0.0)
+    ssm = torch.where(keep.view(-1, 1, 1, 1), ssm_state[slots].float(), 0.0)
+    return conv[..., 1:].transpose(1, 2), ssm
 
 
 def check_state_shapes(conv_state: Tensor, ssm_state: Tensor, conv_shape, ssm_shape, layer_number) -> None:

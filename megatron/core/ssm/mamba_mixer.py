@@ -17,8 +17,9 @@ SSM state ``[heads, headdim, d_state]`` per request instead of a KV cache, each 
 part. The context provides ``is_decode_only()`` and ``mamba_states_cache(layer_number - pp_layer_offset) ->
 (conv_state [slots, ...], ssm_state [slots, ...])``, optionally ``mamba_metadata`` (``batch_indices_prefill`` /
 ``batch_indices_decode``: the slot of each batch row, else ``batch_size_offset + row``; ``prefill_lengths`` for
-right-padded prompts of different lengths). Prefill (``is_decode_only()`` False) runs the chunked scan over the
-prompts from zero states and writes the states after each prompt's last token into the slots; decode (True, one
+right-padded prompts of different lengths; ``prefill_has_initial_states`` for rows continuing a chunked prefill).
+Prefill (``is_decode_only()`` False) runs the chunked scan over the prompts from zero states (or the stored ones)
+and writes the states after each prompt's last token into the slots; decode (True, one
 token per request) shifts the conv state, applies the depthwise conv and advances the recurrence
 ``h = exp(dt A) h + dt x B^T``, ``y = h C + D x`` in O(1), then the gated norm and out_proj. The full protocol and the
 state layout: :mod:`megatron.core.ssm.mamba_inference`; ``allocate_inference_cache`` allocates the states.
@@ -329,20 +330,35 @@ class MambaMixer(MegatronModule):
         return self.out_proj(y.transpose(0, 1))
 
     def _conv_scan_norm(
-        self, zxbcdt: torch.Tensor, return_states: bool = False, prefill_lengths: Optional[torch.Tensor] = None
+        self,
+        zxbcdt: torch.Tensor,
+        return_states: bool = False,
+        prefill_lengths: Optional[torch.Tensor] = None,
+        initial_states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(y [b, s, d_inner_local], conv state, SSM state)``; the states (see ``mamba_inference``) are those after
         each sequence's last step (after ``prefill_lengths[i]`` steps when given), computed only with
-        ``return_states``."""
+        ``return_states``. ``initial_states`` ``(conv inputs before the sequence [b, d_conv - 1, channels], SSM
+        state [b, h, p, n])`` continue sequences from earlier steps instead of from zeros."""
         batch, seqlen, _ = zxbcdt.shape
         group_width = self.ngroups_local_tp * self.d_state
         z, xBC, dt = torch.split(
             zxbcdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * group_width, self.nheads_local_tp], dim=-1
         )
+        if initial_states is not None:
+            # The conv runs over the earlier inputs and the sequence; only the sequence's outputs are kept.
+            earlier = self.d_conv - 1
+            xBC = torch.cat([initial_states[0].to(xBC.dtype), xBC], dim=1)
+            if prefill_lengths is not None:
+                prefill_lengths = prefill_lengths + earlier
         conv_state = (
             mamba_inference.conv_state_after_prompt(xBC, self.d_conv, prefill_lengths) if return_states else None
         )
-        xBC = self._causal_conv_silu(xBC)
+        if initial_states is not None:
+            xBC = self._causal_conv_silu(xBC, use_kernel=False)[:, earlier:]
+            prefill_lengths = prefill_lengths - earlier if prefill_lengths is not None else None
+        else:
+            xBC = self._causal_conv_silu(xBC)
         x, B, C = torch.split(xBC, [self.d_inner_local_tp, group_width, group_width], dim=-1)
         heads = (batch, seqlen, self.nheads_local_tp, self.headdim)
         groups = (batch, seqlen, self.ngroups_local_tp, self.d_state)
@@ -352,6 +368,7 @@ class MambaMixer(MegatronModule):
             dt_bias=self.dt_bias,
             dt_softplus=True,
             return_final_states=return_states,
+            initial_states=None if initial_states is None else initial_states[1],
         )
         if prefill_lengths is not None:
             # Steps past a prompt's end get dt = 0 after the softplus, so its final state is the one at its end.
@@ -402,7 +419,10 @@ class MambaMixer(MegatronModule):
             y = self._decode_step(zxbcdt[:, 0], conv_state, ssm_state, slots).unsqueeze(1)
         else:
             lengths = mamba_inference.prefill_lengths(inference_context)
-            y, new_conv, new_ssm = self._conv_scan_norm(zxbcdt, return_states=True, prefill_lengths=lengths)
+            initial = mamba_inference.prefill_initial_states(inference_context, conv_state, ssm_state, slots)
+            y, new_conv, new_ssm = self._conv_scan_norm(
+                zxbcdt, return_states=True, prefill_lengths=lengths, initial_states=initial
+            )
             conv_state[slots] = new_conv.to(conv_state.dtype)
             ssm_state[slots] = new_ssm.to(ssm_state.dtype)
         return self.out_proj(y.transpose(0, 1))
@@ -448,11 +468,11 @@ class MambaMixer(MegatronModule):
         ssm_state = torch.zeros(batch_size, *ssm_shape, device=device, dtype=dtype or torch.float32)
         return conv_state, ssm_state
 
-    def _causal_conv_silu(self, xBC: torch.Tensor) -> torch.Tensor:
+    def _causal_conv_silu(self, xBC: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
         """``silu(causal depthwise conv(xBC))`` for ``xBC [b, s, channels]``."""
         seqlen = xBC.shape[1]
         channels_first = xBC.transpose(1, 2)
-        if ssd_kernels.conv1d_kernel_usable(channels_first):
+        if use_kernel and ssd_kernels.conv1d_kernel_usable(channels_first):
             out = ssd_kernels.causal_conv1d_fn(
                 x=channels_first, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias, activation="silu"
             )

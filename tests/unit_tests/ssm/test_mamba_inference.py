@@ -83,13 +83,39 @@ def _full_forward_reference(mixer, tokens, lengths):
     return outputs, torch.stack(conv_states), torch.stack(ssm_states)
 
 
+FIRST_PIECES = [4, 2, 5]  # of prompts of 7, 4 and 9 tokens
+
+
+def _prefill_in_two_pieces(mixer, context, prompts, lengths, reference, continue_second=True):
+    """A chunked prefill: the first pieces of the prompts from zero states (their slots hold NaN beforehand, which
+    prefill_has_initial_states=False must ignore), then the rest continuing from the stored states."""
+    metadata = context.mamba_metadata
+    context.conv_state.fill_(float("nan"))
+    context.ssm_state.fill_(float("nan"))
+    rest = [n - first for n, first in zip(lengths, FIRST_PIECES)]
+    first_batch = prompts[: max(FIRST_PIECES)]
+    second_batch = torch.zeros(max(rest), len(lengths), prompts.shape[-1])
+    for row, first in enumerate(FIRST_PIECES):
+        second_batch[: rest[row], row] = prompts[first : lengths[row], row]
+    errors = []
+    for batch, pieces, offsets, continues in (
+        (first_batch, FIRST_PIECES, [0] * len(lengths), False),
+        (second_batch, rest, FIRST_PIECES, continue_second),
+    ):
+        metadata.prefill_lengths = torch.tensor(pieces)
+        metadata.prefill_has_initial_states = torch.full((len(lengths),), continues)
+        out, _ = mixer(batch, inference_context=context)
+        errors += [_rel(out[:n, row], reference[row][o : o + n]) for row, (n, o) in enumerate(zip(pieces, offsets))]
+    return max(errors)
+
+
 def _prefill_then_decode(tp, layout, carry, mixer_params):
     """Errors of prefill + decode against the full forward, and this rank's final states (by request)."""
     mixer = _build(tp, **mixer_params)
     if layout == "static":  # equal lengths, rows in slots batch_size_offset + row
         lengths, slots = [7, 7], torch.tensor([1, 2])
         context = StateContext(mixer, slots=3, batch_size_offset=1)
-    else:  # Megatron-style slot indices, right-padded prompts of different lengths
+    else:  # Megatron-style slot indices, right-padded prompts of different lengths (prefilled in two pieces: chunked)
         lengths, slots = [7, 4, 9], torch.tensor([2, 0, 3])
         metadata = SimpleNamespace(
             batch_indices_prefill=slots, batch_indices_decode=slots, prefill_lengths=torch.tensor(lengths)
@@ -98,9 +124,13 @@ def _prefill_then_decode(tp, layout, carry, mixer_params):
     tokens, prompts = _sequences(lengths)
     with torch.no_grad():
         reference, ref_conv, ref_ssm = _full_forward_reference(mixer, tokens, lengths)
-        prefill_out, bias = mixer(prompts, inference_context=context)
-        assert bias is None
-        errors = {"prefill": max(_rel(prefill_out[:n, row], reference[row][:n]) for row, n in enumerate(lengths))}
+        if layout == "chunked":
+            continue_second = carry != "no_continue"
+            errors = {"prefill": _prefill_in_two_pieces(mixer, context, prompts, lengths, reference, continue_second)}
+        else:
+            prefill_out, bias = mixer(prompts, inference_context=context)
+            assert bias is None
+            errors = {"prefill": max(_rel(prefill_out[:n, row], reference[row][:n]) for row, n in enumerate(lengths))}
         decode_errors = []
         context.decode = True
         for step in range(DECODE_STEPS):
@@ -115,7 +145,10 @@ def _prefill_then_decode(tp, layout, carry, mixer_params):
         errors["conv_state"] = _rel(context.conv_state[slots], ref_conv)
         errors["ssm_state"] = _rel(context.ssm_state[slots].float(), ref_ssm)
     untouched = [slot for slot in range(context.ssm_state.shape[0]) if slot not in slots.tolist()]
-    errors["untouched slots"] = float(context.ssm_state[untouched].abs().max() + context.conv_state[untouched].abs().max())
+    if layout != "chunked":  # (the chunked layout fills every slot with NaN first)
+        errors["untouched slots"] = float(
+            context.ssm_state[untouched].abs().max() + context.conv_state[untouched].abs().max()
+        )
     return {
         "errors": errors,
         "outputs": [out for out in reference],
@@ -128,7 +161,7 @@ def _prefill_then_decode(tp, layout, carry, mixer_params):
 MIXER_VARIANTS = [dict(), dict(D_has_hdim=True, rmsnorm=False)]
 
 
-@pytest.mark.parametrize("layout", ["static", "slots"])
+@pytest.mark.parametrize("layout", ["static", "slots", "chunked"])
 @pytest.mark.parametrize("mixer_params", MIXER_VARIANTS, ids=["default", "D_has_hdim-no_rmsnorm"])
 def test_prefill_then_decode_equals_full_forward_tp1(layout, mixer_params):
     result = run_distributed(1, _prefill_then_decode, 1, layout, "both", mixer_params)[0]
@@ -137,7 +170,7 @@ def test_prefill_then_decode_equals_full_forward_tp1(layout, mixer_params):
         assert error < TOLERANCE, (name, errors)
 
 
-@pytest.mark.parametrize("layout", ["static", "slots"])
+@pytest.mark.parametrize("layout", ["static", "slots", "chunked"])
 def test_prefill_then_decode_tp2_equals_tp1(layout):
     """Each TP=2 rank keeps its own heads' and channels' states; outputs and states match TP=1."""
     tp1 = run_distributed(1, _prefill_then_decode, 1, layout, "both", {})[0]
@@ -165,6 +198,12 @@ def test_dropping_a_carried_state_breaks_equality(carry, broken):
     # conv of the new token still carry most of each output); either is hundreds of times the tolerance.
     assert errors["decode"] > 100 * TOLERANCE, errors
     assert errors[broken] > 0.1, errors
+
+
+def test_chunked_prefill_without_its_initial_states_breaks_equality():
+    """Negative control: the second piece of a chunked prefill started from zeros is not the prompt's continuation."""
+    errors = run_distributed(1, _prefill_then_decode, 1, "chunked", "no_continue", {})[0]["errors"]
+    assert errors["prefill"] > 0.1 and errors["decode"] > 100 * TOLERANCE, errors
 
 
 # ---- a Mamba layer passes the context on -------------------------------------------------------------------------
@@ -197,6 +236,7 @@ def _misuse_messages():
     wrong_shape = StateContext(mixer, slots=2)
     wrong_shape.ssm_state = wrong_shape.ssm_state[:, :4]
     wrong_rows = StateContext(mixer, slots=2, metadata=SimpleNamespace(batch_indices_prefill=torch.tensor([0])))
+    wrong_flags = StateContext(mixer, slots=2, metadata=SimpleNamespace(prefill_has_initial_states=torch.ones(3)))
     # The config refuses sequence parallelism at TP=1, so set it on a built mixer's own config (the check reads it).
     sequence_parallel = _build(1)
     sequence_parallel.config.sequence_parallel = True
@@ -205,6 +245,7 @@ def _misuse_messages():
         (mixer, prompt, decode, "a decode step (inference_context.is_decode_only() is True) takes one token"),
         (mixer, prompt, wrong_shape, "(2, 4, 4, 8); this rank needs [slots, *(96, 4)] and [slots, *(8, 4, 8)]"),
         (mixer, prompt, wrong_rows, "batch_indices_prefill must have one slot per batch row (2)"),
+        (mixer, prompt, wrong_flags, "prefill_has_initial_states must have one flag per batch row (2), got shape (3,)"),
         (helpers.build_mixer(1, seed=0), prompt, StateContext(mixer, slots=2), "needs the mixer's layer_number"),
         (sequence_parallel, prompt, StateContext(mixer, slots=2), "sequence_parallel=True is not supported"),
     ]
