@@ -214,3 +214,44 @@ def test_theoretical_memory_of_a_hybrid(capsys):
     weights, activations, total = report_theoretical_memory(args, verbose=True)
     assert weights == pytest.approx(count_parameters(args).transformer_block * 18 / 2**20 + 2 * 64 * 128 * 18 / 2**20)
     assert activations > 0 and total == pytest.approx(weights + activations)
+
+
+# ---- the entry points' model providers ----------------------------------------------------------------------------
+
+
+def _provided_models():
+    import pretrain_hybrid
+    import pretrain_mamba
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.training.global_vars import set_args, unset_global_variables
+
+    parallel_state.initialize_model_parallel()
+    models = {}
+    for name, module, spec in (("hybrid", pretrain_hybrid, None), ("mamba", pretrain_mamba, None),
+                               ("hybrid --spec", pretrain_hybrid,
+                                ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"])):
+        args = _model_args(1, "M*-M-")
+        args.padded_vocab_size, args.spec = 128, spec
+        unset_global_variables()
+        set_args(args)
+        model_parallel_cuda_manual_seed(1)
+        model = module.model_provider(pre_process=True, post_process=True)
+        models[name] = (type(model) is MambaModel, isinstance(model, HybridModel),
+                        "".join(model.decoder.layer_type_list), sum(p.numel() for p in model.parameters()))
+    args.spec = ["only-a-module"]
+    try:
+        pretrain_hybrid.stack_spec_from_args(args, None)
+    except ValueError as error:
+        models["bad spec"] = str(error)
+    return models
+
+
+def test_pretrain_hybrid_and_pretrain_mamba_build_the_model_of_the_flags():
+    models = run_distributed(1, _provided_models)[0]
+    assert models["hybrid"][1:3] == (True, "M*-M-") and not models["hybrid"][0]
+    assert models["mamba"][:3] == (True, True, "M*-M-") and models["mamba"][3] == models["hybrid"][3]
+    assert models["hybrid --spec"] == models["hybrid"]
+    assert models["bad spec"] == "--spec takes a module and the name of a stack spec in it, got 'only-a-module'"
