@@ -206,6 +206,34 @@ def test_chunked_prefill_without_its_initial_states_breaks_equality():
     assert errors["prefill"] > 0.1 and errors["decode"] > 100 * TOLERANCE, errors
 
 
+def _bf16_prefill_then_decode():
+    """A bf16 mixer (Float16Module-style cast) against its fp32 self: bf16 conv state, fp32 SSM state."""
+    mixer = _build(1)
+    lengths = [7, 4, 9]
+    tokens, prompts = _sequences(lengths)
+    with torch.no_grad():
+        reference = [mixer(tokens[: n + DECODE_STEPS, row : row + 1])[0][:, 0] for row, n in enumerate(lengths)]
+        mixer.to(torch.bfloat16)
+        metadata = SimpleNamespace(prefill_lengths=torch.tensor(lengths))
+        context = StateContext(mixer, slots=3, metadata=metadata)
+        dtypes = (context.conv_state.dtype, context.ssm_state.dtype)
+        prefill_out, _ = mixer(prompts.bfloat16(), inference_context=context)
+        errors = [_rel(prefill_out[:n, row].float(), reference[row][:n]) for row, n in enumerate(lengths)]
+        context.decode = True
+        for step in range(DECODE_STEPS):
+            token = torch.stack([tokens[n + step, row] for row, n in enumerate(lengths)]).unsqueeze(0)
+            out, _ = mixer(token.bfloat16(), inference_context=context)
+            assert out.dtype == torch.bfloat16
+            errors += [_rel(out[0, row].float(), reference[row][n + step]) for row, n in enumerate(lengths)]
+    return dtypes, max(errors)
+
+
+def test_bf16_prefill_then_decode_stays_close_to_fp32():
+    dtypes, error = run_distributed(1, _bf16_prefill_then_decode)[0]
+    assert dtypes == (torch.bfloat16, torch.float32)
+    assert error < 3e-2, error
+
+
 # ---- a Mamba layer passes the context on -------------------------------------------------------------------------
 
 
