@@ -68,6 +68,23 @@ def build_model(tp: int = 1, sp: bool = False, pp: int = 1, pattern: str = PATTE
     )
 
 
+def build_chunks(pp: int, vp: int, pattern: str, seed: int = SEED):
+    """This rank's ``vp`` model chunks (virtual stages) of a ``pattern`` with ``pp * vp`` '|' segments."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+    model_parallel_cuda_manual_seed(seed)
+    config = build_config(pp=pp, num_layers=len(pattern.replace("|", "")), virtual_pipeline_model_parallel_size=vp)
+    return [
+        HybridModel(
+            config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
+            vp_stage=chunk,
+        )
+        for chunk in range(vp)
+    ]
+
+
 def batch(seed: int = 7):
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)

@@ -67,7 +67,7 @@ def _microbatches():
             "loss_mask": (torch.rand(2, SEQ, generator=generator) > 0.2).float(),
             "position_ids": torch.arange(SEQ).unsqueeze(0).expand(2, SEQ),
         }
-        for _ in range(3)
+        for _ in range(4)
     ]
 
 
@@ -83,21 +83,27 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _run_pipeline(pp: int, pattern: str):
+def _run_pipeline(pp: int, pattern: str, vp=None):
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from tests.unit_tests.models.hybrid.hybrid_test_helpers import build_chunks
 
-    model = build_model(pp=pp, pattern=pattern)
+    chunks = [build_model(pp=pp, pattern=pattern)] if vp is None else build_chunks(pp, vp, pattern)
+    microbatches = _microbatches()
     reduced = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches()), model=[model], num_microbatches=3,
-        seq_length=SEQ, micro_batch_size=2,
+        forward_step_func=_forward_step, data_iterator=[iter(microbatches) for _ in chunks], model=chunks,
+        num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=2,
     )
     loss = torch.stack([item["lm loss"] for item in reduced]).sum(0) if reduced else None
+    weights, grads = {}, {}
+    for chunk in chunks:
+        weights.update(checkpoint_space(chunk))
+        grads.update(checkpoint_space(chunk, gradients=True))
     return {
         "loss": loss,
-        "layers": "".join(model.decoder.layer_type_list),
-        "numbers": [layer.layer_number for layer in model.decoder.layers],
-        "weights": checkpoint_space(model),
-        "grads": checkpoint_space(model, gradients=True),
+        "layers": "|".join("".join(chunk.decoder.layer_type_list) for chunk in chunks),
+        "numbers": [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers],
+        "weights": weights,
+        "grads": grads,
     }
 
 
@@ -109,6 +115,19 @@ def test_pipeline_split_by_pipes_matches_single_stage():
     for result in (first, last):
         assert_close_dicts(result["weights"], expected["weights"], 0.0, "pp=2 weights")
         assert_close_dicts(result["grads"], expected["grads"], 1e-5, "pp=2 grads")
+
+
+def test_virtual_pipeline_stages_from_pipes_match_single_stage():
+    """Four '|' segments on PP=2 are two virtual stages per rank (segment vp_stage * pp + pp_rank), run by the
+    interleaved schedule."""
+    expected = run_distributed(1, _run_pipeline, 1, "M*-M-M-")[0]
+    first, last = run_distributed(2, _run_pipeline, 2, "M*|-M|-M|-", 2)
+    assert (first["layers"], first["numbers"]) == ("M*|-M", [1, 2, 5, 6])
+    assert (last["layers"], last["numbers"]) == ("-M|-", [3, 4, 7])
+    assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6
+    merged_weights, merged_grads = {**first["weights"], **last["weights"]}, {**first["grads"], **last["grads"]}
+    assert_close_dicts(merged_weights, expected["weights"], 0.0, "pp=2 vp=2 weights")
+    assert_close_dicts(merged_grads, expected["grads"], 1e-5, "pp=2 vp=2 grads")
 
 
 def _build_error(pattern: str, config_overrides: dict):
