@@ -345,20 +345,16 @@ class MambaMixer(MegatronModule):
         z, xBC, dt = torch.split(
             zxbcdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * group_width, self.nheads_local_tp], dim=-1
         )
+        earlier = 0
         if initial_states is not None:
             # The conv runs over the earlier inputs and the sequence; only the sequence's outputs are kept.
             earlier = self.d_conv - 1
             xBC = torch.cat([initial_states[0].to(xBC.dtype), xBC], dim=1)
-            if prefill_lengths is not None:
-                prefill_lengths = prefill_lengths + earlier
-        conv_state = (
-            mamba_inference.conv_state_after_prompt(xBC, self.d_conv, prefill_lengths) if return_states else None
-        )
-        if initial_states is not None:
-            xBC = self._causal_conv_silu(xBC, use_kernel=False)[:, earlier:]
-            prefill_lengths = prefill_lengths - earlier if prefill_lengths is not None else None
-        else:
-            xBC = self._causal_conv_silu(xBC)
+        conv_state = None
+        if return_states:
+            conv_lengths = None if prefill_lengths is None else prefill_lengths + earlier
+            conv_state = mamba_inference.conv_state_after_prompt(xBC, self.d_conv, conv_lengths)
+        xBC = self._causal_conv_silu(xBC, use_kernel=initial_states is None)[:, earlier:]
         x, B, C = torch.split(xBC, [self.d_inner_local_tp, group_width, group_width], dim=-1)
         heads = (batch, seqlen, self.nheads_local_tp, self.headdim)
         groups = (batch, seqlen, self.ngroups_local_tp, self.d_state)
