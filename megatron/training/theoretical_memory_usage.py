@@ -154,9 +154,13 @@ def _count_hybrid_parameters(args) -> ParameterCounts:
     )
 
 
-def _hybrid_block_activations(args, tp: int, sequence_parallel: bool) -> float:
-    """Activation bytes of a hybrid model's layers on one TP rank: with sequence parallelism everything is split
-    over TP; without it each layer's norm input and output and dropout mask (``5 s b h``) are replicated."""
+_HYBRID_LAYER_NAMES = {"M": "Mamba", "*": "attention", "-": "MLP"}
+
+
+def _hybrid_block_activations(args, tp: int, sequence_parallel: bool, verbose: bool = False) -> float:
+    """Activation bytes of a hybrid model's layers on one TP rank (``tp`` 1: all ranks together): with sequence
+    parallelism everything is split over TP; without it each layer's norm input and output and dropout mask
+    (``5 s b h``) are replicated."""
     from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_activation_bytes
 
     replicated_per_layer = 5 * args.seq_length * args.micro_batch_size * args.hidden_size
@@ -165,7 +169,12 @@ def _hybrid_block_activations(args, tp: int, sequence_parallel: bool) -> float:
         if count:
             layer = layer_activation_bytes(args, symbol)
             replicated = 0 if sequence_parallel else replicated_per_layer
-            memory += count * (replicated + (layer - replicated) / tp)
+            per_rank = replicated + (layer - replicated) / tp
+            memory += count * per_rank
+            if verbose:
+                shown = per_rank / (args.tensor_model_parallel_size if sequence_parallel else 1)
+                print_rank_0(f"Activation memory footprint per {_HYBRID_LAYER_NAMES[symbol]} layer: "
+                             f"{shown / NUM_BYTES_IN_MEGABYTE:.1f} MB")
     return memory
 
 
@@ -258,13 +267,12 @@ def compute_activation_memory(args, num_microbatches: Optional[int], verbose: bo
     Korthikanti et al. 2022 with Megatron's ``18 + 4 f/h`` per-layer term), all divided by the TP size."""
     sbh = args.seq_length * args.micro_batch_size * args.hidden_size
     per_layer = sbh * (18 + 4 * args.ffn_hidden_size / args.hidden_size)
-    if verbose:
-        tp = args.tensor_model_parallel_size
-        per_layer_mb = per_layer / NUM_BYTES_IN_MEGABYTE / tp
-        print_rank_0(f"Activation memory footprint per transformer layer: {per_layer_mb:.1f} MB")
     if getattr(args, "hybrid_layer_pattern", None):
-        blocks = _hybrid_block_activations(args, 1, sequence_parallel=True)  # divided by TP below
+        blocks = _hybrid_block_activations(args, 1, sequence_parallel=True, verbose=verbose)  # / TP below
     else:
+        if verbose:
+            per_layer_mb = per_layer / NUM_BYTES_IN_MEGABYTE / args.tensor_model_parallel_size
+            print_rank_0(f"Activation memory footprint per transformer layer: {per_layer_mb:.1f} MB")
         blocks = per_layer * args.num_layers
     memory = blocks + _embedding_activations(args)
     memory *= _pipeline_schedule_factor(args, num_microbatches, verbose)
@@ -280,14 +288,14 @@ def compute_activation_memory_without_sp(args, num_microbatches: Optional[int], 
     tp = args.tensor_model_parallel_size
     tokens = args.seq_length * args.micro_batch_size
     per_layer = tokens * args.hidden_size * (10 + 24 / tp)
-    if verbose:
-        print_rank_0(
-            "Activation memory footprint per transformer layer (without SP): "
-            f"{per_layer / NUM_BYTES_IN_MEGABYTE:.1f} MB"
-        )
     if getattr(args, "hybrid_layer_pattern", None):
-        blocks = _hybrid_block_activations(args, tp, sequence_parallel=False)
+        blocks = _hybrid_block_activations(args, tp, sequence_parallel=False, verbose=verbose)
     else:
+        if verbose:
+            print_rank_0(
+                "Activation memory footprint per transformer layer (without SP): "
+                f"{per_layer / NUM_BYTES_IN_MEGABYTE:.1f} MB"
+            )
         blocks = per_layer * args.num_layers
     memory = blocks + _embedding_activations(args)
     memory *= _pipeline_schedule_factor(args, num_microbatches, verbose)
