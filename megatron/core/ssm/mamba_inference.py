@@ -16,8 +16,9 @@ The protocol (duck-typed; Megatron's names where Megatron has them). The mixer r
 
 ``inference_context.is_decode_only() -> bool``
     True: every row of the batch is one new token (``hidden_states`` is ``[1, b, h]``) of a request whose states are
-    stored; the mixer updates them in O(1) per token. False: prefill, every row a prompt starting from zero states;
-    the mixer runs the chunked scan over it and stores the states after its last token.
+    stored; the mixer updates them in O(1) per token. False: prefill, every row a prompt (starting from zero states
+    unless ``prefill_has_initial_states`` says otherwise); the mixer runs the chunked scan over it and stores the
+    states after its last token.
 
 ``inference_context.mamba_states_cache(layer_number) -> (conv_state, ssm_state)``
     This rank's state tensors of the layer, ``[slots, *conv shape]`` and ``[slots, *SSM shape]``, which the mixer
@@ -26,14 +27,14 @@ The protocol (duck-typed; Megatron's names where Megatron has them). The mixer r
     ``allocate_inference_cache``) while the model runs in bf16; the update is computed in fp32 either way.
 
 ``inference_context.mamba_metadata`` (optional)
-    Which slot each batch row uses: ``batch_indices_prefill`` (prefill) or ``batch_indices_decode`` (decode), int64
-    tensors ``[b]`` of distinct slots, Megatron's field names. Without it, row ``i`` uses slot
+    Which slot each batch row uses: ``batch_indices_prefill`` (prefill) or ``batch_indices_decode`` (decode), integer
+    tensors ``[b]`` of distinct, valid slots (Megatron's field names; no ``-1`` padding rows). Without it, row ``i`` uses slot
     ``batch_size_offset + i`` (``batch_size_offset`` read from the context when it has one, else 0), Megatron's
     static-batching layout. ``prefill_lengths`` (optional, int64 ``[b]``) gives each prompt's length when prompts
     of different lengths are right-padded to one length: the states are those after each prompt's own last token
     (padding steps get ``dt = 0``, which leaves the SSM state unchanged) and outputs at padded positions are
     meaningless. Without it every row is a full-length prompt. ``prefill_has_initial_states`` (optional, bool
-    ``[b]``; mamba-ssm's name) marks rows whose prefill continues a request from its stored states (the next piece
+    ``[b]``) marks rows whose prefill continues a request from its stored states (the next piece
     of a prompt prefilled in pieces, a chunked prefill) instead of starting from zeros.
 """
 
