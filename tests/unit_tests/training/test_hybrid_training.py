@@ -255,3 +255,22 @@ def test_pretrain_hybrid_and_pretrain_mamba_build_the_model_of_the_flags():
     assert models["mamba"][:3] == (True, True, "M*-M-") and models["mamba"][3] == models["hybrid"][3]
     assert models["hybrid --spec"] == models["hybrid"]
     assert models["bad spec"] == "--spec takes a module and the name of a stack spec in it, got 'only-a-module'"
+
+
+def test_memory_tool_reports_the_8b_hybrid_from_the_command_line(monkeypatch, capsys):
+    from tests.unit_tests.models.hybrid.test_hybrid_layer_allocation import PATTERN_8B
+    from tests.unit_tests.training.test_theoretical_memory_usage import load_tool
+
+    flags = (f"--hybrid-layer-pattern {PATTERN_8B} --hidden-size 4096 --num-attention-heads 32 "
+             "--group-query-attention --num-query-groups 8 --seq-length 4096 --micro-batch-size 1 "
+             "--tensor-model-parallel-size 4 --world-size 8 --sequence-parallel --recompute-activations "
+             "--use-distributed-optimizer --normalization RMSNorm --disable-bias-linear "
+             "--untie-embeddings-and-output-weights --position-embedding-type none --tokenizer-type NullTokenizer "
+             "--vocab-size 255999").split()
+    monkeypatch.setattr("sys.argv", ["report_theoretical_memory.py"] + flags)
+    load_tool().main()  # reads sys.argv
+    out = capsys.readouterr().out
+    assert "Total number of parameters in billions: 8.65" in out  # 6.56 in the layers, 2 x 4096 x 256000 embeddings
+    for kind in ("Mamba", "attention", "MLP"):
+        assert f"Activation memory footprint per {kind} layer: " in out
+    assert "per transformer layer" not in out
