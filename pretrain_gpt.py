@@ -110,12 +110,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def main(forward_step_func=forward_step) -> None:
-    """Parse the command line and train (scripts that wrap this one pass their own forward step)."""
+def main(forward_step_func=forward_step, model_provider_func=model_provider, extra_args_provider=None) -> None:
+    """Parse the command line and train. Scripts that wrap this one pass their own forward step, model provider
+    (pretrain_hybrid.py) or extra flags / flag defaults (``extra_args_provider(parser)``)."""
     with exit_on_error():  # a bad flag or input is reported once for the job, not once per rank
-        args = parse_and_validate_args()
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider)
     pretrain(args, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step_func,
-             model_provider=model_provider)
+             model_provider=model_provider_func)
 
 
 if __name__ == "__main__":

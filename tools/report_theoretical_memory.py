@@ -35,7 +35,7 @@ def add_report_args(parser):
 
 def resolve_args(argv=None):
     """Megatron-LM's args for the run described by ``argv``, validated, with the padded vocabulary size."""
-    args = parse_args_list(argv, extra_args_provider=add_report_args)
+    args = parse_args_list(sys.argv[1:] if argv is None else argv, extra_args_provider=add_report_args)
     if args.report_world_size is not None:
         args.world_size = args.report_world_size
     # A report trains nothing: validate_args then needs no data or training length, as for --dry-run.

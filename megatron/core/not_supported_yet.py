@@ -217,15 +217,6 @@ NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
     "chunked MLP": ("mlp_chunks_for_training",),
     "batch-invariant kernels": ("batch_invariant_mode",),
     "config logger": ("config_logger_dir",),
-    "Mamba / hybrid models": (
-        "is_hybrid_model",
-        "mamba_state_dim",
-        "mamba_head_dim",
-        "mamba_num_groups",
-        "mamba_num_heads",
-        "mamba_training_ssm_states_dtype",
-        "use_mamba_mem_eff_path",
-    ),
     "heterogeneous layers": ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"),
 }
 """Feature -> the config fields that must keep their default until the feature is built."""

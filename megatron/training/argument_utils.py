@@ -202,6 +202,8 @@ def core_transformer_config_from_args(args, config_class=None):
         kwargs["activation_func"] = squared_relu
     if args.openai_gelu:
         kwargs["activation_func"] = openai_gelu
+    if isinstance(kwargs.get("mamba_training_ssm_states_dtype"), str):
+        kwargs["mamba_training_ssm_states_dtype"] = _DTYPE_NAMES[kwargs["mamba_training_ssm_states_dtype"]]
     return config_class(**kwargs)
 
 

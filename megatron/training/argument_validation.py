@@ -21,6 +21,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
+from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.arguments_support import (
     FlagTable,
     ignore_flags_without_effect,
@@ -106,6 +107,7 @@ def validate_args(args, defaults={}):
     _apply_script_defaults(args, defaults)
     _check_flag_support(args)
     _apply_aliases(args)
+    validate_hybrid_args(args)  # may set --num-layers from --hybrid-layer-pattern
     _check_required(args)
     _check_integer_ranges(args)
     _validate_parallel_layout(args)
@@ -320,7 +322,10 @@ def _validate_pipeline_split(args) -> None:
 
 
 def _check_layer_split(args, vpp) -> None:
-    """The model's layers split over the pipeline stages and ``vpp`` virtual stages per rank (None: one)."""
+    """The model's layers split over the pipeline stages and ``vpp`` virtual stages per rank (None: one); a hybrid
+    layer pattern with '|' sets that split itself (argument_validation_hybrid checked it)."""
+    if has_pipeline_segments(args):
+        return
     if args.num_layers_per_virtual_pipeline_stage is not None:
         vpp_flag = "the virtual pipeline size from --num-layers-per-virtual-pipeline-stage"
     else:

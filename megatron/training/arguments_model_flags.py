@@ -1,6 +1,7 @@
 """Megatron-LM's flags for model features and GPU kernels this project does not have (see arguments_support).
 
-Tables of model architecture features not built yet (MoE, MLA, Mamba, MTP, ...) and GPU-only precision/kernel knobs.
+Tables of model architecture features not built yet (MoE, MLA, MTP, ...), of the Mamba / hybrid flags (which
+work) and GPU-only precision/kernel knobs.
 Each row holds Megatron-LM's option strings, dest, type, default, choices and nargs; the table says what a non-
 default value does here (refused by validate_args, or ignored with a warning). Named types (``"moe_freq_type"``) are
 Megatron-LM's argparse types, defined in ``megatron.training.arguments``.
@@ -149,18 +150,30 @@ ATTENTION_VARIANTS = FlagTable("network size", (
 
 
 MAMBA = FlagTable("mamba", (
-    off_switch("--disable-mamba-mem-eff-path", "use_mamba_mem_eff_path"),
-    value("--hybrid-layer-pattern", str, None),
-    value("--hybrid-override-pattern", str, None),
-    switch("--is-hybrid-model"),
-    value("--mamba-head-dim", int, 64),
+    off_switch("--disable-mamba-mem-eff-path", "use_mamba_mem_eff_path",
+               help="Run the Mamba mixer unfused (the pure-PyTorch path is always taken without mamba-ssm)."),
+    value("--hybrid-layer-pattern", str, None,
+          help="One symbol per layer: M Mamba, * attention, - MLP (E MoE is not built yet); '|' between pipeline "
+          "stages. Sets the number of layers (--num-layers may be left out)."),
+    value("--hybrid-override-pattern", str, None, help="Deprecated: use --hybrid-layer-pattern."),
+    value("--hybrid-attention-ratio", float, 0.0,
+          help="Deprecated (use --hybrid-layer-pattern): the fraction of --num-layers that are attention layers."),
+    value("--hybrid-mlp-ratio", float, 0.0,
+          help="Deprecated (use --hybrid-layer-pattern): the fraction of --num-layers that are MLP layers."),
+    switch("--is-hybrid-model", help="The model is a hybrid (set by --hybrid-layer-pattern too)."),
+    value("--mamba-head-dim", int, 64, help="Mamba head size."),
+    value("--mamba-num-groups", int, 8, help="Mamba B/C groups (split over tensor-parallel ranks)."),
+    value("--mamba-num-heads", int, None, help="Mamba heads (default: 2 * hidden size / --mamba-head-dim)."),
+    value("--mamba-state-dim", int, 128, help="Mamba state size."),
+    value("--mamba-training-ssm-states-dtype", str, None, choices=['fp32', 'bf16'],
+          help="Dtype of the SSM states passed between chunks in training (default: the activation dtype)."),
+))
+
+
+MAMBA_INFERENCE = FlagTable("mamba", (
     value("--mamba-inference-conv-states-dtype", str, 'bf16', choices=['bf16', 'fp16', 'fp32']),
     value("--mamba-inference-ssm-states-dtype", str, 'bf16', choices=['bf16', 'fp16', 'fp32']),
-    value("--mamba-num-groups", int, 8),
-    value("--mamba-num-heads", int, None),
-    value("--mamba-state-dim", int, 128),
-    value("--mamba-training-ssm-states-dtype", str, None, choices=['fp32', 'bf16']),
-), not_supported="Mamba / hybrid models")
+), no_effect="Mamba inference-state dtypes; training keeps no inference states")
 
 
 MTP = FlagTable("multi-token prediction", (
@@ -337,5 +350,5 @@ CUDA_GRAPHS = FlagTable("training", (
 
 
 TABLES = (
-    MOE, MLA, EXPERIMENTAL_ATTENTION, ATTENTION_VARIANTS, MAMBA, MTP, ENCODER_DECODER, HETEROGENEOUS, MODEL_OPTIONS,
-    MUP, VISION, RETRIEVAL, KITCHEN, LOW_PRECISION_RECIPES, KERNEL_CHOICES, TE_COMM_OVERLAP, CUDA_GRAPHS)
+    MOE, MLA, EXPERIMENTAL_ATTENTION, ATTENTION_VARIANTS, MAMBA, MAMBA_INFERENCE, MTP, ENCODER_DECODER, HETEROGENEOUS,
+    MODEL_OPTIONS, MUP, VISION, RETRIEVAL, KITCHEN, LOW_PRECISION_RECIPES, KERNEL_CHOICES, TE_COMM_OVERLAP, CUDA_GRAPHS)

@@ -302,6 +302,8 @@ _CHECKPOINT_MODEL_ARGS = (
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
     "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "is_hybrid_model", "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+    "mamba_num_heads",
 )
 # What a checkpoint's model must share with this run's to load at all (the layout may differ: it reshards).
 _CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type",

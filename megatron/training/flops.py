@@ -97,7 +97,13 @@ def num_floating_point_operations(args, batch_size: int, causal_attention: bool 
     The count is for the whole batch, so it does not depend on the layout: context parallelism splits the same
     work over more ranks (ring attention skips the masked half of the causal blocks, which the ``s/2`` above
     already leaves out), and :func:`throughput_and_mfu` divides by the world size, CP ranks included.
+    Hybrid models (``--hybrid-layer-pattern``) use Megatron-LM's hybrid formula instead
+    (``hybrid_accounting.hybrid_floating_point_operations``).
     """
+    if getattr(args, "hybrid_layer_pattern", None):
+        from megatron.training.hybrid_accounting import hybrid_floating_point_operations
+
+        return hybrid_floating_point_operations(args, batch_size, causal_attention)
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
     vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")

@@ -5,7 +5,8 @@ Rank groups come from :class:`megatron.core.parallel_state.RankGenerator`, the s
 ``initialize_model_parallel`` uses. Layers per stage come from ``transformer_block.layers_per_virtual_stage``, the
 split ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` use (they ask the process groups for the
 pipeline rank; this module takes the rank as a number). Parameter counts are exact for the GPT model built from the
-local layer spec, biases included.
+local layer spec, biases included, and for a hybrid model (``--hybrid-layer-pattern``, whose ``|`` segments fix the
+layers of each stage) for the local hybrid spec, each chunk listing its layer kinds.
 """
 
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from megatron.core.parallel_state import (
     _check_expert_layout_matches_pipeline,
     default_embedding_ranks,
 )
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
 from megatron.training.flops import num_query_groups, required_arg
+from megatron.training.hybrid_accounting import layer_parameters as hybrid_layer_parameters
 
 # How many groups of one kind to list before summarising the rest.
 _GROUPS_SHOWN = 8
@@ -111,9 +114,10 @@ def parallel_layout(
     last_stage_layers: Optional[int] = None,
     account_for_embedding_in_pipeline_split: bool = False,
     account_for_loss_in_pipeline_split: bool = False,
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> ParallelLayout:
     """The rank groups and layer placement ``initialize_model_parallel`` and the model would create, checked the
-    same way (``etp=None`` means ``etp = tp``)."""
+    same way (``etp=None`` means ``etp = tp``). A hybrid pattern with ``|`` gives each virtual stage one segment."""
     etp = tp if etp is None else etp
     sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     for name, value in [("world_size", world_size)] + list(sizes.items()):
@@ -146,10 +150,19 @@ def parallel_layout(
         # The word embedding's first-stage and last-stage copies (tied weights all-reduce over this group).
         "embedding": [default_embedding_ranks(ranks) for ranks in pipelines],
     }
-    per_virtual_stage = layers_per_virtual_stage(
-        num_layers, pp, vpp, first_stage_layers, last_stage_layers,
-        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
-    )
+    segments = (hybrid_layer_pattern or "").split(Symbols.MTP_SEPARATOR)[0].split(Symbols.PIPE)
+    if len(segments) > 1:
+        per_virtual_stage = [len(segment) for segment in segments]
+        if len(per_virtual_stage) != pp * (vpp or 1):
+            raise ValueError(
+                f"--hybrid-layer-pattern {hybrid_layer_pattern!r} has {len(segments)} segments for {pp} pipeline "
+                f"stages x {vpp or 1} virtual stages; give one segment per virtual stage"
+            )
+    else:
+        per_virtual_stage = layers_per_virtual_stage(
+            num_layers, pp, vpp, first_stage_layers, last_stage_layers,
+            account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+        )
     return ParallelLayout(world_size, sizes, order, groups, pipeline_chunks(per_virtual_stage, pp))
 
 
@@ -160,7 +173,10 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     if getattr(model_args, "num_experts", None) is not None:
         raise ValueError("parameter counts per stage cover dense GPT layers; MoE layers (--num-experts) are not built")
     tp = layout.sizes["tp"]
-    layer_split, layer_replicated = _layer_parameters(model_args)
+    pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
+    layer_kinds = pattern.replace(Symbols.PIPE, "")
+    if not layer_kinds:
+        layer_split, layer_replicated = _layer_parameters(model_args)
     hidden = model_args.hidden_size
     vocab = required_arg(model_args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
     norm = hidden * (1 if model_args.normalization == "RMSNorm" else 2)
@@ -171,8 +187,13 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     counts = [[0, 0] for _ in range(layout.sizes["pp"])]  # [split over TP, replicated] per pipeline rank
     for chunk in layout.chunks:
         stage = counts[chunk.pipeline_rank]
-        stage[0] += chunk.num_layers * layer_split
-        stage[1] += chunk.num_layers * layer_replicated
+        if layer_kinds:
+            for index in chunk.layers:
+                split, replicated = hybrid_layer_parameters(model_args, layer_kinds[index])
+                stage[0], stage[1] = stage[0] + split, stage[1] + replicated
+        else:
+            stage[0] += chunk.num_layers * layer_split
+            stage[1] += chunk.num_layers * layer_replicated
         if chunk.has_embedding:
             stage[0] += vocab * hidden
             stage[1] += positions
@@ -221,12 +242,14 @@ def describe_parallel_layout(
     account_for_loss_in_pipeline_split: bool = False,
     model_args=None,
 ) -> str:
-    """A readable report of :func:`parallel_layout`: rank groups, each stage's ranks and layers, and with
-    ``model_args`` (Megatron-LM's args) the parameters per stage."""
+    """A readable report of :func:`parallel_layout`: rank groups, each stage's ranks and layers (with their kinds
+    for a hybrid), and with ``model_args`` (Megatron-LM's args) the parameters per stage."""
+    pattern = getattr(model_args, "hybrid_layer_pattern", None)
     layout = parallel_layout(
         world_size, tp, pp, cp, ep, etp, order, num_layers, vpp, first_stage_layers, last_stage_layers,
-        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split, hybrid_layer_pattern=pattern,
     )
+    layer_kinds = (pattern or "").split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
     sizes = layout.sizes
     lines = [
         f"Parallel layout: {world_size} ranks = TP {tp} x CP {cp} x DP {sizes['dp']} x PP {pp}, order {order}",
@@ -247,7 +270,7 @@ def describe_parallel_layout(
         lines.append(f"  stage {rank} on ranks {_format_ranks(layout.stage_ranks(rank))}")
         for chunk in chunks:
             label = f"chunk {chunk.virtual_rank}: " if vpp else ""
-            lines.append(f"    {label}{_describe_chunk(chunk)}")
+            lines.append(f"    {label}{_describe_chunk(chunk, layer_kinds)}")
         if stage_parameters is not None:
             total, per_rank = stage_parameters[rank]
             lines.append(f"    parameters: {total:,} in the stage, {per_rank:,} per tensor-parallel rank")
@@ -285,7 +308,7 @@ def _describe_context_parallel(cp: int, model_args) -> str:
             f"{2 * cp - 1}-r ({tokens}load-balanced for causal attention); attention communicates by {comm}")
 
 
-def _describe_chunk(chunk: PipelineChunk) -> str:
+def _describe_chunk(chunk: PipelineChunk, layer_kinds: str = "") -> str:
     layers = chunk.layers
     if not layers:
         text = "no layers"
@@ -293,6 +316,8 @@ def _describe_chunk(chunk: PipelineChunk) -> str:
         text = f"layer {layers[0]}"
     else:
         text = f"layers {layers[0]}-{layers[-1]}"
+    if layers and layer_kinds:
+        text += f" ({layer_kinds[layers[0] : layers[-1] + 1]})"
     extras = [
         name
         for name, present in (("embedding", chunk.has_embedding), ("final norm + output layer", chunk.has_output))

@@ -49,13 +49,17 @@ class ParameterCounts:
     num_dense_layers: int
     num_moe_layers: int
     untied_output: bool
+    # Hybrid models (--hybrid-layer-pattern) count their Mamba / attention / MLP layers here instead (GPT layer
+    # counts are then 0).
+    hybrid_split_in_block: float = 0.0
+    hybrid_replicated_in_block: float = 0.0
 
     @property
     def tensor_parallel_in_block(self) -> float:
         """Weights split over tensor-parallel ranks (attention, dense and shared-expert MLPs)."""
         return (self.attention + self.dense_mlp) * self.num_dense_layers + (
             self.attention + self.shared_experts
-        ) * self.num_moe_layers
+        ) * self.num_moe_layers + self.hybrid_split_in_block
 
     @property
     def replicated_in_block(self) -> float:
@@ -64,6 +68,7 @@ class ParameterCounts:
         return (
             self.layer_norms * self.num_dense_layers
             + (self.layer_norms + moe_extras) * self.num_moe_layers
+            + self.hybrid_replicated_in_block
             + self.final_norm
         )
 
@@ -89,6 +94,8 @@ class ParameterCounts:
 
 def count_parameters(args) -> ParameterCounts:
     """Parameter counts from Megatron-LM's args (``validate_args`` and the tokenizer's ``padded_vocab_size`` done)."""
+    if getattr(args, "hybrid_layer_pattern", None):
+        return _count_hybrid_parameters(args)
     hidden = args.hidden_size
     heads = args.num_attention_heads
     kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
@@ -128,6 +135,49 @@ def count_parameters(args) -> ParameterCounts:
         num_moe_layers=sum(pattern),
         untied_output=bool(args.untie_embeddings_and_output_weights),
     )
+
+
+def _count_hybrid_parameters(args) -> ParameterCounts:
+    """A hybrid model's counts: each layer of the pattern by its kind (hybrid_accounting), exactly as built."""
+    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_parameters
+
+    split = replicated = 0.0
+    for symbol, count in hybrid_layer_counts(args).items():
+        if count:
+            layer_split, layer_replicated = layer_parameters(args, symbol)
+            split, replicated = split + count * layer_split, replicated + count * layer_replicated
+    vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
+    return ParameterCounts(
+        attention=0, dense_mlp=0, shared_experts=0, routed_experts=0, active_routed_experts=0, layer_norms=0,
+        router=0, shared_expert_gate=0, embedding=args.hidden_size * vocab,
+        final_norm=args.hidden_size * (1 if args.normalization == "RMSNorm" else 2), num_dense_layers=0,
+        num_moe_layers=0, untied_output=bool(args.untie_embeddings_and_output_weights),
+        hybrid_split_in_block=split, hybrid_replicated_in_block=replicated,
+    )
+
+
+_HYBRID_LAYER_NAMES = {"M": "Mamba", "*": "attention", "-": "MLP"}
+
+
+def _hybrid_block_activations(args, tp: int, sequence_parallel: bool, verbose: bool = False) -> float:
+    """Activation bytes of a hybrid model's layers on one TP rank (``tp`` 1: all ranks together): with sequence
+    parallelism everything is split over TP; without it each layer's norm input and output and dropout mask
+    (``5 s b h``) are replicated."""
+    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_activation_bytes
+
+    replicated_per_layer = 5 * args.seq_length * args.micro_batch_size * args.hidden_size
+    memory = 0.0
+    for symbol, count in hybrid_layer_counts(args).items():
+        if count:
+            layer = layer_activation_bytes(args, symbol)
+            replicated = 0 if sequence_parallel else replicated_per_layer
+            per_rank = replicated + (layer - replicated) / tp
+            memory += count * per_rank
+            if verbose:
+                shown = per_rank / (args.tensor_model_parallel_size if sequence_parallel else 1)
+                print_rank_0(f"Activation memory footprint per {_HYBRID_LAYER_NAMES[symbol]} layer: "
+                             f"{shown / NUM_BYTES_IN_MEGABYTE:.1f} MB")
+    return memory
 
 
 def bytes_per_parameter(use_distributed_optimizer: bool, data_parallel_size: int) -> float:
@@ -225,11 +275,14 @@ def compute_activation_memory(args, num_microbatches: Optional[int], verbose: bo
     sequence by the CP size)."""
     sbh = _tokens_per_rank(args) * args.hidden_size
     per_layer = sbh * (18 + 4 * args.ffn_hidden_size / args.hidden_size)
-    if verbose:
-        tp = args.tensor_model_parallel_size
-        per_layer_mb = per_layer / NUM_BYTES_IN_MEGABYTE / tp
-        print_rank_0(f"Activation memory footprint per transformer layer: {per_layer_mb:.1f} MB")
-    memory = per_layer * args.num_layers + _embedding_activations(args)
+    if getattr(args, "hybrid_layer_pattern", None):
+        blocks = _hybrid_block_activations(args, 1, sequence_parallel=True, verbose=verbose)  # / TP below
+    else:
+        if verbose:
+            per_layer_mb = per_layer / NUM_BYTES_IN_MEGABYTE / args.tensor_model_parallel_size
+            print_rank_0(f"Activation memory footprint per transformer layer: {per_layer_mb:.1f} MB")
+        blocks = per_layer * args.num_layers
+    memory = blocks + _embedding_activations(args)
     memory *= _pipeline_schedule_factor(args, num_microbatches, verbose)
     if args.pipeline_model_parallel_size == 1:
         # Input of the output layer and the fp32 logits / cross-entropy.
@@ -243,12 +296,16 @@ def compute_activation_memory_without_sp(args, num_microbatches: Optional[int], 
     tp = args.tensor_model_parallel_size
     tokens = _tokens_per_rank(args)
     per_layer = tokens * args.hidden_size * (10 + 24 / tp)
-    if verbose:
-        print_rank_0(
-            "Activation memory footprint per transformer layer (without SP): "
-            f"{per_layer / NUM_BYTES_IN_MEGABYTE:.1f} MB"
-        )
-    memory = per_layer * args.num_layers + _embedding_activations(args)
+    if getattr(args, "hybrid_layer_pattern", None):
+        blocks = _hybrid_block_activations(args, tp, sequence_parallel=False, verbose=verbose)
+    else:
+        if verbose:
+            print_rank_0(
+                "Activation memory footprint per transformer layer (without SP): "
+                f"{per_layer / NUM_BYTES_IN_MEGABYTE:.1f} MB"
+            )
+        blocks = per_layer * args.num_layers
+    memory = blocks + _embedding_activations(args)
     memory *= _pipeline_schedule_factor(args, num_microbatches, verbose)
     if args.pipeline_model_parallel_size == 1:
         # 16-bit logits (split over TP) and final-norm output.

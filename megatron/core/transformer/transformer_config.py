@@ -493,21 +493,23 @@ class TransformerConfig(ModelParallelConfig):
     mrope_section: Optional[List[int]] = None
     """Multimodal RoPE sections (not supported yet: must be None)."""
 
-    # ---- Mamba / hybrid models (not supported yet) ----
+    # ---- Mamba / hybrid models ----
     is_hybrid_model: bool = False
-    """The model mixes Mamba and attention layers."""
+    """The model mixes Mamba and attention layers (the Mamba sizes are then checked against the TP size here)."""
     mamba_state_dim: int = 128
-    """Mamba state size."""
+    """Mamba-2 state size per head (``d_state``, the length of B and C per group)."""
     mamba_head_dim: int = 64
-    """Mamba head size."""
+    """Mamba-2 head size (``headdim``): channels of x per head."""
     mamba_num_groups: int = 8
-    """Mamba groups."""
+    """Mamba-2 groups of heads that share B and C; split over tensor-parallel ranks, so divisible by TP."""
     mamba_num_heads: Optional[int] = None
-    """Mamba heads (None: derived from hidden_size and mamba_head_dim)."""
+    """Mamba-2 heads; None: ``expand * hidden_size / mamba_head_dim``. Divisible by TP and by mamba_num_groups."""
     mamba_training_ssm_states_dtype: Optional[torch.dtype] = None
-    """Dtype of the inter-chunk SSM states in training (None: the activation dtype)."""
+    """Dtype the SSM states passed between chunks are rounded to in training (torch.float32 or torch.bfloat16);
+    None keeps them in fp32 in the PyTorch scan (mamba-ssm's kernels use their own default)."""
     use_mamba_mem_eff_path: bool = True
-    """Memory-efficient Mamba kernel path."""
+    """Use mamba-ssm's fused conv1d + scan + norm function for CUDA inputs when mamba-ssm is installed (it
+    recomputes the conv in backward); otherwise the mixer runs the separate conv and scan."""
     mlp_chunks_for_prefill: int = 1
     """Inference: sequence chunks of the MLP during prefill (not supported yet: must be 1)."""
     mlp_chunks_for_training: int = 1
@@ -552,6 +554,7 @@ class TransformerConfig(ModelParallelConfig):
         _derive_defaults(self)
         _validate_tensor_parallel_split(self)
         _validate_context_parallel(self)
+        _validate_mamba(self)
         _validate_recompute(self)
         _validate_transformer_impl(self)
         _warn_about_kernel_knobs(self)
@@ -644,6 +647,38 @@ def _validate_context_parallel(config: TransformerConfig) -> None:
                     f"{getattr(config, name)} gives {per_rank} per tensor-parallel rank, not divisible by "
                     f"{a2a_size}; use cp_comm_type='p2p' or 'all_gather', or a divisible head count"
                 )
+_MAMBA_SSM_STATES_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+def _validate_mamba(config: TransformerConfig) -> None:
+    """The Mamba sizes on their own; the mixer checks the sizes it derives (d_inner, heads) when it is built."""
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    heads, groups, tp = config.mamba_num_heads, config.mamba_num_groups, config.tensor_model_parallel_size
+    if heads is not None:
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ValueError(f"mamba_num_heads must be a positive integer or None, got {heads!r}")
+        if heads % groups != 0:
+            raise ValueError(
+                f"mamba_num_heads ({heads}) must be a multiple of mamba_num_groups ({groups}); change one of them"
+            )
+        if heads % tp != 0:
+            raise ValueError(
+                f"mamba_num_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp}); "
+                "change mamba_num_heads or the tensor-parallel size"
+            )
+    if config.is_hybrid_model and groups % tp != 0:
+        raise ValueError(
+            f"mamba_num_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}) (groups are split "
+            "over tensor-parallel ranks); change mamba_num_groups or the tensor-parallel size"
+        )
+    if config.mamba_training_ssm_states_dtype not in _MAMBA_SSM_STATES_DTYPES:
+        raise ValueError(
+            f"mamba_training_ssm_states_dtype={config.mamba_training_ssm_states_dtype!r} is not supported; use "
+            "torch.float32, torch.bfloat16 or None"
+        )
 
 
 def _validate_recompute(config: TransformerConfig) -> None:

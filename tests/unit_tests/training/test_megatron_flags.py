@@ -259,8 +259,8 @@ def test_layer_pattern_types():
 
 # The Megatron-LM flags of examples/gpt3/train_gpt3_175b_distributed.sh, examples/llama/train_llama3_8b_h100_fp8.sh,
 # examples/mixtral/train_mixtral_8x7b_distributed.sh and examples/mamba/train.sh (800M), with this machine's paths.
-# The Mamba script's --hybrid-attention-ratio/--hybrid-mlp-ratio are not 0.19 flags (Megatron-LM 0.19 rejects them
-# too); --is-hybrid-model stands for them. The GPT-3 script ramps the batch size up with --train-iters, which
+# The Mamba script's --hybrid-attention-ratio/--hybrid-mlp-ratio are not 0.19 flags (Megatron-LM 0.19 rejects them;
+# here they are accepted, deprecated); --is-hybrid-model stands for them (an all-Mamba model). The GPT-3 script ramps the batch size up with --train-iters, which
 # Megatron-LM's validate_args refuses as well ("expected no batch-size rampup for iteration-based training").
 GPT3_175B = (
     "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
@@ -325,7 +325,7 @@ MAMBA_800M = (
     (LLAMA3_8B_FP8, 8, None),
     (MIXTRAL_8X7B, 2, "not supported yet: mixture of experts (MoE) (--moe-aux-loss-coeff 0.01, "
                       "--moe-token-dispatcher-type alltoall, --num-experts 2, --expert-model-parallel-size 2)"),
-    (MAMBA_800M, 8, "not supported yet: Mamba / hybrid models (--is-hybrid-model)"),
+    (MAMBA_800M, 8, None),
 ], ids=["gpt3-175b", "llama3-8b-fp8", "mixtral-8x7b", "mamba-800m"])
 def test_megatron_launch_scripts_get_past_parsing(flags, world_size, outcome, tmp_path, monkeypatch, capsys):
     from megatron.training import builtin_data

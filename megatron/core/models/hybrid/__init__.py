@@ -1,0 +1,1 @@
+"""Hybrid Mamba / attention / MLP language models (Megatron-Core models.hybrid)."""

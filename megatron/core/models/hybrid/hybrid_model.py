@@ -1,0 +1,276 @@
+"""HybridModel: embedding -> HybridStack (Mamba / attention / MLP layers from a pattern) -> output layer."""
+
+import logging
+from typing import Any, Dict, Literal, Optional
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.hybrid.hybrid_layer_allocation import (
+    Symbols,
+    get_hybrid_total_layer_count,
+    get_hybrid_total_pipeline_segment_count,
+    parse_hybrid_pattern,
+    pattern_from_ratios,
+    refuse_layer_types_not_built,
+    select_pipeline_segment,
+)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import layout_independent_init, warn_once
+
+logger = logging.getLogger(__name__)
+
+
+def _warn_on_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warn_once(message)
+
+
+def resolve_hybrid_layer_pattern(
+    num_layers: int,
+    hybrid_layer_pattern: Optional[str] = None,
+    hybrid_attention_ratio: Optional[float] = None,
+    hybrid_mlp_ratio: Optional[float] = None,
+    hybrid_override_pattern: Optional[str] = None,
+) -> str:
+    """The layer pattern from ``hybrid_layer_pattern`` or the deprecated settings (with Megatron's deprecation
+    warnings): ``hybrid_override_pattern`` is the old name of the pattern, the ratios make one with
+    :func:`pattern_from_ratios` (all Mamba layers when none is given). Conflicting settings are a ValueError."""
+    pattern = hybrid_layer_pattern
+    if hybrid_override_pattern is not None:
+        if pattern is not None:
+            raise ValueError(
+                "hybrid_override_pattern and hybrid_layer_pattern cannot both be set; hybrid_override_pattern is "
+                "deprecated, so give hybrid_layer_pattern (--hybrid-layer-pattern) alone"
+            )
+        _warn_on_rank_0("hybrid_override_pattern has been deprecated. Use hybrid_layer_pattern instead.")
+        pattern = hybrid_override_pattern
+    ratios_given = bool(hybrid_attention_ratio) or bool(hybrid_mlp_ratio)
+    if ratios_given:
+        if pattern is not None:
+            raise ValueError(
+                "hybrid_layer_pattern cannot be used together with hybrid_attention_ratio or hybrid_mlp_ratio "
+                f"(got {hybrid_attention_ratio!r} / {hybrid_mlp_ratio!r}); the ratios are deprecated, so give the "
+                "pattern alone"
+            )
+        _warn_on_rank_0(
+            "hybrid_attention_ratio and hybrid_mlp_ratio have been deprecated. Use hybrid_layer_pattern instead."
+        )
+    if pattern is None:
+        pattern = pattern_from_ratios(num_layers, hybrid_attention_ratio or 0.0, hybrid_mlp_ratio or 0.0)
+    return pattern
+
+
+def _pipeline_group(pg_collection: Optional[ProcessGroupCollection], config: TransformerConfig):
+    group = getattr(pg_collection, "pp", None)
+    if group is None and config.pipeline_model_parallel_size > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+    return group
+
+
+class HybridModel(LanguageModule):
+    """A language model whose layers follow ``hybrid_layer_pattern``: ``M`` Mamba-2, ``*`` self-attention, ``-``
+    MLP, ``|`` between pipeline segments (see :mod:`hybrid_layer_allocation`).
+
+    The embedding, output layer, loss and tied embeddings are the ones GPTModel uses (LanguageModule). Positions:
+    'none' (the default: Mamba layers carry position themselves), 'learned_absolute' or 'rope' for the attention
+    layers; 'yarn' is not supported yet. ``config.num_layers`` must equal the pattern's layer count.
+    ``forward(input_ids [b, s], position_ids [b, s], attention_mask)`` returns the per-token loss ``[b, s]`` with
+    ``labels``, else logits ``[b, s, v/tp]``; a stage without ``post_process`` returns hidden states ``[s, b, h]``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hybrid_stack_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        hybrid_layer_pattern: Optional[str] = None,
+        hybrid_attention_ratio: Optional[float] = None,
+        hybrid_mlp_ratio: Optional[float] = None,
+        hybrid_override_pattern: Optional[str] = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "none",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+    ) -> None:
+        super().__init__(config, pg_collection)
+        pattern = resolve_hybrid_layer_pattern(
+            config.num_layers, hybrid_layer_pattern, hybrid_attention_ratio, hybrid_mlp_ratio,
+            hybrid_override_pattern,
+        )
+        self._check_settings(config, pattern, vocab_size, position_embedding_type, pg_collection)
+        self.hybrid_stack_spec = hybrid_stack_spec
+        self.hybrid_layer_pattern = pattern
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+        tp_group = tp_group_or_default(pg_collection)
+
+        main_pattern = parse_hybrid_pattern(pattern).main_pattern or ""
+        layer_type_list, layer_offset = select_pipeline_segment(
+            main_pattern,
+            _pipeline_group(pg_collection, config),
+            vp_stage,
+            first_stage_layers=config.num_layers_in_first_pipeline_stage,
+            last_stage_layers=config.num_layers_in_last_pipeline_stage,
+            tp_group=getattr(pg_collection, "tp", None),
+            dp_cp_group=getattr(pg_collection, "dp_cp", None),
+        )
+        if pre_process:
+            with layout_independent_init(config, stream_offset=0):
+                self.embedding = LanguageModelEmbedding(
+                    config=config,
+                    vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length,
+                    position_embedding_type=position_embedding_type,
+                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                    tp_group=tp_group,
+                )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        self.decoder = build_module(
+            hybrid_stack_spec,
+            config,
+            pre_process=pre_process,
+            layer_type_list=layer_type_list,
+            pp_layer_offset=layer_offset,
+            post_process=post_process,
+            dtype=config.params_dtype,
+            pg_collection=pg_collection,
+            name="decoder",
+        )
+        if post_process:
+            with layout_independent_init(config, stream_offset=config.num_layers + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=False,
+                    skip_bias_add=False,
+                    gather_output=not parallel_output,
+                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    tp_group=tp_group,
+                )
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    @staticmethod
+    def _check_settings(config, pattern, vocab_size, position_embedding_type, pg_collection) -> None:
+        """Everything a bad setting would break later, checked before any module (or collective) is built."""
+        refuse_layer_types_not_built(pattern)
+        num_layers = get_hybrid_total_layer_count(pattern)
+        if config.num_layers != num_layers:
+            raise ValueError(
+                f"config.num_layers ({config.num_layers}) must equal the number of layers in the hybrid layer "
+                f"pattern {pattern!r} ({num_layers}); set num_layers to {num_layers} (--num-layers may be left out "
+                "with --hybrid-layer-pattern)"
+            )
+        segments = get_hybrid_total_pipeline_segment_count(pattern)
+        chunks = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+        if segments > 1 and segments != chunks:
+            raise ValueError(
+                f"the hybrid layer pattern {pattern!r} has {segments} '|'-separated segments but the model has "
+                f"{chunks} pipeline model chunks (pipeline_model_parallel_size "
+                f"{config.pipeline_model_parallel_size} x virtual_pipeline_model_parallel_size "
+                f"{config.virtual_pipeline_model_parallel_size or 1}); give one segment per chunk"
+            )
+        if position_embedding_type == "yarn":
+            raise ValueError("not supported yet: YaRN rotary embeddings (position_embedding_type='yarn')")
+        if position_embedding_type == "rope" and Symbols.ATTENTION not in pattern:
+            _warn_on_rank_0(f"position_embedding_type='rope' has no effect: pattern {pattern!r} has no attention")
+        tp_size = tp_group_or_default(pg_collection).size()
+        if vocab_size % tp_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size}); pad it as "
+                "Megatron does with --make-vocab-size-divisible-by"
+            )
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"HybridModel takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input: torch.Tensor = None,
+        labels: torch.Tensor = None,
+        inference_context: Any = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params: Optional[Any] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``loss_mask`` only matters to multi-token prediction (not built); the loss is per token and masked by
+        the caller's loss function, as in pretrain_gpt."""
+        inference_context = inference_context if inference_context is not None else inference_params
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            rotary_pos_emb = self.rotary_pos_emb(
+                self.rotary_pos_emb.get_rotary_seq_len(
+                    inference_context, self.decoder, decoder_input, self.config, packed_seq_params
+                ),
+                packed_seq=packed_seq_params is not None,
+            )
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+        if not self.post_process:
+            return hidden_states
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
+        return self.compute_language_model_loss(labels, logits)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None
+    ) -> Dict[str, Any]:
+        """LanguageModule's sharded state without the output layer's (always empty) extra state, which Megatron's
+        checkpoints do not store."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sharded_state_dict.pop(f"{prefix}output_layer._extra_state", None)
+        return sharded_state_dict

@@ -1,0 +1,158 @@
+"""HybridModel ("M*-M-": Mamba-2, grouped-query attention, squared-ReLU MLP) at TP=2/4 with and without sequence
+parallelism, and at PP=2 split by '|', computes what the single-process model computes: loss, logits and every
+gradient, compared in checkpoint space (see hybrid_test_helpers)."""
+
+import pytest
+import torch
+
+from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
+    PATTERN,
+    SEQ,
+    assert_close_dicts,
+    batch,
+    build_model,
+    checkpoint_space,
+    gather_logits,
+    relative_error,
+)
+from tests.unit_tests.test_utilities import run_distributed
+
+
+def _run(tp: int, sp: bool):
+    model = build_model(tp, sp)
+    tokens, position_ids, labels = batch()
+    logits = model(tokens, position_ids, attention_mask=None)
+    loss = model(tokens, position_ids, attention_mask=None, labels=labels)
+    loss.mean().backward()
+    return {
+        "loss": loss.detach(),
+        "logits": gather_logits(logits.detach()),
+        "weights": checkpoint_space(model),
+        "grads": checkpoint_space(model, gradients=True),
+        "layer_numbers": [layer.layer_number for layer in model.decoder.layers],
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(1, _run, 1, False)[0]
+
+
+def test_single_process_model_is_the_pattern(reference):
+    assert reference["layer_numbers"] == [1, 2, 3, 4, 5]
+    keys = set(reference["weights"])
+    assert "decoder.layers.0.mixer.in_proj.weight.z" in keys
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.2.mlp.linear_fc1.layer_norm_weight" in keys
+    assert "decoder.final_norm.weight" in keys
+    # every layer, and every parameter of it, takes part in the loss
+    assert all(grad.abs().sum() > 0 for grad in reference["grads"].values())
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_tensor_parallel_matches_single_process(reference, tp, sp):
+    for rank, result in enumerate(run_distributed(tp, _run, tp, sp)):
+        assert_close_dicts(result["weights"], reference["weights"], 0.0, f"tp={tp} rank {rank} weights")
+        assert relative_error(result["loss"], reference["loss"]) <= 1e-5
+        assert relative_error(result["logits"], reference["logits"]) <= 1e-5
+        assert_close_dicts(result["grads"], reference["grads"], 1e-5, f"tp={tp} sp={sp} rank {rank} grads")
+
+
+def _microbatches():
+    generator = torch.Generator().manual_seed(11)
+    return [
+        {
+            "tokens": torch.randint(0, 64, (2, SEQ), generator=generator),
+            "labels": torch.randint(0, 64, (2, SEQ), generator=generator),
+            "loss_mask": (torch.rand(2, SEQ, generator=generator) > 0.2).float(),
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(2, SEQ),
+        }
+        for _ in range(4)
+    ]
+
+
+def _forward_step(data_iterator, model):
+    data = next(data_iterator)
+    output = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
+
+    def loss_func(output_tensor):
+        loss = (output_tensor.float() * data["loss_mask"]).sum()
+        num_tokens = data["loss_mask"].sum().to(torch.int64)
+        return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+    return output, loss_func
+
+
+def _run_pipeline(pp: int, pattern: str, vp=None):
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from tests.unit_tests.models.hybrid.hybrid_test_helpers import build_chunks
+
+    chunks = [build_model(pp=pp, pattern=pattern)] if vp is None else build_chunks(pp, vp, pattern)
+    microbatches = _microbatches()
+    reduced = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=[iter(microbatches) for _ in chunks], model=chunks,
+        num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=2,
+    )
+    loss = torch.stack([item["lm loss"] for item in reduced]).sum(0) if reduced else None
+    weights, grads = {}, {}
+    for chunk in chunks:
+        weights.update(checkpoint_space(chunk))
+        grads.update(checkpoint_space(chunk, gradients=True))
+    return {
+        "loss": loss,
+        "layers": "|".join("".join(chunk.decoder.layer_type_list) for chunk in chunks),
+        "numbers": [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers],
+        "weights": weights,
+        "grads": grads,
+    }
+
+
+def test_pipeline_split_by_pipes_matches_single_stage():
+    expected = run_distributed(1, _run_pipeline, 1, PATTERN)[0]
+    first, last = run_distributed(2, _run_pipeline, 2, "M*-|M-")
+    assert (first["layers"], first["numbers"], last["layers"], last["numbers"]) == ("M*-", [1, 2, 3], "M-", [4, 5])
+    assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6
+    for result in (first, last):
+        assert_close_dicts(result["weights"], expected["weights"], 0.0, "pp=2 weights")
+        assert_close_dicts(result["grads"], expected["grads"], 1e-5, "pp=2 grads")
+
+
+def test_virtual_pipeline_stages_from_pipes_match_single_stage():
+    """Four '|' segments on PP=2 are two virtual stages per rank (segment vp_stage * pp + pp_rank), run by the
+    interleaved schedule."""
+    expected = run_distributed(1, _run_pipeline, 1, "M*-M-M-")[0]
+    first, last = run_distributed(2, _run_pipeline, 2, "M*|-M|-M|-", 2)
+    assert (first["layers"], first["numbers"]) == ("M*|-M", [1, 2, 5, 6])
+    assert (last["layers"], last["numbers"]) == ("-M|-", [3, 4, 7])
+    assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6
+    merged_weights, merged_grads = {**first["weights"], **last["weights"]}, {**first["grads"], **last["grads"]}
+    assert_close_dicts(merged_weights, expected["weights"], 0.0, "pp=2 vp=2 weights")
+    assert_close_dicts(merged_grads, expected["grads"], 1e-5, "pp=2 vp=2 grads")
+
+
+def _build_error(pattern: str, config_overrides: dict):
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from tests.unit_tests.models.hybrid.hybrid_test_helpers import build_config
+
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    config = build_config(**{"num_layers": 5, **config_overrides})
+    try:
+        HybridModel(config, hybrid_stack_spec, vocab_size=64, max_sequence_length=SEQ, hybrid_layer_pattern=pattern)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("pattern, overrides, message", [
+    ("M*-M", {}, "config.num_layers (5) must equal the number of layers in the hybrid layer pattern 'M*-M' (4)"),
+    ("M*|-M-", {}, "has 2 '|'-separated segments but the model has 1 pipeline model chunks"),
+    ("M*EM-", {}, "not supported yet: MoE layers ('E')"),
+    ("M*-M-", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     "not supported yet: recompute_granularity='full' for hybrid models"),
+])
+def test_bad_settings_are_refused_before_building(pattern, overrides, message):
+    error = run_distributed(1, _build_error, pattern, overrides)[0]
+    assert error is not None and message in error, error
