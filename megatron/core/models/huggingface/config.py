@@ -49,6 +49,10 @@ def settings_from_hf_config(config: dict) -> Tuple[FamilyAdapter, ModelSettings]
     return family, settings
 
 
+def torch_dtype(settings: ModelSettings) -> torch.dtype:
+    return _DTYPES[settings.params_dtype]
+
+
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
     """The vocabulary Megatron builds for ``vocab_size`` tokens (``--make-vocab-size-divisible-by`` x TP)."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
@@ -84,7 +88,7 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
         add_qkv_bias=settings.add_qkv_bias,
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
-        params_dtype=_DTYPES[settings.params_dtype],
+        params_dtype=torch_dtype(settings),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -28,6 +28,7 @@ from megatron.core.models.huggingface.config import (
     read_hf_config,
     settings_from_checkpoint_args,
     settings_from_hf_config,
+    torch_dtype,
     transformer_config_from_settings,
 )
 from megatron.core.models.huggingface.families import (
@@ -186,6 +187,8 @@ def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config_overrides.setdefault("tensor_model_parallel_size", tp)
     config_overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
+    if config_overrides["pipeline_model_parallel_size"] > 1:
+        config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
     model = GPTModel(config, pre_process=pre_process, post_process=post_process,
                      **gpt_model_kwargs(settings, tp, make_vocab_size_divisible_by))
@@ -207,6 +210,32 @@ def _meta_model(settings: ModelSettings, vocab_size: int):
     kwargs["vocab_size"] = vocab_size
     with torch.device("meta"):
         return GPTModel(config, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoredTensor:
+    """Where a model tensor lives in a torch_dist checkpoint: its key, its layer on the stacked leading axis (None
+    for tensors outside the layers), and its full (TP = 1) shape."""
+
+    key: str
+    layer: Optional[int]
+    shape: Tuple[int, ...]
+
+
+def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_StoredTensor"]:
+    """State-dict name -> :class:`_StoredTensor` for every model tensor, read off the structure-only model's
+    sharded state dict (so the names are exactly training's; a factory, such as the gated fc1's [gate; up], stores
+    the same full tensor in pieces)."""
+    model = _meta_model(settings, vocab_size)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
+              if isinstance(tensor, torch.Tensor)}
+    stored = {}
+    for name, entry in model.sharded_state_dict().items():
+        if name not in shapes:
+            continue  # extra states (ShardedObjects)
+        match = _LAYER.match(name)
+        stored[name] = _StoredTensor(entry.key, int(match.group(1)) if match else None, shapes[name])
+    return stored
 
 
 def _single_process_group() -> Callable[[], None]:
@@ -251,7 +280,6 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     ``latest_checkpointed_iteration.txt``, torch_dist) whose ``args`` say the target TP/PP; the tensors are stored
     whole and reshard on load. Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.training.checkpointing import (
         CHECKPOINT_VERSION,
@@ -281,14 +309,21 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     cleanup = _single_process_group()
     try:
         sharded = _meta_model(settings, vocab).sharded_state_dict()
-        name_of = {(s.key, s.global_offset): name for name, s in sharded.items() if isinstance(s, ShardedTensor)}
+        name_of = {(t.key, t.layer): name for name, t in _stored_tensors(settings, vocab).items()}
+        last: Dict[str, torch.Tensor] = {}  # the factory pieces of one tensor (fc1's gate, up) arrive in a row
 
         class StreamFromHF(TorchDistSaveShardedStrategy):
-            """Each stored tensor is built from the HF files when the writer reaches it."""
+            """Each stored piece is cut from its full tensor, built from the HF files when the writer reaches it."""
 
             def materialize(self, shard):
-                full = _megatron_tensor(rules[name_of[(shard.key, shard.global_offset)]], reader, settings, vocab)
-                return full.to(shard.dtype)
+                layer = shard.global_offset[0] if shard.prepend_axis_num else None
+                name = name_of[(shard.key, layer)]
+                if name not in last:
+                    last.clear()
+                    last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
+                box = tuple(slice(offset, offset + size) for offset, size in
+                            zip(shard.global_offset[shard.prepend_axis_num:], shard.local_shape))
+                return last[name][box]
 
         checkpoint_dir = get_checkpoint_name(save_dir, 0, release=True, return_base_dir=True)
         os.makedirs(checkpoint_dir, exist_ok=True)
@@ -356,6 +391,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
     from megatron.core.dist_checkpointing import load_common_state_dict
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_dcp_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from megatron.training.checkpointing import find_checkpoint_to_load
 
     found = find_checkpoint_to_load(load_dir)
@@ -377,26 +413,28 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         getattr(args, "tensor_model_parallel_size", 1))
     cleanup = _single_process_group()
     try:
-        sharded = _meta_model(settings, vocab).sharded_state_dict()
-        tensors = {name: s for name, s in sharded.items() if isinstance(s, ShardedTensor)}
+        tensors = _stored_tensors(settings, vocab)
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
-        stored = {key for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
-                  if hasattr(entry, "chunks") and not key.startswith("optimizer.")}
-        model_keys = {s.key for s in tensors.values()}
-        if stored - model_keys or model_keys - stored:
+        stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
+                  if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")}
+        model_keys = {t.key for t in tensors.values()}
+        if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
                 f"{checkpoint_dir}: its tensors do not match the model of its args: unexpected "
-                f"{sorted(stored - model_keys)[:8]}, missing {sorted(model_keys - stored)[:8]}")
+                f"{sorted(stored.keys() - model_keys)[:8]}, missing {sorted(model_keys - stored.keys())[:8]}")
         strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
+        dtype = {name: stored[t.key].properties.dtype for name, t in tensors.items()}
 
         def read(name: str) -> torch.Tensor:
-            shard = tensors[name]
-            target = dataclasses.replace(shard, data=torch.empty(shard.local_shape, dtype=shard.dtype))
+            """One full model tensor (one layer's slice of a stacked key), read alone."""
+            t = tensors[name]
+            layer_axis = () if t.layer is None else ((0, t.layer, settings.num_layers),)
+            target = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.shape, dtype=dtype[name]), *layer_axis,
+                                                     prepend_axis_num=len(layer_axis))
             return strategy.load_local({"t": target}, checkpoint_dir)["t"]
 
-        entries = [(name, t.shape, t.dtype) for name, t in iter_hf_tensors(
-            family, settings, rules, lambda name: torch.empty(tensors[name].local_shape, dtype=tensors[name].dtype,
-                                                              device="meta"))]
+        entries = [(name, x.shape, x.dtype) for name, x in iter_hf_tensors(
+            family, settings, rules, lambda name: torch.empty(tensors[name].shape, dtype=dtype[name], device="meta"))]
         os.makedirs(save_dir, exist_ok=True)
         written = write_safetensors_streamed(save_dir, entries, iter_hf_tensors(family, settings, rules, read),
                                              max_shard_bytes)

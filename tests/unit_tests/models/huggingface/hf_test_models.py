@@ -23,7 +23,7 @@ CONFIGS = {
                   tie_word_embeddings=False),
     # head_dim (16) != hidden / heads (8), theta 1e6, tied, no sliding window
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", num_hidden_layers=2, hidden_size=32,
-                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=48,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                     vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, sliding_window=None,
                     tie_word_embeddings=True),
