@@ -327,7 +327,8 @@ def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
 
 
 def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
-    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments.
+    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments (of
+    ``--load``, or of ``--pretrained-checkpoint`` when ``--load`` holds none).
 
     Called before validation, on every rank (each reads the small common state). Values the checkpoint lacks keep
     their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
@@ -336,7 +337,8 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
     """
     from megatron.core.dist_checkpointing import load_common_state_dict
 
-    load_dir = getattr(args, load_arg)
+    # --load when it holds a checkpoint, else --pretrained-checkpoint (what load_checkpoint will load).
+    load_dir = get_load_checkpoint_path_by_args(args, load_arg)
     found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
     if found is None:
         raise CheckpointingException(

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     hf = parser.add_argument_group("hf saver")
     hf.add_argument("--max-shard-size", type=str, default="5GB",
                     help="Largest safetensors file; above it the weights are sharded with an index (e.g. 5GB).")
+    hf.add_argument("--true-vocab-size", type=int, default=None,
+                    help="Vocabulary without Megatron's padding (default: recorded by the conversion, else the "
+                         "checkpoint's tokenizer's).")
     hf.add_argument("--hf-architecture", type=str, default=None,
                     help="HF architecture to export as (default: the one the checkpoint was converted from, else "
                          "inferred: GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM).")
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
                   f"PP {args.target_pipeline_parallel_size})")
         else:
             files = export_megatron_checkpoint_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size),
-                                                     args.hf_architecture)
+                                                     args.hf_architecture, args.true_vocab_size)
             print(f"wrote Hugging Face model {args.save_dir}: {', '.join(files)}")
     except (UnsupportedHFModelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -148,8 +148,10 @@ def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size:
     return args
 
 
-def settings_from_checkpoint_args(args) -> ModelSettings:
-    """The model settings of a Megatron checkpoint's saved arguments (converted here or trained with Megatron)."""
+def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -> ModelSettings:
+    """The model settings of a Megatron checkpoint's saved arguments (converted here or trained with Megatron);
+    ``true_vocab_size`` (``--true-vocab-size``) is the vocabulary without Megatron's padding, by default the one
+    the checkpoint records or its tokenizer's."""
     missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
                if getattr(args, name, None) is None]
     if missing:
@@ -158,7 +160,7 @@ def settings_from_checkpoint_args(args) -> ModelSettings:
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     swiglu = bool(getattr(args, "swiglu", False))
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
-    vocab = getattr(args, "hf_vocab_size", None) or _unpadded_vocab(args)
+    vocab = true_vocab_size or getattr(args, "hf_vocab_size", None) or _unpadded_vocab(args)
     dtype = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
     unsupported = {"squared_relu": False, "qk_layernorm": False, "rotary_interleaved": False,
                    "apply_layernorm_1p": False, "num_experts": None}
@@ -184,11 +186,25 @@ def settings_from_checkpoint_args(args) -> ModelSettings:
 
 
 def _unpadded_vocab(args) -> int:
-    """A checkpoint trained here knows its tokenizer's vocabulary only through the padded size: without
-    ``hf_vocab_size`` the padded rows are exported as real ones."""
+    """The vocabulary of the tokenizer the checkpoint's run used (a fine-tuning run's arguments no longer say the
+    HF vocabulary); without a tokenizer that can be built here, the padded size (padding rows exported as tokens)."""
+    import logging
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    if getattr(args, "tokenizer_type", None) is not None:
+        try:
+            return build_tokenizer(argparse.Namespace(**{**vars(args), "padded_vocab_size": 0})).vocab_size
+        except (ValueError, OSError) as error:
+            reason = f"its tokenizer cannot be built here ({error})"
+    else:
+        reason = "it names no tokenizer"
     size = getattr(args, "padded_vocab_size", None)
     if size is None:
-        raise UnsupportedHFModelError("the checkpoint's arguments have no padded_vocab_size; it cannot be exported")
+        raise UnsupportedHFModelError("the checkpoint's arguments have no padded_vocab_size; pass --true-vocab-size")
+    logging.getLogger(__name__).warning(
+        "the checkpoint does not record its unpadded vocabulary and %s: exporting all %d rows; pass "
+        "--true-vocab-size to drop the padding", reason, size)
     return size
 
 

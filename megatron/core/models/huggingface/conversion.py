@@ -382,10 +382,12 @@ def _check_megatron_names(present: set, rules: Dict[str, WeightRule], settings: 
 
 
 def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_bytes: int = 5 * 10**9,
-                                     hf_architecture: Optional[str] = None) -> List[str]:
+                                     hf_architecture: Optional[str] = None,
+                                     true_vocab_size: Optional[int] = None) -> List[str]:
     """Write the Megatron checkpoint of ``load_dir`` (its latest, or ``release``) as an HF model in ``save_dir``:
     ``config.json``, safetensors (sharded with an index above ``max_shard_bytes``) and the tokenizer files when the
-    checkpoint came with them. Returns the files written."""
+    checkpoint came with them. ``true_vocab_size`` strips the vocabulary padding (default: the size the checkpoint
+    or its tokenizer says). Returns the files written."""
     import json
 
     from megatron.core.dist_checkpointing import load_common_state_dict
@@ -403,7 +405,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
     if common.get("args") is None:
         raise UnsupportedHFModelError(f"{checkpoint_dir}: the checkpoint holds no args; it cannot be exported")
     args, source_config = common["args"], common.get(HF_CONFIG_KEY)
-    settings = settings_from_checkpoint_args(args)
+    settings = settings_from_checkpoint_args(args, true_vocab_size)
     if hf_architecture is None and source_config:
         hf_architecture = (source_config.get("architectures") or [None])[0]
     family = family_for_architecture(hf_architecture) if hf_architecture else family_for_settings(settings)
