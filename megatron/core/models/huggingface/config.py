@@ -5,7 +5,6 @@ rebuilds the same model), and back: settings from a checkpoint's arguments, ``co
 import argparse
 import json
 import os
-from dataclasses import asdict, fields
 from types import SimpleNamespace
 from typing import Optional, Tuple
 
@@ -215,11 +214,3 @@ def hf_config_for_export(family: FamilyAdapter, settings: ModelSettings, source_
     config.update(family.hf_config_from_settings(settings))
     return config
 
-
-def settings_as_dict(settings: ModelSettings) -> dict:
-    return asdict(settings)
-
-
-def settings_from_dict(values: dict) -> ModelSettings:
-    names = {f.name for f in fields(ModelSettings)}
-    return ModelSettings(**{key: value for key, value in values.items() if key in names})

@@ -149,30 +149,27 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
     family, settings, _, reader, rules = open_hf_model(hf_dir)
-    try:
-        plan = []
-        for chunk in chunks:
-            chunk = getattr(chunk, "module", chunk)
-            for local_name, param in chunk.named_parameters():
-                name = _global_name(chunk, local_name)
-                if name not in rules:
-                    raise UnsupportedHFModelError(
-                        f"model parameter {name} has no source in the {family.name} mapping; the model was not "
-                        f"built from {hf_dir}'s config"
-                    )
-                plan.append((name, param, chunk.vocab_size))
-        for name, param, vocab in plan:
-            full = _megatron_tensor(rules[name], reader, settings, vocab)
-            piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
-            if piece.shape != param.shape:
+    plan = []
+    for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)
+        for local_name, param in chunk.named_parameters():
+            name = _global_name(chunk, local_name)
+            if name not in rules:
                 raise UnsupportedHFModelError(
-                    f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
-                    f"{tuple(param.shape)}; build the model from {hf_dir}'s config"
+                    f"model parameter {name} has no source in the {family.name} mapping; the model was not "
+                    f"built from {hf_dir}'s config"
                 )
-            with torch.no_grad():
-                param.copy_(piece)
-    finally:
-        reader.close()
+            plan.append((name, param, chunk.vocab_size))
+    for name, param, vocab in plan:
+        full = _megatron_tensor(rules[name], reader, settings, vocab)
+        piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
+        if piece.shape != param.shape:
+            raise UnsupportedHFModelError(
+                f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
+                f"{tuple(param.shape)}; build the model from {hf_dir}'s config"
+            )
+        with torch.no_grad():
+            param.copy_(piece)
 
 
 def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
@@ -339,7 +336,6 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
         write_tracker_atomically(save_dir, RELEASE_DIRNAME)
         return checkpoint_dir
     finally:
-        reader.close()
         cleanup()
 
 

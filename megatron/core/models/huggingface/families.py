@@ -8,7 +8,7 @@ tensors it is made of, and one of the few transforms in ``weights.py``. Adding a
 adding a table here, plus the transforms its new layer types need.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 
@@ -317,7 +317,3 @@ def family_for_settings(settings: ModelSettings) -> FamilyAdapter:
         f"no Hugging Face family matches this model (position_embedding_type={settings.position_embedding_type!r}, "
         f"normalization={settings.normalization!r}, swiglu={settings.swiglu}); pass --hf-architecture"
     )
-
-
-def with_vocab_size(settings: ModelSettings, vocab_size: int) -> ModelSettings:
-    return replace(settings, vocab_size=vocab_size)

@@ -38,6 +38,8 @@ def _pad_vocab(weight, padded_vocab_size: int) -> torch.Tensor:
         raise UnsupportedHFModelError(
             f"vocabulary of {weight.shape[0]} rows does not fit the model's {padded_vocab_size}"
         )
+    if weight.shape[0] == padded_vocab_size:
+        return weight  # already a multiple: no copy of the largest tensor
     padding = weight.new_zeros(padded_vocab_size - weight.shape[0], *weight.shape[1:])
     return torch.cat([weight, padding])
 
@@ -109,7 +111,6 @@ class HFCheckpointReader:
 
         self.directory = directory
         self._safe_open = safe_open
-        self._handles: Dict[str, object] = {}
         index_path = os.path.join(directory, SAFETENSORS_INDEX)
         single_path = os.path.join(directory, SAFETENSORS_FILE)
         if os.path.isfile(index_path):
@@ -143,23 +144,16 @@ class HFCheckpointReader:
             raise UnsupportedHFModelError(f"{path} (named by {SAFETENSORS_INDEX}) does not exist")
         return self._safe_open(path, framework="pt", device="cpu")
 
-    def _handle(self, file_name: str):
-        if file_name not in self._handles:
-            self._handles[file_name] = self._open(file_name).__enter__()
-        return self._handles[file_name]
-
     def names(self) -> List[str]:
         return list(self._file_of)
 
     def get(self, name: str) -> torch.Tensor:
+        """One tensor, copied out of the mapped file. The file is mapped for this read only: pages of tensors read
+        earlier do not stay resident, so memory stays near one tensor however large the checkpoint."""
         if name not in self._file_of:
             raise UnsupportedHFModelError(f"{self.directory}: tensor {name!r} is missing")
-        return self._handle(self._file_of[name]).get_tensor(self._stored_name[name])
-
-    def close(self) -> None:
-        for handle in self._handles.values():
-            handle.__exit__(None, None, None)
-        self._handles.clear()
+        with self._open(self._file_of[name]) as handle:
+            return handle.get_tensor(self._stored_name[name])
 
 
 # ---- writing safetensors, streamed -----------------------------------------------------------------------------------
@@ -219,7 +213,8 @@ class SafetensorsStreamWriter:
             raise RuntimeError(f"{self.path}: tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, planned "
                                f"{tuple(self.shapes[name][0])} {self.shapes[name][1]}")
         data = tensor.detach().contiguous().cpu()
-        self.file.write(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if data.numel():  # the tensor's own bytes, without a copy
+            self.file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self.position += 1
 
     def close(self) -> None:

@@ -141,7 +141,6 @@ def test_gpt2_files_without_the_transformer_prefix_are_read(sources, tmp_path):
 
     family, _, _, reader, rules = open_hf_model(_variant(sources, tmp_path, "gpt2", tensors=strip))
     assert family.name == "gpt2" and "transformer.h.1.mlp.c_fc.weight" in reader.names()
-    reader.close()
 
 
 def test_pickled_weights_refused(sources, tmp_path):
