@@ -78,8 +78,24 @@ def check_args(args) -> None:
         raise ValueError(f"--save-dir {args.save_dir} is --load-dir; write the conversion somewhere else")
 
 
+def return_freed_tensors_to_the_os() -> None:
+    """Allocate every block of 1 MiB or more with mmap. glibc serves blocks below its mmap threshold (which grows to
+    32 MiB) from the heap, where a stream of freed tensors of varying sizes fragments it and the memory is never
+    returned; mmapped blocks go back to the OS when freed, so memory follows the tensor in flight (measured in
+    benchmarks/bench_hf_conversion.py). Nothing happens with another C library."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    return_freed_tensors_to_the_os()
     from megatron.core.models.huggingface import (
         UnsupportedHFModelError,
         export_megatron_checkpoint_to_hf,
