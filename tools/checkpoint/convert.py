@@ -95,7 +95,6 @@ def return_freed_tensors_to_the_os() -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return_freed_tensors_to_the_os()
     from megatron.core.models.huggingface import (
         UnsupportedHFModelError,
         export_megatron_checkpoint_to_hf,
@@ -124,4 +123,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    return_freed_tensors_to_the_os()
     sys.exit(main())

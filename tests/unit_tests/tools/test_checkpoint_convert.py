@@ -140,18 +140,22 @@ def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path
 @pytest.mark.parametrize("arguments, match", [
     (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
     (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"], "--model-type hybrid: only GPT models convert"),
 ])
-def test_cli_refuses_unsupported_pairs(hf_source, tmp_path, arguments, match):
+def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
+    from tools.checkpoint.convert import main
+
     _, hf_dir = hf_source
-    result = convert(*arguments, "--load-dir", hf_dir, "--save-dir", tmp_path / "out")
-    assert result.returncode == 1 and match in result.stderr
+    assert main(["--model-type", "GPT", *arguments, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "out")]) == 1
+    assert match in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_refuses_other_model_types_and_missing_dirs(tmp_path):
-    result = run([sys.executable, str(CONVERT), "--model-type", "hybrid", "--loader", "hf", "--saver", "core",
-                  "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")])
-    assert result.returncode == 1 and "--model-type hybrid: only GPT models convert today" in result.stderr
-    result = convert("--loader", "hf", "--saver", "core", "--load-dir", tmp_path / "nowhere", "--save-dir",
-                     tmp_path / "out")
-    assert result.returncode == 1 and "nowhere: no such directory (only local directories are read)" in result.stderr
+def test_cli_refuses_missing_and_identical_dirs(tmp_path, capsys):
+    from tools.checkpoint.convert import main
+
+    common = ["--model-type", "GPT", "--loader", "hf", "--saver", "core"]
+    assert main([*common, "--load-dir", str(tmp_path / "nowhere"), "--save-dir", str(tmp_path / "out")]) == 1
+    assert "nowhere: no such directory (only local directories are read)" in capsys.readouterr().err
+    assert main([*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
+    assert "is --load-dir; write the conversion somewhere else" in capsys.readouterr().err

@@ -186,3 +186,35 @@ def test_export_family_inference():
     assert family_for_settings(settings_from_checkpoint_args(_megatron_args(add_qkv_bias=True))).name == "qwen2"
     with pytest.raises(UnsupportedHFModelError, match="no Hugging Face family matches this model .*--hf-architecture"):
         family_for_settings(settings_from_checkpoint_args(_megatron_args(position_embedding_type="none")))
+
+
+def _load_into_model_with_extra_parameters(hf_dir):
+    """A model with q/k layernorm has parameters the HF Llama lacks: loading names the first one."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.huggingface import load_hf_weights, read_hf_config, settings_from_hf_config
+    from megatron.core.models.huggingface.config import gpt_model_kwargs, transformer_config_from_settings
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    _, settings = settings_from_hf_config(read_hf_config(hf_dir))
+    kwargs = gpt_model_kwargs(settings)
+
+    kwargs["transformer_layer_spec"] = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(transformer_config_from_settings(settings, qk_layernorm=True), **kwargs)
+    try:
+        load_hf_weights(model, hf_dir)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_in_memory_load_refuses_parameters_without_a_source(sources):
+    from tests.unit_tests.test_utilities import run_distributed
+
+    message = run_distributed(1, _load_into_model_with_extra_parameters, sources["llama"])[0]
+    assert message is not None and message.startswith(
+        "model parameter decoder.layers.0.self_attention.q_layernorm.weight has no source in the llama mapping")
