@@ -213,6 +213,18 @@ def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
     return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
 
 
+def _hugging_face_directory_note(load_dir) -> str:
+    """For a --load that is a Hugging Face model directory: how to convert it (empty otherwise)."""
+    if load_dir is None or not os.path.isfile(os.path.join(load_dir, "config.json")):
+        return ""
+    if not any(os.path.isfile(os.path.join(load_dir, name))
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        return ""
+    return (f"; {load_dir} is a Hugging Face model directory: convert it first with tools/checkpoint/convert.py "
+            f"--model-type GPT --loader hf --saver core --load-dir {load_dir} --save-dir <dir> and load <dir> "
+            "(docs/huggingface.md)")
+
+
 def get_load_checkpoint_path_by_args(args, load_arg="load"):
     """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
     when that does; else ``args.<load_arg>`` (nothing to resume)."""
@@ -344,6 +356,7 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
         raise CheckpointingException(
             f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
             f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
+            + _hugging_face_directory_note(load_dir)
         )
     saved = load_common_state_dict(found[0]).get("args")
     if saved is None:
@@ -670,6 +683,9 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
         finetune = True
+    if found is None and _hugging_face_directory_note(load_dir):  # never train from scratch by mistake
+        raise CheckpointingException(f"--load {load_dir} holds no Megatron checkpoint"
+                                     + _hugging_face_directory_note(load_dir))
     if found is None:
         if args.exit_on_missing_checkpoint:
             raise CheckpointingException(

@@ -159,3 +159,45 @@ def test_cli_refuses_missing_and_identical_dirs(tmp_path, capsys):
     assert "nowhere: no such directory (only local directories are read)" in capsys.readouterr().err
     assert main([*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
     assert "is --load-dir; write the conversion somewhere else" in capsys.readouterr().err
+
+
+def test_loading_a_hugging_face_directory_says_to_convert_it(hf_source):
+    """--load of an HF directory would otherwise start from scratch: it is refused with the conversion command."""
+    import argparse
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    _, hf_dir = hf_source
+    args = argparse.Namespace(load=hf_dir, pretrained_checkpoint=None, ckpt_step=None)
+    with pytest.raises(CheckpointingException, match=f"{hf_dir} is a Hugging Face model directory: convert it first "
+                                                     "with tools/checkpoint/convert.py --model-type GPT --loader hf"):
+        load_args_from_checkpoint(args)
+
+
+def _load_checkpoint_from(load_dir):
+    import argparse
+
+    from megatron.core import parallel_state
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import set_args, unset_global_variables
+
+    parallel_state.initialize_model_parallel()
+    set_args(argparse.Namespace(load=load_dir, finetune=False, ckpt_step=None, pretrained_checkpoint=None,
+                                exit_on_missing_checkpoint=False))
+    try:
+        checkpointing.load_checkpoint([], None, None)
+    except checkpointing.CheckpointingException as error:
+        return str(error)
+    finally:
+        unset_global_variables()  # the worker process runs other tests next
+    return None
+
+
+def test_training_refuses_to_start_from_scratch_on_a_hugging_face_directory(hf_source):
+    from tests.unit_tests.test_utilities import run_distributed
+
+    _, hf_dir = hf_source
+    message = run_distributed(1, _load_checkpoint_from, hf_dir)[0]
+    assert message is not None and message.startswith(f"--load {hf_dir} holds no Megatron checkpoint; {hf_dir} is a "
+                                                      "Hugging Face model directory: convert it first")

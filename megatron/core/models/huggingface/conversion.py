@@ -184,6 +184,7 @@ def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config_overrides.setdefault("tensor_model_parallel_size", tp)
     config_overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
+    config_overrides.setdefault("perform_initialization", not load_weights)  # every weight is overwritten
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
