@@ -294,9 +294,10 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     if settings.num_layers % target_pipeline_parallel_size:
         raise ValueError(f"--target-pipeline-parallel-size {target_pipeline_parallel_size} does not divide the "
                          f"{settings.num_layers} layers")
-    if settings.num_query_groups % target_tensor_parallel_size:
-        raise ValueError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
-                         f"{settings.num_query_groups} key/value heads")
+    for count, what in ((settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")):
+        if count % target_tensor_parallel_size:
+            raise ValueError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
+                             f"{count} {what}")
     vocab = padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
     tokenizer_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
     tokenizer_dir = os.path.abspath(os.path.join(save_dir, TOKENIZER_SUBDIR))
