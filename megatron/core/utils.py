@@ -35,7 +35,10 @@ def cuda_available() -> bool:
 
 
 def get_current_device() -> torch.device:
-    """The device this rank computes on: its CUDA device when CUDA is available, else the CPU."""
+    """The device this rank computes on: its CUDA device when CUDA is available, else the CPU; the meta device
+    inside ``with torch.device("meta")``, where a model is built for its structure only (checkpoint converters)."""
+    if torch.get_default_device().type == "meta":
+        return torch.device("meta")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

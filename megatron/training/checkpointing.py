@@ -213,6 +213,18 @@ def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
     return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
 
 
+def _hugging_face_directory_note(load_dir) -> str:
+    """For a --load that is a Hugging Face model directory: how to convert it (empty otherwise)."""
+    if load_dir is None or not os.path.isfile(os.path.join(load_dir, "config.json")):
+        return ""
+    if not any(os.path.isfile(os.path.join(load_dir, name))
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        return ""
+    return (f"; {load_dir} is a Hugging Face model directory: convert it first with tools/checkpoint/convert.py "
+            f"--model-type GPT --loader hf --saver core --load-dir {load_dir} --save-dir <dir> and load <dir> "
+            "(docs/huggingface.md)")
+
+
 def get_load_checkpoint_path_by_args(args, load_arg="load"):
     """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
     when that does; else ``args.<load_arg>`` (nothing to resume)."""
@@ -295,7 +307,8 @@ def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path,
 _CHECKPOINT_MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
     "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "swiglu", "squared_relu",
+    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor", "swiglu", "squared_relu",
+    "openai_gelu",
     "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
     "vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
@@ -328,7 +341,8 @@ def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
 
 
 def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
-    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments.
+    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments (of
+    ``--load``, or of ``--pretrained-checkpoint`` when ``--load`` holds none).
 
     Called before validation, on every rank (each reads the small common state). Values the checkpoint lacks keep
     their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
@@ -337,12 +351,14 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
     """
     from megatron.core.dist_checkpointing import load_common_state_dict
 
-    load_dir = getattr(args, load_arg)
+    # --load when it holds a checkpoint, else --pretrained-checkpoint (what load_checkpoint will load).
+    load_dir = get_load_checkpoint_path_by_args(args, load_arg)
     found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
     if found is None:
         raise CheckpointingException(
             f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
             f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
+            + _hugging_face_directory_note(load_dir)
         )
     saved = load_common_state_dict(found[0]).get("args")
     if saved is None:
@@ -669,6 +685,9 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
         finetune = True
+    if found is None and _hugging_face_directory_note(load_dir):  # never train from scratch by mistake
+        raise CheckpointingException(f"--load {load_dir} holds no Megatron checkpoint"
+                                     + _hugging_face_directory_note(load_dir))
     if found is None:
         if args.exit_on_missing_checkpoint:
             raise CheckpointingException(

@@ -13,13 +13,14 @@ rank 0 the chunk lists and file offsets for ``.metadata``. Loading reads ``.meta
 only the stored chunks that intersect it: any saved layout reads into any requested layout.
 """
 
+import functools
 import io
 import logging
 import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
@@ -88,7 +89,8 @@ class _StagedDataPlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem):
-        return self.data[write_item.index]
+        data = self.data[write_item.index]
+        return data() if callable(data) else data  # a deferred tensor is produced when the writer reaches it
 
 
 ASYNC_STRATEGIES = ("nvrx", "mcore")
@@ -109,7 +111,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     ``cached_metadata`` (Megatron reuses its global save plan between saves) is accepted and has no effect: this
     writer plans locally, without a collective, every time. ``keep_only_main_replica=False``, ``separation_hint``
     and ``cpu_shm_mode`` are refused as not supported yet.
+
+    ``materialize`` (a class attribute, None here) lets a subclass write tensors that do not exist yet:
+    ``materialize(shard)`` returns the data of a ShardedTensor (whose own ``data`` may then be a meta tensor) when
+    the writer reaches it, so a converter streams a model to disk holding about one tensor at a time.
     """
+
+    materialize: Optional[Callable[[ShardedTensor], torch.Tensor]] = None
 
     def __init__(
         self,
@@ -156,7 +164,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         try:
             for shard in nested_values(sharded_state_dict):
                 if is_main_replica(shard.replica_id):
-                    _add_write_items(shard, items, data, copy_data)
+                    _add_write_items(shard, items, data, copy_data, self.materialize)
         except Exception as error:  # reported to every rank at finalisation, never raised on this rank alone
             planning_error = describe_error(error)
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True)
@@ -191,7 +199,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return request
 
 
-def _add_write_items(shard, items: List[WriteItem], data: Dict[MetadataIndex, object], copy_data: bool) -> None:
+def _add_write_items(shard, items: List[WriteItem], data: Dict[MetadataIndex, object], copy_data: bool,
+                     materialize: Optional[Callable[[ShardedTensor], torch.Tensor]] = None) -> None:
     if isinstance(shard, ShardedObject):
         buffer = io.BytesIO()
         torch.save([shard.data], buffer)
@@ -206,13 +215,20 @@ def _add_write_items(shard, items: List[WriteItem], data: Dict[MetadataIndex, ob
     for box, data_slice in sharded_tensor_boxes(shard):
         if box.numel == 0:
             continue
-        tensor = box_view(shard.data.detach(), box, data_slice)
-        if copy_data:
-            tensor = tensor.to("cpu", copy=True)
         index = MetadataIndex(shard.key, box.offset)
         chunk = ChunkStorageMetadata(torch.Size(box.offset), torch.Size(box.shape))
         items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, properties, size)))
+        if materialize is not None:
+            data[index] = functools.partial(_materialized_box, materialize, shard, box, data_slice)
+            continue
+        tensor = box_view(shard.data.detach(), box, data_slice)
+        if copy_data:
+            tensor = tensor.to("cpu", copy=True)
         data[index] = tensor
+
+
+def _materialized_box(materialize, shard: ShardedTensor, box: Box, data_slice) -> torch.Tensor:
+    return box_view(materialize(shard).detach(), box, data_slice)
 
 
 def _global_metadata(all_writes: List[_RankWrites]) -> Metadata:

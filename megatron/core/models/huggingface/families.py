@@ -1,0 +1,319 @@
+"""One table per Hugging Face model family: how its ``config.json`` reads as Megatron settings and how its tensor
+names map onto GPTModel's.
+
+A :class:`FamilyAdapter` is data: the architectures it covers, a function from the HF config to
+:class:`ModelSettings` (Megatron's view of the model, refusing what it cannot express), the reverse function, and
+the weight rules. A :class:`WeightRule` names one GPTModel state-dict entry (``{layer}`` = global layer index), the HF
+tensors it is made of, and one of the few transforms in ``weights.py``. Adding a family (Mixtral, NemotronH) is
+adding a table here, plus the transforms its new layer types need.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+
+class UnsupportedHFModelError(ValueError):
+    """An HF checkpoint or config this converter refuses (the message names what, the value and the way out)."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Everything that defines the model, in Megatron-LM's argument names (``--num-layers`` -> ``num_layers``)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int  # the HF vocabulary, before Megatron's padding
+    max_position_embeddings: int
+    position_embedding_type: str  # 'learned_absolute' | 'rope'
+    normalization: str  # 'LayerNorm' | 'RMSNorm'
+    layernorm_epsilon: float
+    swiglu: bool
+    openai_gelu: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    untie_embeddings_and_output_weights: bool
+    rotary_base: float = 10000.0
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    params_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """``megatron`` (a GPTModel state-dict name) is ``transform`` applied to the HF tensors ``hf``."""
+
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: str = "copy"  # see weights.TRANSFORMS
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    name: str
+    architectures: Tuple[str, ...]
+    settings_from_hf: Callable[[dict], ModelSettings]
+    hf_config_from_settings: Callable[[ModelSettings], dict]
+    global_rules: Callable[[ModelSettings], List[WeightRule]]
+    layer_rules: Callable[[ModelSettings], List[WeightRule]]
+    # HF tensors that are not weights (buffers some writers store) and are recomputed on the Megatron side.
+    ignorable_hf_suffixes: Tuple[str, ...] = field(default=())
+    # Prefixes some writers of this family leave off (GPT-2 files from the Hub have no "transformer.").
+    optional_hf_prefix: str = ""
+
+
+# ---- reading config values ----------------------------------------------------------------------------------------
+
+
+def _refuse(architecture: str, what: str, value, fix: str):
+    raise UnsupportedHFModelError(f"{architecture}: {what} = {value!r} is not supported; {fix}")
+
+
+def _require(config: dict, key: str, architecture: str):
+    if config.get(key) is None:
+        raise UnsupportedHFModelError(f"{architecture}: config.json has no {key!r}, which the conversion needs")
+    return config[key]
+
+
+def _rope(config: dict, architecture: str) -> Tuple[float, bool, float]:
+    """(theta, Llama-3 scaling on, factor) from transformers 5's ``rope_parameters`` or the older top-level
+    ``rope_theta`` + ``rope_scaling``. Megatron's Llama-3 scaling fixes low 1 / high 4 / original 8192."""
+    parameters = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    parameters.update({key: value for key, value in scaling.items() if key not in parameters})
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), False, 8.0
+    if rope_type != "llama3":
+        _refuse(architecture, "rope_type", rope_type,
+                "Megatron's GPTModel has the default and the Llama-3 ('llama3') RoPE only")
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for key, expected in fixed.items():
+        if float(parameters.get(key, expected)) != expected:
+            _refuse(architecture, f"rope_parameters[{key!r}]", parameters.get(key),
+                    f"Megatron's Llama-3 RoPE scaling (--use-rope-scaling) fixes it at {expected:g}")
+    return float(theta), True, float(_require(parameters, "factor", architecture))
+
+
+def _dtype(config: dict) -> str:
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+# ---- GPT-2 ---------------------------------------------------------------------------------------------------------
+
+_GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+
+
+def _gpt2_settings(config: dict) -> ModelSettings:
+    architecture = "GPT2LMHeadModel"
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _GELU:
+        _refuse(architecture, "activation_function", activation, f"use one of {sorted(_GELU)}")
+    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                    ("scale_attn_weights", True), ("add_cross_attention", False)):
+        if bool(config.get(key, ok)) != ok:
+            _refuse(architecture, key, config.get(key), f"Megatron's attention has no equivalent; it must be {ok}")
+    hidden = _require(config, "n_embd", architecture)
+    heads = _require(config, "n_head", architecture)
+    return ModelSettings(
+        num_layers=_require(config, "n_layer", architecture), hidden_size=hidden,
+        ffn_hidden_size=config.get("n_inner") or 4 * hidden, num_attention_heads=heads, num_query_groups=heads,
+        kv_channels=hidden // heads, vocab_size=_require(config, "vocab_size", architecture),
+        max_position_embeddings=_require(config, "n_positions", architecture),
+        position_embedding_type="learned_absolute", normalization="LayerNorm",
+        layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)), swiglu=False,
+        openai_gelu=_GELU[activation], add_bias_linear=True, add_qkv_bias=True,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+        hidden_dropout=float(config.get("resid_pdrop", 0.1)), attention_dropout=float(config.get("attn_pdrop", 0.1)),
+        params_dtype=_dtype(config),
+    )
+
+
+def _gpt2_config(s: ModelSettings) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": s.num_layers, "n_embd": s.hidden_size,
+        "n_head": s.num_attention_heads, "n_inner": s.ffn_hidden_size, "n_positions": s.max_position_embeddings,
+        "vocab_size": s.vocab_size, "layer_norm_epsilon": s.layernorm_epsilon,
+        "activation_function": "gelu_new" if s.openai_gelu else "gelu", "resid_pdrop": s.hidden_dropout,
+        "embd_pdrop": s.hidden_dropout, "attn_pdrop": s.attention_dropout, "scale_attn_weights": True,
+        "tie_word_embeddings": not s.untie_embeddings_and_output_weights, "dtype": s.params_dtype,
+    }
+
+
+def _gpt2_global_rules(s: ModelSettings) -> List[WeightRule]:
+    rules = [
+        WeightRule("embedding.word_embeddings.weight", ("transformer.wte.weight",), "vocab"),
+        WeightRule("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+        WeightRule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",)),
+        WeightRule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",)),
+    ]
+    output_source = "lm_head.weight" if s.untie_embeddings_and_output_weights else "transformer.wte.weight"
+    return rules + [WeightRule("output_layer.weight", (output_source,), "vocab")]
+
+
+def _gpt2_layer_rules(s: ModelSettings) -> List[WeightRule]:
+    hf = "transformer.h.{layer}."
+    mg = "decoder.layers.{layer}."
+    return [
+        WeightRule(mg + "input_layernorm.weight", (hf + "ln_1.weight",)),
+        WeightRule(mg + "input_layernorm.bias", (hf + "ln_1.bias",)),
+        WeightRule(mg + "self_attention.linear_qkv.weight", (hf + "attn.c_attn.weight",), "fused_qkv_conv1d"),
+        WeightRule(mg + "self_attention.linear_qkv.bias", (hf + "attn.c_attn.bias",), "fused_qkv"),
+        WeightRule(mg + "self_attention.linear_proj.weight", (hf + "attn.c_proj.weight",), "transpose"),
+        WeightRule(mg + "self_attention.linear_proj.bias", (hf + "attn.c_proj.bias",)),
+        WeightRule(mg + "pre_mlp_layernorm.weight", (hf + "ln_2.weight",)),
+        WeightRule(mg + "pre_mlp_layernorm.bias", (hf + "ln_2.bias",)),
+        WeightRule(mg + "mlp.linear_fc1.weight", (hf + "mlp.c_fc.weight",), "transpose"),
+        WeightRule(mg + "mlp.linear_fc1.bias", (hf + "mlp.c_fc.bias",)),
+        WeightRule(mg + "mlp.linear_fc2.weight", (hf + "mlp.c_proj.weight",), "transpose"),
+        WeightRule(mg + "mlp.linear_fc2.bias", (hf + "mlp.c_proj.bias",)),
+    ]
+
+
+# ---- Llama, Mistral, Qwen2: RMSNorm, SwiGLU, RoPE, grouped-query attention --------------------------------------
+
+
+def _llama_like_settings(config: dict, architecture: str, qkv_bias: bool) -> ModelSettings:
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        _refuse(architecture, "hidden_act", activation, "the SwiGLU MLP of this family uses 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            _refuse(architecture, key, config[key], "Megatron's add_bias_linear puts a bias on every linear "
+                    "layer, which this family does not have; convert a checkpoint without these biases")
+    if config.get("use_sliding_window") or (config.get("sliding_window") is not None
+                                            and config.get("use_sliding_window", True)):
+        _refuse(architecture, "sliding_window", config.get("sliding_window"),
+                "sliding-window attention has no local-spec equivalent; set it to null for a model whose context "
+                "fits the window")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse(architecture, "partial_rotary_factor", config["partial_rotary_factor"], "only full rotary is mapped")
+    hidden = _require(config, "hidden_size", architecture)
+    heads = _require(config, "num_attention_heads", architecture)
+    theta, scaling, factor = _rope(config, architecture)
+    return ModelSettings(
+        num_layers=_require(config, "num_hidden_layers", architecture), hidden_size=hidden,
+        ffn_hidden_size=_require(config, "intermediate_size", architecture), num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        kv_channels=config.get("head_dim") or hidden // heads,
+        vocab_size=_require(config, "vocab_size", architecture),
+        max_position_embeddings=_require(config, "max_position_embeddings", architecture),
+        position_embedding_type="rope", normalization="RMSNorm",
+        layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True, openai_gelu=False,
+        add_bias_linear=False, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        rotary_base=theta, use_rope_scaling=scaling, rope_scaling_factor=factor,
+        attention_dropout=float(config.get("attention_dropout", 0.0)), params_dtype=_dtype(config),
+    )
+
+
+def _llama_like_config(s: ModelSettings, architecture: str, model_type: str) -> dict:
+    rope = {"rope_type": "default", "rope_theta": s.rotary_base}
+    if s.use_rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": s.rotary_base, "factor": s.rope_scaling_factor,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = {
+        "architectures": [architecture], "model_type": model_type, "num_hidden_layers": s.num_layers,
+        "hidden_size": s.hidden_size, "intermediate_size": s.ffn_hidden_size,
+        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_query_groups,
+        "head_dim": s.kv_channels, "vocab_size": s.vocab_size, "max_position_embeddings": s.max_position_embeddings,
+        "rms_norm_eps": s.layernorm_epsilon, "hidden_act": "silu", "rope_parameters": rope,
+        "tie_word_embeddings": not s.untie_embeddings_and_output_weights, "attention_dropout": s.attention_dropout,
+        "dtype": s.params_dtype,
+    }
+    if model_type in ("llama",):
+        config.update(attention_bias=False, mlp_bias=False)
+    if model_type in ("mistral", "qwen2"):
+        config["sliding_window"] = None
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    return config
+
+
+def _llama_like_global_rules(s: ModelSettings) -> List[WeightRule]:
+    output_source = "lm_head.weight" if s.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
+    return [
+        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        WeightRule("output_layer.weight", (output_source,), "vocab"),
+    ]
+
+
+def _llama_like_layer_rules(s: ModelSettings) -> List[WeightRule]:
+    hf = "model.layers.{layer}."
+    mg = "decoder.layers.{layer}."
+    qkv = tuple(hf + f"self_attn.{name}_proj" for name in "qkv")
+    rules = [
+        WeightRule(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+        WeightRule(mg + "self_attention.linear_qkv.weight", tuple(name + ".weight" for name in qkv), "qkv"),
+        WeightRule(mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",)),
+        WeightRule(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+        WeightRule(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "cat"),
+        WeightRule(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",)),
+    ]
+    if s.add_qkv_bias:
+        rules.insert(2, WeightRule(mg + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in qkv), "qkv"))
+    return rules
+
+
+def _llama_like(name: str, architecture: str, model_type: str, qkv_bias: bool) -> FamilyAdapter:
+    return FamilyAdapter(
+        name=name,
+        architectures=(architecture,),
+        settings_from_hf=lambda config: _llama_like_settings(config, architecture, qkv_bias),
+        hf_config_from_settings=lambda settings: _llama_like_config(settings, architecture, model_type),
+        global_rules=_llama_like_global_rules,
+        layer_rules=_llama_like_layer_rules,
+        ignorable_hf_suffixes=("rotary_emb.inv_freq",),
+    )
+
+
+FAMILIES: Dict[str, FamilyAdapter] = {
+    "gpt2": FamilyAdapter(
+        name="gpt2", architectures=("GPT2LMHeadModel",), settings_from_hf=_gpt2_settings,
+        hf_config_from_settings=_gpt2_config, global_rules=_gpt2_global_rules, layer_rules=_gpt2_layer_rules,
+        ignorable_hf_suffixes=(".attn.bias", ".attn.masked_bias"),  # causal-mask buffers of older writers
+        optional_hf_prefix="transformer.",
+    ),
+    "llama": _llama_like("llama", "LlamaForCausalLM", "llama", qkv_bias=False),
+    "mistral": _llama_like("mistral", "MistralForCausalLM", "mistral", qkv_bias=False),
+    "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+}
+
+# Architectures whose Megatron side is being built elsewhere: refused with what they wait for.
+NOT_YET = {
+    "MixtralForCausalLM": "Mixtral needs Megatron's MoE layers (--num-experts), which this converter does not map "
+                          "yet; its table (router, experts' fc1 = cat(w1, w3), fc2 = w2) comes with MoE support",
+    "NemotronHForCausalLM": "NemotronH is a Mamba hybrid (--model-type hybrid), which this converter does not map "
+                            "yet; its table comes with the hybrid model's support",
+}
+
+
+def family_for_architecture(architecture: Optional[str]) -> FamilyAdapter:
+    """The adapter for an HF ``architectures[0]``; refuses unknown and not-yet-supported ones by name."""
+    if architecture in NOT_YET:
+        raise UnsupportedHFModelError(f"architecture {architecture} is not supported yet: {NOT_YET[architecture]}")
+    for family in FAMILIES.values():
+        if architecture in family.architectures:
+            return family
+    known = sorted(a for family in FAMILIES.values() for a in family.architectures)
+    raise UnsupportedHFModelError(f"unknown architecture {architecture!r} in config.json; supported: {known}")
+
+
+def family_for_settings(settings: ModelSettings) -> FamilyAdapter:
+    """The family a Megatron model belongs to when no HF config says so (a checkpoint trained here): learned
+    positions -> GPT-2; RoPE + SwiGLU with a QKV bias -> Qwen2, without -> Llama."""
+    if settings.position_embedding_type == "learned_absolute" and settings.normalization == "LayerNorm":
+        return FAMILIES["gpt2"]
+    if settings.position_embedding_type == "rope" and settings.swiglu and settings.normalization == "RMSNorm":
+        return FAMILIES["qwen2" if settings.add_qkv_bias else "llama"]
+    raise UnsupportedHFModelError(
+        f"no Hugging Face family matches this model (position_embedding_type={settings.position_embedding_type!r}, "
+        f"normalization={settings.normalization!r}, swiglu={settings.swiglu}); pass --hf-architecture"
+    )

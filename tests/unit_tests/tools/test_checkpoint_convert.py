@@ -1,0 +1,203 @@
+"""tools/checkpoint/convert.py end to end: HF -> Megatron checkpoint -> pretrain_gpt.py fine-tuning at TP2 x PP2
+(--load --finetune --use-checkpoint-args) -> HF again, which transformers loads; the flags it refuses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.functional_tests.harness import CPU_FLAGS, torchrun_command
+from tests.unit_tests.models.huggingface.hf_test_models import save_hf_model
+from tests.unit_tests.tokenizers.tiny_tokenizer_files import write_huggingface_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONVERT = REPO_ROOT / "tools" / "checkpoint" / "convert.py"
+
+
+def run(command, timeout=240):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
+
+
+def convert(*arguments):
+    return run([sys.executable, str(CONVERT), "--model-type", "GPT", *map(str, arguments)])
+
+
+def finetune(load_flags, save_dir, lr, tokenizer_dir):
+    """Two iterations of pretrain_gpt.py on 4 ranks; the model flags, the layout and the tokenizer type come from
+    the checkpoint."""
+    flags = [*load_flags, "--use-checkpoint-args", "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
+             "--global-batch-size", "2", "--train-iters", "2", "--lr", str(lr), "--min-lr", "0",
+             "--log-interval", "1", "--eval-iters", "0", "--save", save_dir, "--save-interval", "2", *CPU_FLAGS]
+    return run(torchrun_command(flags, nproc=4), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory):
+    """A tiny Qwen2 (tied embeddings, QKV bias) with a tokenizer of matching vocabulary."""
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("convert_cli")
+    hf_dir = write_huggingface_dir(root / "hf")
+    vocab = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
+    save_hf_model("qwen2", hf_dir, vocab_size=vocab)
+    return root, hf_dir
+
+
+def _load(directory):
+    from safetensors.torch import load_file
+
+    files = [name for name in os.listdir(directory) if name.endswith(".safetensors")]
+    return {name: tensor for file in files for name, tensor in load_file(os.path.join(directory, file)).items()}
+
+
+def _megatron_logits(megatron_dir, input_ids):
+    """Logits of the GPTModel (TP = PP = 1) loaded from a Megatron checkpoint through its --use-checkpoint-args."""
+    import argparse
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.huggingface.config import (
+        gpt_model_kwargs,
+        settings_from_checkpoint_args,
+        transformer_config_from_settings,
+    )
+    from megatron.training.checkpointing import find_checkpoint_to_load
+
+    parallel_state.initialize_model_parallel()
+    checkpoint_dir = find_checkpoint_to_load(megatron_dir)[0]
+    args = load_common_state_dict(checkpoint_dir)["args"]
+    settings = settings_from_checkpoint_args(argparse.Namespace(**{**vars(args), "tokenizer_type": None}))
+    model = GPTModel(transformer_config_from_settings(settings, use_cpu_initialization=True),
+                     **{**gpt_model_kwargs(settings), "vocab_size": args.padded_vocab_size}).eval()
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint_dir)
+    model.load_state_dict(state["model"])
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+    with torch.no_grad():
+        return model(input_ids, positions, None)
+
+
+def test_convert_finetune_and_export(hf_source):
+    import transformers
+
+    from tests.unit_tests.test_utilities import run_distributed
+
+    root, hf_dir = hf_source
+    megatron_dir = str(root / "megatron")
+    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
+                     "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    assert result.returncode == 0, result.stderr
+    tokenizer_dir = os.path.join(megatron_dir, "hf_tokenizer")
+    assert sorted(os.listdir(tokenizer_dir)) == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+
+    # Fine-tune at TP2 x PP2 (the layout the checkpoint's args say), save, export the result to HF.
+    tuned_dir = str(root / "tuned")
+    result = finetune(["--load", megatron_dir, "--finetune"], tuned_dir, 1e-2, tokenizer_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "successfully loaded checkpoint" in result.stdout and "iteration        2/       2" in result.stdout
+    tuned_hf = str(root / "tuned_hf")
+    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf)
+    assert result.returncode == 0, result.stderr
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tuned_hf))
+    with open(os.path.join(tuned_hf, "config.json")) as file:
+        assert json.load(file)["architectures"] == ["Qwen2ForCausalLM"]  # inferred: RoPE, SwiGLU, QKV bias
+    source, tuned = _load(hf_dir), _load(tuned_hf)
+    assert sorted(tuned) == sorted(source) and tuned["model.embed_tokens.weight"].shape[0] == 350  # padding gone
+    assert not torch.equal(tuned["model.layers.0.mlp.up_proj.weight"], source["model.layers.0.mlp.up_proj.weight"])
+
+    # The exported fine-tuned model is the fine-tuned Megatron model: same logits.
+    input_ids = torch.randint(0, 350, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tuned_hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    actual = run_distributed(1, _megatron_logits, tuned_dir, input_ids)[0][..., :350]
+    assert ((actual - expected).norm() / expected.norm()).item() <= 1e-5
+
+
+def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path):
+    """--use-checkpoint-args with --pretrained-checkpoint (and nothing in --load yet) takes the model flags from the
+    pretrained checkpoint, as load_checkpoint will load it."""
+    import argparse
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    root, _ = hf_source
+    megatron_dir = str(root / "megatron")  # written by the test above, or now
+    if not os.path.isdir(megatron_dir):
+        assert convert("--loader", "hf", "--saver", "core", "--load-dir", hf_source[1], "--save-dir",
+                       megatron_dir).returncode == 0
+    args = argparse.Namespace(load=str(tmp_path / "empty"), pretrained_checkpoint=megatron_dir, ckpt_step=None,
+                              num_layers=None, hidden_size=None, add_qkv_bias=False)
+    load_args_from_checkpoint(args)
+    assert (args.num_layers, args.hidden_size, args.add_qkv_bias, args.swiglu) == (2, 32, True, True)
+
+
+@pytest.mark.parametrize("arguments, match", [
+    (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
+    (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"], "--model-type hybrid: only GPT models convert"),
+])
+def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
+    from tools.checkpoint.convert import main
+
+    _, hf_dir = hf_source
+    assert main(["--model-type", "GPT", *arguments, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "out")]) == 1
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_missing_and_identical_dirs(tmp_path, capsys):
+    from tools.checkpoint.convert import main
+
+    common = ["--model-type", "GPT", "--loader", "hf", "--saver", "core"]
+    assert main([*common, "--load-dir", str(tmp_path / "nowhere"), "--save-dir", str(tmp_path / "out")]) == 1
+    assert "nowhere: no such directory (only local directories are read)" in capsys.readouterr().err
+    assert main([*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
+    assert "is --load-dir; write the conversion somewhere else" in capsys.readouterr().err
+
+
+def test_loading_a_hugging_face_directory_says_to_convert_it(hf_source):
+    """--load of an HF directory would otherwise start from scratch: it is refused with the conversion command."""
+    import argparse
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    _, hf_dir = hf_source
+    args = argparse.Namespace(load=hf_dir, pretrained_checkpoint=None, ckpt_step=None)
+    with pytest.raises(CheckpointingException, match=f"{hf_dir} is a Hugging Face model directory: convert it first "
+                                                     "with tools/checkpoint/convert.py --model-type GPT --loader hf"):
+        load_args_from_checkpoint(args)
+
+
+def _load_checkpoint_from(load_dir):
+    import argparse
+
+    from megatron.core import parallel_state
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import set_args, unset_global_variables
+
+    parallel_state.initialize_model_parallel()
+    set_args(argparse.Namespace(load=load_dir, finetune=False, ckpt_step=None, pretrained_checkpoint=None,
+                                exit_on_missing_checkpoint=False))
+    try:
+        checkpointing.load_checkpoint([], None, None)
+    except checkpointing.CheckpointingException as error:
+        return str(error)
+    finally:
+        unset_global_variables()  # the worker process runs other tests next
+    return None
+
+
+def test_training_refuses_to_start_from_scratch_on_a_hugging_face_directory(hf_source):
+    from tests.unit_tests.test_utilities import run_distributed
+
+    _, hf_dir = hf_source
+    message = run_distributed(1, _load_checkpoint_from, hf_dir)[0]
+    assert message is not None and message.startswith(f"--load {hf_dir} holds no Megatron checkpoint; {hf_dir} is a "
+                                                      "Hugging Face model directory: convert it first")
