@@ -121,7 +121,8 @@ class ServingLoop:
 
     def _run_guarded(self) -> None:
         try:
-            self.run()
+            with torch.inference_mode():  # grad mode is per thread: this thread runs the model
+                self.run()
         except BaseException as error:  # the engine broke: every waiting request hears about it, then we stop
             logger.exception("inference engine loop failed")
             self.fatal_error = error
@@ -207,6 +208,10 @@ class ServingLoop:
 
     def follow(self) -> None:
         """Every rank but the source: mirror rank 0's turns until it says stop."""
+        with torch.inference_mode():
+            self._follow()
+
+    def _follow(self) -> None:
         while True:
             turn = self._broadcast(None)
             if turn["stop"]:
