@@ -4,20 +4,27 @@ Requests join and leave the running batch between steps. Each step runs, in one 
 request that is decoding plus prompt chunks of requests in prefill (filling the context's ``max_tokens`` budget),
 then samples a token for each request whose prompt is complete.
 
-How a server drives it (single rank, or the first rank of a TP/PP group)::
+How a server drives it::
 
     engine = DynamicInferenceEngine(controller, context)
     future = engine.add_request(request_id, "prompt text" or token ids, SamplingParams(...))
-    async for request in engine.get_stream_generator(request_id):   # optional: after every new token
-        ...request.generated_tokens[-1]...
-    request = await future                                           # the finished DynamicInferenceRequest
-    # something must step the engine: `await engine.run_engine()` as an asyncio task, or call
-    # `engine.step_modern()` while `engine.has_unfinished_requests()`; `engine.shutdown()` ends run_engine.
+    while engine.has_unfinished_requests():
+        active, finished, seconds = engine.step_modern()    # new tokens: request.generated_tokens grew
+    request = engine.get_request(request_id)                # request.finished, .generated_text, ...
 
-The other ranks of the group call ``engine.run_engine_follower()``, which follows the first rank's steps until it
-calls ``shutdown()``. Offline, every rank calls ``engine.generate(prompts, sampling_params)`` (only the first rank's
-prompts are used). ``add_request`` validates the request before anything is broadcast: a bad sampling parameter or
-a request that can never fit the context raises a ValueError (a ContextOverflowError for the latter) right there.
+``add_request`` validates before anything runs: a bad sampling parameter, or a request that can never fit the
+context (prompt plus ``num_tokens_to_generate`` beyond ``max_sequence_length``, or more blocks than the cache has),
+raises a ValueError (a ContextOverflowError for the latter) and leaves the engine unchanged. The engine keeps every
+request it was given (``get_request`` works after it finished) until :meth:`pop_request` / :meth:`reset`.
+Streaming: ``request.events`` gets a GENERATED_TOKEN event per token; on an asyncio loop that runs
+``await engine.run_engine()`` (single rank), ``engine.get_stream_generator(request_id)`` yields the request after
+each new token, and the future resolves with the finished request.
+
+Model parallelism: the engine's bookkeeping is replicated, so every rank of the TP x PP group must call
+``add_request`` with the same arguments and ``step_modern`` the same number of times (a server broadcasts each
+turn's new requests from rank 0 first). The sampled tokens themselves are broadcast from the last pipeline stage
+inside the step. ``generate`` does the request broadcast itself: every rank calls it, the first rank's prompts
+are the ones used.
 """
 
 import asyncio
@@ -100,7 +107,6 @@ class DynamicInferenceEngine(AbstractEngine):
         self.requests: Dict[object, RequestEntry] = {}
         self.waiting: Deque[object] = deque()
         self.active: List[object] = []
-        self._to_broadcast: List[dict] = []
         self._streams: Dict[object, List[Tuple[asyncio.AbstractEventLoop, asyncio.Queue]]] = {}
         self._own_loop: Optional[asyncio.AbstractEventLoop] = None
         self._next_request_id = 0
@@ -164,15 +170,7 @@ class DynamicInferenceEngine(AbstractEngine):
         when called from one). The request joins the batch at the next step with room for it."""
         if self.state in (EngineState.SUSPENDED, EngineState.SUSPENDING):
             raise EngineSuspendedError("the engine is suspended; resume() it before adding requests")
-        if not self.lockstep.is_leader:
-            raise ValueError("add requests on the first rank of the model-parallel group; the others follow it")
-        request = self._new_request(request_id, prompt, sampling_params)
-        if self.lockstep.distributed:
-            self._to_broadcast.append(
-                {"request_id": request_id, "prompt_tokens": request.prompt_tokens, "prompt": request.prompt,
-                 "sampling_params": asdict(request.sampling_params)}
-            )
-        return self._enqueue(request)
+        return self._enqueue(self._new_request(request_id, prompt, sampling_params))
 
     def _enqueue(self, request: DynamicInferenceRequest) -> asyncio.Future:
         future = self._loop_for_futures().create_future()
@@ -182,11 +180,10 @@ class DynamicInferenceEngine(AbstractEngine):
         return future
 
     def get_request(self, request_id: int) -> DynamicInferenceRequest:
-        """An unfinished request (a finished one has left the engine: its future holds it)."""
         return self.requests[request_id].record.merge()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.active or self._to_broadcast)
+        return bool(self.waiting or self.active)
 
     def get_new_request_id(self) -> int:
         while self._next_request_id in self.requests:
@@ -215,9 +212,8 @@ class DynamicInferenceEngine(AbstractEngine):
         for loop, queue in self._streams.get(request.request_id, []):
             loop.call_soon_threadsafe(queue.put_nowait, (request, finished))
         if finished:
-            # A finished request leaves the engine: its future (and the caller) hold it from here on.
             self._streams.pop(request.request_id, None)
-            future = self.requests.pop(request.request_id).future
+            future = self.requests[request.request_id].future
             if future.get_loop().is_running():
                 future.get_loop().call_soon_threadsafe(_resolve, future, request)
             else:
@@ -279,24 +275,8 @@ class DynamicInferenceEngine(AbstractEngine):
 
     # ---- stepping ----
 
-    def _share_plan(self, kind: str) -> str:
-        """Broadcast the new requests and the kind of step from the first rank; followers add the requests."""
-        if not self.lockstep.distributed:
-            return kind
-        plan = self.lockstep.share({"kind": kind, "requests": self._to_broadcast} if self.lockstep.is_leader else None)
-        self._to_broadcast = []
-        if not self.lockstep.is_leader:
-            for item in plan["requests"]:
-                request = self._new_request(
-                    item["request_id"], item["prompt_tokens"], SamplingParams(**item["sampling_params"])
-                )
-                request.prompt = item["prompt"]
-                self._enqueue(request)
-        return plan["kind"]
-
     def step_modern(self) -> Tuple[List[DynamicInferenceRequest], List[DynamicInferenceRequest], float]:
-        """One step on every rank: returns ``(active requests, requests finished by this step, seconds)``."""
-        self._share_plan("step")
+        """One step: returns ``(active requests, requests finished by this step, seconds)``."""
         return self._step()
 
     def step(
@@ -368,25 +348,32 @@ class DynamicInferenceEngine(AbstractEngine):
         self, prompts: List[str], sampling_params: Optional[SamplingParams] = SamplingParams()
     ) -> List[DynamicInferenceRequest]:
         """Generate for every prompt (strings or token-id lists) and return the finished requests in order.
-        Every rank of the model-parallel group calls it; the first rank's prompts are the ones used."""
-        if not self.lockstep.is_leader:
-            finished = []
-            while self._share_plan("step") == "step":
-                finished.extend(self._step()[1])
-            return finished
-        requests = []
-        for prompt in prompts:
+        Every rank of the model-parallel group calls it; the first rank's prompts and sampling parameters are
+        broadcast and used everywhere."""
+        shared = self.lockstep.share(
+            {"prompts": list(prompts), "sampling_params": asdict(sampling_params or SamplingParams())}
+            if self.lockstep.is_leader else None
+        )
+        ids = []
+        for prompt in shared["prompts"]:
             request_id = self.get_new_request_id()
-            self.add_request(request_id, prompt, sampling_params)
-            requests.append(self.get_request(request_id))
+            self.add_request(request_id, prompt, SamplingParams(**shared["sampling_params"]))
+            ids.append(request_id)
         while self.has_unfinished_requests():
             self.step_modern()
-        self._share_plan("end_generate")
-        return requests
+        return [self.pop_request(request_id) for request_id in ids]
+
+    def pop_request(self, request_id) -> DynamicInferenceRequest:
+        """Remove a finished request from the engine and return it."""
+        request = self.get_request(request_id)
+        if not request.finished:
+            raise ValueError(f"request {request_id!r} has not finished")
+        del self.requests[request_id]
+        return request
 
     async def run_engine(self, *, loop: Optional[asyncio.AbstractEventLoop] = None):
-        """Step whenever there is work, until :meth:`shutdown`; run it as a task on the server's event loop
-        (each step runs synchronously on the loop, yielding between steps)."""
+        """Step whenever there is work, until :meth:`shutdown`; run it as a task on a single-rank server's event
+        loop (each step runs synchronously on the loop, yielding between steps)."""
         self.state = EngineState.RUNNING
         while self.state not in (EngineState.STOPPING, EngineState.STOPPED):
             if self.has_unfinished_requests():
@@ -394,25 +381,21 @@ class DynamicInferenceEngine(AbstractEngine):
                 await asyncio.sleep(0)
             else:
                 await asyncio.sleep(0.002)
-        self._share_plan("shutdown")
         self.state = EngineState.STOPPED
 
-    def run_engine_follower(self) -> None:
-        """On every rank but the first: follow the first rank's steps until it shuts the engine down."""
-        while self._share_plan("step") != "shutdown":
-            self._step()
-
     def shutdown(self) -> None:
-        """Stop :meth:`run_engine` after its current step (it then tells the follower ranks to stop)."""
+        """Stop :meth:`run_engine` after its current step."""
         self.state = EngineState.STOPPING
 
     def reset(self) -> None:
         """Drop every request and free the whole KV cache (requests in flight are failed)."""
         for request_id in list(self.requests):
             request = self.get_request(request_id)
-            request.status = Status.FAILED
-            request.add_event(DynamicInferenceEventType.FAIL, "engine reset")
-            self._notify(request, finished=True)
+            if not request.finished:
+                request.status = Status.FAILED
+                request.add_event(DynamicInferenceEventType.FAIL, "engine reset")
+                self._notify(request, finished=True)
+        self.requests.clear()
         self.waiting.clear()
         self.active.clear()
         self.context.reset()

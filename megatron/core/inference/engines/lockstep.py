@@ -1,8 +1,8 @@
-"""Keeping the ranks of one model replica in lockstep: the first rank's plan for each step, broadcast to all.
+"""Keeping the ranks of one model replica in agreement: the first rank's inputs, broadcast to all.
 
-Requests arrive on the first rank of the model-parallel group (the one running the server or the script). Before
-every step it broadcasts what is new — the requests added since the last step — and what to do, as JSON bytes
-(never pickled), and every rank applies the same plan to its own copy of the engine's bookkeeping.
+The engines' bookkeeping is replicated on every rank of the model-parallel group, so every rank must see the same
+requests. ``Lockstep.share`` broadcasts a JSON-able value (prompts, sampling parameters) from the group's first rank
+as UTF-8 bytes (never pickled).
 """
 
 import json
@@ -16,7 +16,7 @@ from megatron.core.utils import get_current_device
 
 
 class Lockstep:
-    """Broadcasts plans within the model-parallel group; a no-op on a single rank."""
+    """Broadcasts within the model-parallel group; a no-op on a single rank."""
 
     def __init__(self):
         self.group = None
@@ -41,7 +41,7 @@ class Lockstep:
         return self.size > 1
 
     def share(self, plan: Optional[dict]) -> dict:
-        """The leader's ``plan`` on every rank (followers pass None)."""
+        """The first rank's ``plan`` on every rank (the others pass None)."""
         if not self.distributed:
             return plan
         if self.is_leader:
