@@ -7,6 +7,8 @@ between consecutive tokens and ``ttft`` the seconds from arrival to the first to
 """
 
 import base64
+import copy
+import dataclasses
 import io
 import time
 from dataclasses import dataclass, field
@@ -61,6 +63,16 @@ class InferenceRequest:
         if self.prompt_tokens is not None and self.prompt_length is None:
             self.prompt_length = len(self.prompt_tokens)
 
+    def snapshot(self) -> "InferenceRequest":
+        """A copy whose growing lists (tokens, log-probs, events) no longer change with this request."""
+        copied = copy.copy(self)
+        for name in ("generated_tokens", "generated_log_probs", "generated_top_n_logprobs", "prompt_log_probs",
+                     "tpot", "events"):
+            value = getattr(self, name, None)
+            if isinstance(value, list):
+                setattr(copied, name, list(value))
+        return copied
+
     def serialize(self) -> dict:
         """A JSON-friendly dict (enums by name, tensors as lists)."""
         out = {}
@@ -99,7 +111,7 @@ class VLMInferenceRequest(InferenceRequest):
 # defaulted ones, so the defaults are removed from the field objects after the class is built (the check in
 # __post_init__ above is what enforces them).
 for _name in ("num_img_embeddings_per_tile", "imgs", "num_tiles", "decoder_seq_length"):
-    VLMInferenceRequest.__dataclass_fields__[_name].default = __import__("dataclasses").MISSING
+    VLMInferenceRequest.__dataclass_fields__[_name].default = dataclasses.MISSING
 
 
 class DynamicInferenceEventType(Enum):
@@ -133,7 +145,7 @@ class DynamicInferenceEvent:
         return {"timestamp": self.timestamp, "type": self.type.name, "payload": self.payload}
 
 
-DynamicInferenceEvent.__dataclass_fields__["type"].default = __import__("dataclasses").MISSING
+DynamicInferenceEvent.__dataclass_fields__["type"].default = dataclasses.MISSING
 
 
 @dataclass
@@ -185,7 +197,7 @@ class DynamicInferenceRequest(InferenceRequest):
         return self.status in (Status.COMPLETED, Status.FAILED)
 
 
-DynamicInferenceRequest.__dataclass_fields__["request_id"].default = __import__("dataclasses").MISSING
+DynamicInferenceRequest.__dataclass_fields__["request_id"].default = dataclasses.MISSING
 
 
 @dataclass

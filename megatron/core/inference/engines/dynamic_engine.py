@@ -192,8 +192,8 @@ class DynamicInferenceEngine(AbstractEngine):
         return self._next_request_id - 1
 
     def get_stream_generator(self, request_id) -> AsyncGenerator[DynamicInferenceRequest, None]:
-        """An async generator that yields the request after each of its new tokens and ends when it finishes.
-        Call it (on the event loop that will consume it) right after add_request."""
+        """An async generator that yields a snapshot of the request after each of its new tokens and ends when
+        it finishes. Call it (on the event loop that will consume it) right after add_request."""
         if request_id not in self.requests:
             raise ValueError(f"no request with id {request_id!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -209,8 +209,10 @@ class DynamicInferenceEngine(AbstractEngine):
         return stream()
 
     def _notify(self, request: DynamicInferenceRequest, finished: bool) -> None:
-        for loop, queue in self._streams.get(request.request_id, []):
-            loop.call_soon_threadsafe(queue.put_nowait, (request, finished))
+        streams = self._streams.get(request.request_id, [])
+        snapshot = request.snapshot() if streams else None  # the consumer may read it steps later
+        for loop, queue in streams:
+            loop.call_soon_threadsafe(queue.put_nowait, (snapshot, finished))
         if finished:
             self._streams.pop(request.request_id, None)
             future = self.requests[request.request_id].future

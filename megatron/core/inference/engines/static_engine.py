@@ -116,8 +116,10 @@ class StaticInferenceEngine(AbstractEngine):
         return stream()
 
     def _push(self, request: InferenceRequest, finished: bool) -> None:
-        for loop, queue in self._streams.get(request.request_id, []):
-            loop.call_soon_threadsafe(queue.put_nowait, (request, finished))
+        streams = self._streams.get(request.request_id, [])
+        snapshot = request.snapshot() if streams else None  # the consumer may read it tokens later
+        for loop, queue in streams:
+            loop.call_soon_threadsafe(queue.put_nowait, (snapshot, finished))
 
     def _run_one_batch(self) -> None:
         batch = OrderedDict()

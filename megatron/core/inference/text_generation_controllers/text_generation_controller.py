@@ -29,6 +29,9 @@ from megatron.core.inference.text_generation_controllers.sampling import sample
 from megatron.core.utils import get_attr_wrapped_model
 
 
+_NO_DRAW = SamplingParams(top_k=1)  # stands in for a row whose sample is not used
+
+
 @dataclass
 class DynamicStep:
     """One step planned by the dynamic engine: the requests in the order of the context's chunks, how many
@@ -217,10 +220,12 @@ class TextGenerationController:
         requests: Sequence[Any],
         token_logits: Optional[torch.Tensor] = None,
         token_targets: Optional[List[int]] = None,
+        draws: Optional[Sequence[bool]] = None,
     ) -> StepTokens:
         """Sample one token per request (rows of ``last_logits``) on the last stage and share them with every
         stage; with ``token_targets`` also the log-prob of each target under ``token_logits`` rows (prompt
-        log-probs; -1 = no target)."""
+        log-probs; -1 = no target). Rows with ``draws[i]`` False (a prompt chunk that does not end its prompt)
+        take no sample, so they do not advance their request's random generator."""
         device = self.sampling_rng.device
         rows = len(requests)
         top_n = max((r.sampling_params.top_n_logprobs for r in requests), default=0)
@@ -233,8 +238,9 @@ class TextGenerationController:
             target_lp = torch.empty(len(token_targets), dtype=torch.float32, device=device)
         if self._is_last_stage():
             vocab = self.vocab_size or last_logits.shape[-1]
-            params = [r.sampling_params for r in requests]
-            generators = [self._generator_for(r) for r in requests]
+            draws = draws if draws is not None else [True] * rows
+            params = [r.sampling_params if draw else _NO_DRAW for r, draw in zip(requests, draws)]
+            generators = [self._generator_for(r) if draw else None for r, draw in zip(requests, draws)]
             tokens = sample(last_logits, params, generators, self.sampling_rng, vocab)
             log_probs = torch.log_softmax(last_logits.float()[:, :vocab], dim=-1)
             chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
@@ -284,9 +290,14 @@ class TextGenerationController:
         return min(found) if found else None
 
     def finish_request(self, request, status: Status = Status.COMPLETED) -> None:
-        """Final text (cut at a stop string unless ``detokenize_stop_sequence``), length and status."""
+        """Final text (without the termination token; cut at a stop string unless ``detokenize_stop_sequence``),
+        length and status."""
         params = request.sampling_params
-        text = self.detokenize(self.tokenizer, request.generated_tokens)
+        termination_id = params.termination_id if params.termination_id is not None else self.tokenizer.eod
+        tokens = request.generated_tokens
+        if tokens and tokens[-1] == termination_id:
+            tokens = tokens[:-1]
+        text = self.detokenize(self.tokenizer, tokens)
         if params.stop_words:
             stop = self._stop_index(request)
             if stop is not None:
@@ -396,7 +407,7 @@ class TextGenerationController:
         if logits is not None:
             flat_logits = logits[0]
             last_logits = flat_logits[last_index]
-        step = self._sample_step(last_logits, plan.requests, flat_logits, plan.prompt_log_prob_targets)
+        step = self._sample_step(last_logits, plan.requests, flat_logits, plan.prompt_log_prob_targets, plan.samples)
         return {"step": step}
 
     @torch.inference_mode()

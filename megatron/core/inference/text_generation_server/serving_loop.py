@@ -149,8 +149,9 @@ class ServingLoop:
                 if error is not None:
                     self._forget(request_id)._push(Progress(error=error, error_is_client_error=True))
             if self.engine.has_unfinished_requests():
-                self._step()
+                finished = self._step()
                 self._report()
+                self._release(finished)
 
     def _take_submitted(self, block: bool):
         new = []
@@ -203,8 +204,15 @@ class ServingLoop:
             return str(error)
         return None
 
-    def _step(self) -> None:
-        self.engine.step_modern()
+    def _step(self) -> list:
+        """One engine step; the requests it finished."""
+        _, finished, _ = self.engine.step_modern()
+        return finished
+
+    def _release(self, finished) -> None:
+        """Drop finished requests from the engine (it keeps them until asked), on every rank alike."""
+        for request in finished:
+            self.engine.pop_request(request.request_id)
 
     def follow(self) -> None:
         """Every rank but the source: mirror rank 0's turns until it says stop."""
@@ -219,7 +227,7 @@ class ServingLoop:
             for request_id, tokens, params in turn["add"]:
                 self._add(request_id, tokens, SamplingParams(**params))
             if self.engine.has_unfinished_requests():
-                self._step()
+                self._release(self._step())
 
     def _broadcast(self, turn: Optional[dict]) -> dict:
         """Rank 0's ``turn`` on every rank: its length, then its JSON bytes."""
