@@ -31,7 +31,6 @@ LATER = {
     "megatron.core.ssm": "Mamba hybrids (issue 14)",
     "megatron.core.models.hybrid": "Mamba hybrids (issue 14)",
     "megatron.core.models.mamba": "Mamba hybrids (issue 14)",
-    "megatron.core.inference": "inference (issue 15)",
 }
 
 

@@ -403,6 +403,11 @@ class DynamicInferenceEngine(AbstractEngine):
         self.context.reset()
         self.step_count = 0
 
+    def wait_until(self, state: EngineState):
+        """Block until the engine reaches ``state`` (e.g. STOPPED after :meth:`shutdown`, from another thread)."""
+        while self.state is not state:
+            time.sleep(0.001)
+
     def suspend(self):
         """Refuse new requests until :meth:`resume` (requests already queued keep running)."""
         self.state = EngineState.SUSPENDED
