@@ -17,23 +17,32 @@ def _generate_both_ways(variant: str, tp: int, pp: int):
         PROMPTS,
         build_model,
         dynamic_setup,
+        full_forward_log_probs,
         greedy_without_cache,
         tokenizer,
     )
 
     reference = build_model(variant)  # the single-process layout on every rank, no collectives
     expected = [greedy_without_cache(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    expected_log_probs = [
+        full_forward_log_probs(reference, prompt + tokens)[len(prompt) - 1:].tolist()
+        for prompt, tokens in zip(PROMPTS, expected)
+    ]
     model = build_model(variant, tp, pp)
     # termination_id -1: no token ends a request early, every request generates NEW_TOKENS.
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
     static = StaticInferenceEngine(TextGenerationController(GPTInferenceWrapper(model), tokenizer()), legacy=True)
     static_out = static.generate(prompts=[" ".join(map(str, p)) for p in PROMPTS], sampling_params=greedy)
     context, controller = dynamic_setup(model, max_requests=4, max_tokens=6)  # prompts longer than the budget are chunked
+    greedy.return_log_probs = True
+    greedy.skip_prompt_log_probs = True
     dynamic_out = DynamicInferenceEngine(controller, context).generate(PROMPTS, greedy)
     return {
         "expected": expected,
         "static": [r.generated_tokens for r in static_out],
         "dynamic": [r.generated_tokens for r in dynamic_out],
+        "expected_log_probs": expected_log_probs,
+        "log_probs": [r.generated_log_probs for r in dynamic_out],
         "free_blocks": context.block_allocator.total_avail == context.block_allocator.total_count,
     }
 
@@ -45,3 +54,5 @@ def test_kv_cache_greedy_equals_full_forward_greedy(variant, tp, pp):
         assert result["static"] == result["expected"], f"rank {rank}: static engine"
         assert result["dynamic"] == result["expected"], f"rank {rank}: dynamic engine"
         assert result["free_blocks"], f"rank {rank}: KV-cache blocks still allocated after generate"
+        for actual, expected in zip(result["log_probs"], result["expected_log_probs"]):
+            assert actual == pytest.approx(expected, abs=1e-5), f"rank {rank}: log-probs"

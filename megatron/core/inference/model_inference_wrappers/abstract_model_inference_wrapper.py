@@ -29,6 +29,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
                 )
             model = model[0]
         self.model = model
+        self.model.eval()  # no dropout at inference, whichever driver runs the steps
         self.config = get_model_config(model)
         if self.config.sequence_parallel:
             raise ValueError(
