@@ -26,14 +26,11 @@ import torch  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import get_args, get_model, get_tokenizer, print_rank_0  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.checkpointing import load_args_from_checkpoint, load_checkpoint  # noqa: E402
 from megatron.training.error_handling import exit_on_error  # noqa: E402
+from megatron.training.global_vars import set_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
-
-# The defaults a serving run needs from the training flags: no optimizer, no training length, no RNG state.
-SERVER_ARGS_DEFAULTS = {"micro_batch_size": 1, "no_load_rng": True, "no_load_optim": True,
-                        "exit_on_missing_checkpoint": True}
 
 
 def add_text_generate_args(parser):
@@ -49,8 +46,25 @@ def add_text_generate_args(parser):
                        help="Top-p (nucleus) sampling of requests that do not give one (0: off).")
     group.add_argument("--served-model-name", type=str, default=None,
                        help="The model id clients send as 'model' (default: the name of the --load directory).")
-    parser.set_defaults(skip_train=True)  # serving never trains: no --train-iters needed
+    # Serving never trains: no training length, no optimizer or RNG state to load, and a missing checkpoint is
+    # an error rather than a random model.
+    parser.set_defaults(skip_train=True, no_load_optim=True, no_load_rng=True, exit_on_missing_checkpoint=True)
     return parser
+
+
+def parse_server_args():
+    """pretrain_gpt.py's flags plus the server's, validated as a training run's would be (Megatron's
+    parse_and_validate_args order: parse, --use-checkpoint-args, validate)."""
+    args = parse_args(add_text_generate_args)
+    if args.use_checkpoint_args:
+        load_args_from_checkpoint(args)
+    data_flags = (args.data_path, args.data_args_path, args.train_data_path, args.valid_data_path,
+                  args.test_data_path, args.per_split_data_args_path)
+    if all(flag is None for flag in data_flags):
+        args.mock_data = True  # the server reads no dataset; the training checks want a data source named
+    validate_args(args, {"micro_batch_size": 1})
+    set_args(args)
+    return args
 
 
 def _check_serving_args(args) -> None:
@@ -118,7 +132,7 @@ def build_engine(args, model, tokenizer):
 
 def main() -> None:
     with exit_on_error():  # a bad flag is reported once for the job, not once per rank
-        args = parse_and_validate_args(add_text_generate_args, args_defaults=SERVER_ARGS_DEFAULTS)
+        args = parse_server_args()
         _check_serving_args(args)
     from megatron.core.inference.text_generation_server.server import TextGenerationServer, control_group
     from megatron.core.inference.text_generation_server.validation import ServingDefaults

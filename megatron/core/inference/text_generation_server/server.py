@@ -8,6 +8,7 @@
 """
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -31,6 +32,28 @@ def control_group() -> Optional[dist.ProcessGroup]:
     return dist.new_group(backend="gloo")
 
 
+class _signals_deferred_to_rank_0:
+    """On a following rank: SIGINT / SIGTERM are noted, not acted on (rank 0's stop turn ends the loop)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    @staticmethod
+    def _note(signum, _frame):
+        logger.info("received %s: waiting for rank 0 to stop the server", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
 class TextGenerationServer:
     """The OpenAI-compatible server around one engine (see the module docstring)."""
 
@@ -48,9 +71,14 @@ class TextGenerationServer:
         self._thread: Optional[threading.Thread] = None
 
     def run(self, host: str = "0.0.0.0", port: int = 5000) -> None:
-        """Serve until stopped (rank 0), or follow rank 0's engine steps until it stops (other ranks)."""
+        """Serve until SIGINT / SIGTERM (rank 0), or follow rank 0's engine steps until it stops (other ranks).
+
+        A job is stopped through rank 0: Ctrl-C (or the launcher's SIGTERM) reaches every rank, but the other ranks
+        only note it and keep following, so rank 0 can finish its step and tell them to stop; every rank then
+        returns normally."""
         if self.rank != 0:
-            self.serving_loop.follow()
+            with _signals_deferred_to_rank_0():
+                self.serving_loop.follow()
             return
         import uvicorn
 
@@ -58,6 +86,8 @@ class TextGenerationServer:
         try:
             logger.info("text generation server listening on http://%s:%d", host, port)
             uvicorn.run(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on, once it has stopped
+            pass
         finally:
             self.serving_loop.shutdown()
 
