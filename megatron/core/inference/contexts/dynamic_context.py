@@ -120,12 +120,10 @@ class DynamicInferenceContext(BaseInferenceContext):
             if buffer_size_gb is None:
                 raise ValueError("DynamicInferenceContext needs buffer_size_gb or num_blocks to size the KV cache")
             num_blocks = int(buffer_size_gb * 1024**3 // (self.bytes_per_token * block_size_tokens))
-        blocks_per_sequence = math.ceil(max_sequence_length / block_size_tokens)
-        if num_blocks < blocks_per_sequence:
+        if num_blocks < 1:
             raise ValueError(
-                f"DynamicInferenceContext: the KV cache has {num_blocks} blocks of {block_size_tokens} tokens, fewer "
-                f"than the {blocks_per_sequence} one sequence of max_sequence_length={max_sequence_length} needs; "
-                "raise buffer_size_gb / num_blocks or lower max_sequence_length"
+                f"DynamicInferenceContext: buffer_size_gb={buffer_size_gb} holds no block of {block_size_tokens} "
+                f"tokens ({self.bytes_per_token * block_size_tokens} bytes each); raise it or give num_blocks"
             )
         self.max_requests = max_requests if max_requests is not None else min(num_blocks, 256)
         self.max_tokens = max_tokens if max_tokens is not None else 2048

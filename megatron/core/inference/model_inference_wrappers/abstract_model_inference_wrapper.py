@@ -66,8 +66,27 @@ class AbstractModelInferenceWrapper(abc.ABC):
     @torch.inference_mode()
     def run_one_forward_step(self, inference_input: Dict[str, Any]) -> Optional[torch.Tensor]:
         """One forward over ``inference_input`` (``tokens [b, s]``, ``position_ids [b, s]``,
-        ``attention_mask``); full-vocabulary logits ``[b, s, v]`` on the last stage, None elsewhere."""
+        ``attention_mask``); full-vocabulary logits ``[b, s, v]`` on the last stage, None elsewhere.
+
+        With ``inference_input["logits_positions"]`` (an index tensor over the sequence dimension) the output
+        layer runs only for those positions and the logits are ``[b, len(positions), v]``: decoding needs the last
+        token's logits only, and the output layer over a whole prompt costs as much as several layers."""
         tokens = inference_input["tokens"]
+        positions = inference_input.get("logits_positions")
+        hook = None
+        if positions is not None and self.post_process:
+            def select_positions(module, args, kwargs):
+                return (args[0].index_select(0, positions),) + tuple(args[1:]), kwargs
+
+            output_layer = get_attr_wrapped_model(self.model, "output_layer")
+            hook = output_layer.register_forward_pre_hook(select_positions, with_kwargs=True)
+        try:
+            return self._forward(tokens, inference_input)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _forward(self, tokens: torch.Tensor, inference_input: Dict[str, Any]) -> Optional[torch.Tensor]:
         if self.pipelined and not self.pre_process:
             b, s = tokens.shape
             received = torch.empty(s, b, self.config.hidden_size, dtype=self._hidden_dtype, device=tokens.device)

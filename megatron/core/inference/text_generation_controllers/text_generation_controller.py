@@ -353,6 +353,8 @@ class TextGenerationController:
                 if all(done):
                     break
                 window = wrapper.get_batch_for_context_window(inference_input, context_start, context_end)
+                if not want_prompt_lp:  # only the window's last position predicts a token
+                    window["logits_positions"] = torch.tensor([context_end - context_start - 1], device=tokens.device)
                 logits = wrapper.run_one_forward_step(window)
                 wrapper.inference_context.increment_sequence_len_offset(context_end - context_start)
                 targets = flat_logits = None
@@ -399,14 +401,16 @@ class TextGenerationController:
         wrapper = self.inference_wrapped_model
         context = wrapper.inference_context
         input_ids, position_ids, last_index = context.step_inputs
-        logits = wrapper.run_one_forward_step(
-            {"tokens": input_ids, "position_ids": position_ids, "attention_mask": None}
-        )
+        inputs = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": None}
+        all_logits = plan.prompt_log_prob_targets is not None or not context.materialize_only_last_token_logits
+        if not all_logits:
+            inputs["logits_positions"] = last_index
+        logits = wrapper.run_one_forward_step(inputs)
         context.commit_step()
         last_logits = flat_logits = None
         if logits is not None:
             flat_logits = logits[0]
-            last_logits = flat_logits[last_index]
+            last_logits = flat_logits[last_index] if all_logits else flat_logits
         step = self._sample_step(last_logits, plan.requests, flat_logits, plan.prompt_log_prob_targets, plan.samples)
         return {"step": step}
 
