@@ -12,7 +12,8 @@ times, with greedy decoding and a fixed number of new tokens (no early stop):
 for our dynamic engine (paged KV cache, continuous batching), our static engine (contiguous cache) and HF. It also
 compares the KV-cache bytes each holds with the formula ``2 x layers x kv_heads x head_dim x tokens x bytes``.
 
-    python benchmarks/bench_inference.py [--batches 1 8 32 --prompt 32 --new-tokens 32 --repeats 3 --threads 2]
+    python benchmarks/bench_inference.py [--models gpt2 llama --batches 1 8 32 --prompt 32 --new-tokens 32
+                                          --repeats 3 --threads 1 --json results.json]
 """
 
 import argparse
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.inference.contexts import DynamicInferenceContext
@@ -38,28 +40,49 @@ from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def build_ours(args) -> GPTModel:
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-    )
+def build_ours(args, family: str) -> GPTModel:
+    common = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                  hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
+    if family == "gpt2":
+        config = TransformerConfig(ffn_hidden_size=4 * args.hidden, **common)
+        position = "learned_absolute"
+    else:
+        config = TransformerConfig(ffn_hidden_size=3 * args.hidden, num_query_groups=args.kv_heads,
+                                   normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                                   add_bias_linear=False, **common)
+        position = "rope"
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.max_seq,
-                    share_embeddings_and_output_weights=True).eval()
+                    share_embeddings_and_output_weights=True, position_embedding_type=position).eval()
 
 
-def build_hf(args, ours: GPTModel):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build_hf(args, ours: GPTModel, family: str):
+    """The same network in transformers, with our weights copied in."""
+    import transformers
 
-    config = GPT2Config(
-        vocab_size=args.vocab, n_positions=args.max_seq, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-        tie_word_embeddings=True, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1,
-    )
-    config._attn_implementation = "sdpa"
-    hf = GPT2LMHeadModel(config).eval()
+    src = {name: p.detach() for name, p in ours.named_parameters()}
     h, heads = args.hidden, args.heads
     d = h // heads
-    src = dict(ours.named_parameters())
+    common = dict(vocab_size=args.vocab, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1,
+                  tie_word_embeddings=True)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_positions=args.max_seq, n_embd=h, n_layer=args.layers, n_head=heads, activation_function="gelu",
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, **common)
+        config._attn_implementation = "sdpa"
+        hf = transformers.GPT2LMHeadModel(config).eval()
+        copy_gpt2(hf, src, args.layers, heads, d, h)
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=h, intermediate_size=3 * h, num_hidden_layers=args.layers, num_attention_heads=heads,
+            num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_seq, rms_norm_eps=1e-5,
+            rope_theta=10000.0, attention_bias=False, mlp_bias=False, **common)
+        config._attn_implementation = "sdpa"
+        hf = transformers.LlamaForCausalLM(config).eval()
+        copy_llama(hf, src, args.layers, heads, args.kv_heads, d, h)
+    return hf
+
+
+def copy_gpt2(hf, src, layers, heads, d, h):
     with torch.no_grad():
         hf.transformer.wte.weight.copy_(src["embedding.word_embeddings.weight"])
         hf.transformer.wpe.weight.copy_(src["embedding.position_embeddings.weight"])
@@ -70,7 +93,7 @@ def build_hf(args, ours: GPTModel):
             # [heads, (q, k, v), d, h] -> [(q, k, v), heads, d, h]: GPT-2's all-q, all-k, all-v order.
             qkv_w = src[p + "self_attention.linear_qkv.weight"].view(heads, 3, d, h).transpose(0, 1).reshape(3 * h, h)
             qkv_b = src[p + "self_attention.linear_qkv.bias"].view(heads, 3, d).transpose(0, 1).reshape(3 * h)
-            block.attn.c_attn.weight.copy_(qkv_w.t())
+            block.attn.c_attn.weight.copy_(qkv_w.t())  # Conv1D weights are [in, out]
             block.attn.c_attn.bias.copy_(qkv_b)
             block.attn.c_proj.weight.copy_(src[p + "self_attention.linear_proj.weight"].t())
             block.attn.c_proj.bias.copy_(src[p + "self_attention.linear_proj.bias"])
@@ -82,7 +105,27 @@ def build_hf(args, ours: GPTModel):
             block.mlp.c_proj.bias.copy_(src[p + "mlp.linear_fc2.bias"])
         hf.transformer.ln_f.weight.copy_(src["decoder.final_layernorm.weight"])
         hf.transformer.ln_f.bias.copy_(src["decoder.final_layernorm.bias"])
-    return hf
+
+
+def copy_llama(hf, src, layers, heads, kv_heads, d, h):
+    per_group = heads // kv_heads
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(src["embedding.word_embeddings.weight"])
+        for i, layer in enumerate(hf.model.layers):
+            p = f"decoder.layers.{i}."
+            layer.input_layernorm.weight.copy_(src[p + "input_layernorm.weight"])
+            # Per query group [its q heads, k, v]; HF's query head j belongs to group j // per_group as well.
+            qkv = src[p + "self_attention.linear_qkv.weight"].view(kv_heads, per_group + 2, d, h)
+            layer.self_attn.q_proj.weight.copy_(qkv[:, :per_group].reshape(heads * d, h))
+            layer.self_attn.k_proj.weight.copy_(qkv[:, per_group].reshape(kv_heads * d, h))
+            layer.self_attn.v_proj.weight.copy_(qkv[:, per_group + 1].reshape(kv_heads * d, h))
+            layer.self_attn.o_proj.weight.copy_(src[p + "self_attention.linear_proj.weight"])
+            layer.post_attention_layernorm.weight.copy_(src[p + "pre_mlp_layernorm.weight"])
+            gate, up = src[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)  # SwiGLU: act(first half) * second half
+            layer.mlp.gate_proj.weight.copy_(gate)
+            layer.mlp.up_proj.weight.copy_(up)
+            layer.mlp.down_proj.weight.copy_(src[p + "mlp.linear_fc2.weight"])
+        hf.model.norm.weight.copy_(src["decoder.final_layernorm.weight"])
 
 
 def check_same_model(ours, hf, args) -> float:
@@ -124,33 +167,18 @@ def time_engines(makers, batch, args):
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=12288)
-    parser.add_argument("--max-seq", type=int, default=128)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+def bench_family(args, family: str, rows: list) -> None:
     model_parallel_cuda_manual_seed(1234)
-    ours = build_ours(args)
-    hf = build_hf(args, ours)
+    ours = build_ours(args, family)
+    hf = build_hf(args, ours, family)
     error = check_same_model(ours, hf, args)
     params = sum(p.numel() for p in ours.parameters())
     tokenizer = NullTokenizer(args.vocab - 1)
     total_tokens = args.prompt + args.new_tokens
     d = args.hidden // args.heads
+    kv_heads = args.heads if family == "gpt2" else args.kv_heads
+    print(f"\n{family}: {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+          f"{kv_heads} KV heads, vocab {args.vocab}); HF logits match ours to {error:.1e}", flush=True)
 
     def prompts(batch):
         g = torch.Generator().manual_seed(batch)
@@ -162,7 +190,7 @@ def main():
     def make_dynamic(batch):
         block = 16
         context = DynamicInferenceContext(
-            torch.float32, args.layers, d, args.heads, args.max_seq, block_size_tokens=block,
+            torch.float32, args.layers, d, kv_heads, args.max_seq, block_size_tokens=block,
             num_blocks=batch * math.ceil(total_tokens / block), max_requests=batch,
             max_tokens=max(batch * args.prompt, batch),
         )
@@ -176,7 +204,7 @@ def main():
         text = [" ".join(map(str, p)) for p in prompts(batch).tolist()]
         # The static context allocates [prompt + new tokens, batch] per layer for each generate call.
         return (lambda n: engine.generate(prompts=text, sampling_params=greedy(n))), (
-            lambda: 2 * args.layers * args.heads * d * total_tokens * batch * 4
+            lambda: 2 * args.layers * kv_heads * d * total_tokens * batch * 4
         )
 
     def make_hf(batch):
@@ -200,26 +228,49 @@ def main():
 
         return generate, kv_bytes
 
-    rows = []
     makers = (("ours dynamic", make_dynamic), ("ours static", make_static), ("HF generate", make_hf))
     with torch.inference_mode():
         for batch in args.batches:
-            formula = 2 * args.layers * args.heads * d * batch * total_tokens * 4
+            formula = 2 * args.layers * kv_heads * d * batch * total_tokens * 4
             for name, (ttft, tps, kv) in time_engines(makers, batch, args).items():
-                rows.append({"engine": name, "batch": batch, "ttft_ms": ttft * 1e3, "decode_tok_s": tps,
-                             "kv_bytes": kv, "formula_bytes": formula})
+                rows.append({"model": family, "params": params, "engine": name, "batch": batch,
+                             "ttft_ms": ttft * 1e3, "decode_tok_s": tps, "kv_bytes": kv, "formula_bytes": formula})
                 print(f"{name:>13} batch {batch:>3}: TTFT {ttft * 1e3:8.1f} ms   decode {tps:8.1f} tok/s   "
                       f"KV {kv / 2**20:6.2f} MiB (formula {formula / 2**20:6.2f} MiB)", flush=True)
-    print(f"\n{params / 1e6:.1f}M-parameter GPT ({args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab "
-          f"{args.vocab}), prompt {args.prompt} + {args.new_tokens} new tokens, fp32, {args.threads} threads; "
-          f"HF logits match ours to {error:.1e}")
-    print("| engine | batch | TTFT (ms) | decode tokens/s | KV cache (MiB) | formula (MiB) |")
-    print("|---|---:|---:|---:|---:|---:|")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads of the Llama model (GQA)")
+    parser.add_argument("--vocab", type=int, default=12288)
+    parser.add_argument("--max-seq", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    rows = []
+    for family in args.models:
+        bench_family(args, family, rows)
+    print(f"\nprompt {args.prompt} + {args.new_tokens} new tokens, greedy, fp32, {args.threads} thread(s)")
+    print("| model | engine | batch | TTFT (ms) | decode tokens/s | KV cache (MiB) | formula (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
+        print(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
               f"{r['kv_bytes'] / 2**20:.2f} | {r['formula_bytes'] / 2**20:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"params": params, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
