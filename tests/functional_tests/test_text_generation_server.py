@@ -31,16 +31,16 @@ def _model_flags():
 
 
 class _Server:
-    def __init__(self, checkpoint_dir, cpu_data_flags, nproc, extra=()):
+    def __init__(self, checkpoint_dir, cpu_data_flags, nproc, model_flags, extra=()):
         self.port = free_port()
         tokenizer_flags = cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
         cpu_flags = [f for f in cpu_data_flags[: cpu_data_flags.index("--data-path")]]
-        args = _model_flags() + cpu_flags + tokenizer_flags + [
+        args = list(model_flags) + cpu_flags + tokenizer_flags + [
             "--load", checkpoint_dir, "--port", str(self.port), "--host", "127.0.0.1", "--top_k", "1",
             "--inference-max-requests", "4", *extra,
         ]
         self.process = PretrainProcess(args, nproc, entry_point=SERVER)
-        self.process.wait_for_line(lambda line: line.startswith("serving '"), timeout=240)
+        self.banner = self.process.wait_for_line(lambda line: line.startswith("serving '"), timeout=240)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
@@ -67,8 +67,11 @@ def _greedy_with_prompt_log_probs(client):
 
 def test_tp2_server_answers_like_the_single_rank_server(golden_run, cpu_data_flags):
     checkpoint = golden_run.checkpoint_dir
-    server = _Server(checkpoint, cpu_data_flags, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    # The TP2 server reads the model's shape from the checkpoint (which was saved at TP1) and keeps TP2.
+    server = _Server(checkpoint, cpu_data_flags, nproc=2, model_flags=["--use-checkpoint-args"],
+                     extra=["--tensor-model-parallel-size", "2"])
     try:
+        assert " at TP=2 PP=1 " in server.banner
         text_tp2, log_probs_tp2 = _greedy_with_prompt_log_probs(server.client)
         assert text_tp2.startswith(PROMPT) and len(text_tp2) > len(PROMPT)
         chat = server.client.chat.completions.create(model=checkpoint.name, max_tokens=4, n=2, seed=5,
@@ -86,7 +89,7 @@ def test_tp2_server_answers_like_the_single_rank_server(golden_run, cpu_data_fla
     # tells rank 1 to stop, and neither reports an error ("[rankN]: ..." lines).
     assert not re.search(r"^\[rank\d+\]:", result.output, re.MULTILINE), result.describe()
 
-    single = _Server(checkpoint, cpu_data_flags, nproc=1)
+    single = _Server(checkpoint, cpu_data_flags, nproc=1, model_flags=_model_flags())
     try:
         text_tp1, log_probs_tp1 = _greedy_with_prompt_log_probs(single.client)
     finally:
