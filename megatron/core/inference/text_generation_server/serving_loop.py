@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.utils import get_current_device, set_device_for_rank
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ class ServingLoop:
         return handle
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run_guarded, name="inference-engine", daemon=True)
+        device = get_current_device()  # the CUDA device is per thread: the engine thread takes this rank's
+        self._thread = threading.Thread(target=self._run_guarded, args=(device,), name="inference-engine",
+                                        daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 60.0) -> None:
@@ -119,8 +122,10 @@ class ServingLoop:
 
     # ---------------------------------------------------------------- rank 0, engine thread
 
-    def _run_guarded(self) -> None:
+    def _run_guarded(self, device: torch.device) -> None:
         try:
+            if device.type == "cuda":
+                set_device_for_rank(device.index)
             with torch.inference_mode():  # grad mode is per thread: this thread runs the model
                 self.run()
         except BaseException as error:  # the engine broke: every waiting request hears about it, then we stop
