@@ -361,13 +361,17 @@ class TextGenerationController:
                 if want_prompt_lp:
                     # Position p's logits predict prompt token p + 1 while p + 1 is still inside the prompt.
                     targets = [
-                        int(tokens[i, p + 1]) if p + 1 < prompt_lengths[i] else -1
+                        requests[i].prompt_tokens[p + 1] if p + 1 < prompt_lengths[i] else -1
                         for i in range(len(requests)) for p in range(context_start, context_end)
                     ]
                     if logits is not None:
                         flat_logits = logits.reshape(-1, logits.shape[-1])
                 step = self._sample_step(None if logits is None else logits[:, -1], requests, flat_logits, targets)
                 width = context_end - context_start
+                # Rows past their prompt take the sampled token (one host-to-device copy for the whole column).
+                column = [step.tokens[i] if context_end >= prompt_lengths[i] else requests[i].prompt_tokens[context_end]
+                          for i in range(len(requests))]
+                tokens[:, context_end] = torch.tensor(column, device=tokens.device)
                 for i, request in enumerate(requests):
                     if want_prompt_lp and request.prompt_log_probs is not None:
                         row = step.token_log_probs[i * width:(i + 1) * width]
@@ -376,7 +380,6 @@ class TextGenerationController:
                     if done[i] or context_end < prompt_lengths[i]:
                         continue
                     token = step.tokens[i]
-                    tokens[i, context_end] = token
                     top = step.top_n[i] if step.top_n is not None else None
                     done[i] = self.append_token(request, token, step.log_probs[i], top, budgets[i])
                     if active_streams is not None and request.request_id in active_streams:
