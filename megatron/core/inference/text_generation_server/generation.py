@@ -58,10 +58,13 @@ class Generation:
         self.prompt_log_probs: Dict[int, List[float]] = {}  # per prompt index, when echo asks for them
         self._streams: List[TextStream] = []
         self._handles = []
+        try:
+            params = [sampling_params_for(request, sample, termination_id) for sample in range(request.n)]
+        except ValueError as error:  # a combination SamplingParams refuses
+            raise OpenAIError(str(error), code="invalid_value") from None
         for prompt_index, prompt in enumerate(request.prompts):
             for sample in range(request.n):
-                params = sampling_params_for(request, sample, termination_id)
-                self._handles.append((prompt_index, serving_loop.submit(prompt, params)))
+                self._handles.append((prompt_index, serving_loop.submit(prompt, params[sample])))
                 self._streams.append(TextStream(tokenizer, request.stop, [termination_id]))
 
     @property

@@ -68,10 +68,6 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 def parse_json_body(raw: bytes) -> Dict[str, Any]:
     """The request's JSON object, or a 400 saying why the body is not one."""

@@ -16,7 +16,7 @@ import pytest
 from megatron.core.inference.text_generation_server.chat_template import default_chat_prompt
 from megatron.core.tokenizers import GPT2BPETokenizer
 from megatron.training import builtin_data
-from tests.unit_tests.inference.text_generation_server.tiny_server import MAX_SEQUENCE_LENGTH, MODEL_NAME
+from tests.unit_tests.inference.text_generation_server.tiny_server import MAX_REQUESTS, MAX_SEQUENCE_LENGTH, MODEL_NAME
 from tests.functional_tests.harness import free_port
 
 SERVER_SCRIPT = Path(__file__).with_name("tiny_server.py")
@@ -156,18 +156,21 @@ def test_n_choices_are_seeded_and_ordered(client):
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(base_url, client):
-    alone = [_greedy(client, prompt, max_tokens=4 + i).choices[0].text for i, prompt in enumerate(PROMPTS)]
+    # More requests than the engine runs at once (MAX_REQUESTS): the rest wait in its queue and join as others end.
+    prompts = (PROMPTS + PROMPTS)[: MAX_REQUESTS + 4]
+    lengths = [4 + i % 7 for i in range(len(prompts))]
+    alone = [_greedy(client, p, max_tokens=n).choices[0].text for p, n in zip(prompts, lengths)]
 
     async def together():
         async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0) as aclient:
             return await asyncio.gather(*[
-                aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4 + i, temperature=0)
-                for i, prompt in enumerate(PROMPTS)
+                aclient.completions.create(model=MODEL_NAME, prompt=p, max_tokens=n, temperature=0)
+                for p, n in zip(prompts, lengths)
             ])
 
     results = asyncio.run(together())
     assert [r.choices[0].text for r in results] == alone
-    assert [r.usage.completion_tokens for r in results] == [4 + i for i in range(len(PROMPTS))]
+    assert [r.usage.completion_tokens for r in results] == lengths
 
 
 def test_stop_sequence_ends_the_text_before_it(client):
