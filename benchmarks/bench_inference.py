@@ -16,7 +16,7 @@ for our dynamic engine (paged KV cache, continuous batching), our static engine 
 compares the KV-cache bytes each holds with the formula ``2 x layers x kv_heads x head_dim x tokens x bytes``.
 
     python benchmarks/bench_inference.py [--models gpt2 llama --batches 1 8 32 --prompt 32 --new-tokens 32
-                                          --repeats 3 --threads 1 --json results.json]
+                                          --repeats 3 --threads 1 --clock cpu]
 """
 
 import argparse
@@ -260,7 +260,8 @@ def main():
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: this process's CPU time (with --threads 1 it is the compute time, and other jobs "
                              "on a shared machine disturb it far less than wall time); wall: elapsed time")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "inference.json",
+                        help="where the results go as JSON (default benchmarks/results/inference.json)")
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu sums the time of every thread; use it with --threads 1 (or --clock wall)")
@@ -279,8 +280,8 @@ def main():
     for r in rows:
         print(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
               f"{r['kv_bytes'] / 2**20:.2f} | {r['formula_bytes'] / 2**20:.2f} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
