@@ -269,7 +269,15 @@ class DynamicInferenceContext(BaseInferenceContext):
             "num_requests": len(chunks),
             "chunks": [(rid, n) for (rid, _), n in zip(chunks, lengths)],
         }
-        if max_q > 1:
+        if len(chunks) == 1:
+            # One request whose blocks are consecutive (the usual case for a lone request): attend over a view of
+            # the cache instead of gathering a copy, with exactly its keys (no padding to mask).
+            blocks = self._active[chunks[0][0]].blocks[:max_blocks]
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                kv_length = starts[0] + lengths[0]
+                step["view"] = (blocks[0] * bs, kv_length)
+                step["mask"] = None if max_q == 1 else masked[:, None, :, :kv_length]
+        if max_q > 1 and len(chunks) > 1:
             offsets = [0]
             for n in lengths[:-1]:
                 offsets.append(offsets[-1] + n)
@@ -311,16 +319,23 @@ class DynamicInferenceContext(BaseInferenceContext):
         key_cache.index_copy_(0, step["slots"], key[:, 0].to(key_cache.dtype))
         value_cache.index_copy_(0, step["slots"], value[:, 0].to(value_cache.dtype))
         r, groups, d = step["num_requests"], key.shape[2], key.shape[3]
-        table = step["block_table"]
-
-        def gather(cache):  # [r, L, groups, d] -> [L, r, groups, d]
-            blocks = cache.view(-1, self.block_size_tokens, groups, d)[table]
-            return blocks.view(r, -1, groups, d).transpose(0, 1)
-
-        keys, values = gather(key_cache), gather(value_cache)
         heads = query.shape[2]
+        if "view" in step:
+            first, length = step["view"]
+            keys = key_cache[first:first + length].unsqueeze(1)  # [L, 1, groups, d], no copy
+            values = value_cache[first:first + length].unsqueeze(1)
+        else:
+            table = step["block_table"]
+
+            def gather(cache):  # [r, L, groups, d] -> [L, r, groups, d]
+                blocks = cache.view(-1, self.block_size_tokens, groups, d)[table]
+                return blocks.view(r, -1, groups, d).transpose(0, 1)
+
+            keys, values = gather(key_cache), gather(value_cache)
         if step["decode_only"]:
             padded_query = query.view(1, r, heads, d)
+        elif r == 1:
+            padded_query = query  # one request's chunk: nothing to pad
         else:
             padded_query = query[:, 0][step["pad_index"]].transpose(0, 1)  # [max_q, r, heads, d]
         context = attention.core_attention(
@@ -329,5 +344,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         )  # [max_q, r, heads * d]
         if step["decode_only"]:
             return context.view(r, 1, heads * d)
+        if r == 1:
+            return context
         flat = context.transpose(0, 1).reshape(-1, heads * d)
         return flat[step["unpad_index"]].unsqueeze(1)
