@@ -113,6 +113,7 @@ class ServingLoop:
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the loop (the other ranks' :meth:`follow` returns too) and wait for the engine thread."""
         self._stopping.set()
+        self._submitted.put(None)  # wakes the engine thread if it is waiting for work
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -159,6 +160,7 @@ class ServingLoop:
                 self._release(finished)
 
     def _take_submitted(self, block: bool):
+        """The requests submitted since the last turn (waiting up to ``heartbeat_s`` for one when ``block``)."""
         new = []
         if block:
             try:
@@ -169,7 +171,7 @@ class ServingLoop:
             try:
                 new.append(self._submitted.get_nowait())
             except queue.Empty:
-                return new
+                return [item for item in new if item is not None]  # None: shutdown's wake-up call
 
     def _report(self) -> None:
         for request_id in list(self._handles):
