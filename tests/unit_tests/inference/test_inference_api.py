@@ -255,3 +255,24 @@ def test_megatron_llm_bf16_and_engine_errors():
     assert "suspended" in errors[7]
     assert "build the model with sequence_parallel=False" in errors[8]
     assert out["suspend_ok"]
+
+
+def _half_precision(dtype_name):
+    from megatron.core.inference.engines import DynamicInferenceEngine
+    from tests.unit_tests.inference.inference_test_helpers import build_model, dynamic_setup, greedy_without_cache
+
+    dtype = getattr(torch, dtype_name)
+    model = build_model("gpt2").to(dtype)
+    model.config.params_dtype = dtype
+    context, controller = dynamic_setup(model)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6, termination_id=-1)
+    tokens = DynamicInferenceEngine(controller, context).generate([[3, 1, 4, 1, 5]], params)[0].generated_tokens
+    cache_dtype = next(iter(context.memory_buffer.values()))[0].dtype
+    return tokens, greedy_without_cache(model, [3, 1, 4, 1, 5], 6), str(cache_dtype)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_half_precision_generation_keeps_its_cache_in_that_dtype(dtype_name):
+    tokens, expected, cache_dtype = run_distributed(1, _half_precision, dtype_name)[0]
+    assert cache_dtype == f"torch.{dtype_name}"
+    assert tokens == expected
