@@ -222,3 +222,20 @@ def test_streaming_yields_every_new_token_and_the_future_resolves():
     assert seen == [1, 2, 3, 4] and len(tokens) == 4
     assert events == ["ADD_ENGINE", "ADD_CONTEXT"] + ["GENERATED_TOKEN"] * 4 + ["FINISH"]
     assert state == "STOPPED"
+
+
+def _equal_lengths():
+    from megatron.core.inference.sampling_params import SamplingParams
+    from tests.unit_tests.inference.inference_test_helpers import build_model, greedy_without_cache
+
+    model = build_model("llama")
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5, 4], [3, 3, 3, 3, 3, 3]]
+    engine, _ = _engine(model, block_size_tokens=4)  # each request's blocks are padded past its length
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6, termination_id=-1)
+    together = [r.generated_tokens for r in engine.generate(prompts, params)]
+    return together, [greedy_without_cache(model, p, 6) for p in prompts]
+
+
+def test_a_batch_decoding_at_equal_lengths_matches_the_no_cache_reference():
+    together, expected = run_distributed(1, _equal_lengths)[0]
+    assert together == expected

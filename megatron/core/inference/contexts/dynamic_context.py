@@ -269,6 +269,12 @@ class DynamicInferenceContext(BaseInferenceContext):
             "num_requests": len(chunks),
             "chunks": [(rid, n) for (rid, _), n in zip(chunks, lengths)],
         }
+        kv_lengths = {start + n for start, n in zip(starts, lengths)}
+        if max_q == 1 and len(kv_lengths) == 1:
+            # Every request decodes at the same length (a batch of equal prompts): attend over exactly those keys,
+            # with no padding to mask.
+            step["kv_length"] = kv_lengths.pop()
+            step["mask"] = None
         if len(chunks) == 1:
             # One request whose blocks are consecutive (the usual case for a lone request): attend over a view of
             # the cache instead of gathering a copy, with exactly its keys (no padding to mask).
@@ -332,6 +338,8 @@ class DynamicInferenceContext(BaseInferenceContext):
                 return blocks.view(r, -1, groups, d).transpose(0, 1)
 
             keys, values = gather(key_cache), gather(value_cache)
+            if "kv_length" in step:
+                keys, values = keys[: step["kv_length"]], values[: step["kv_length"]]
         if step["decode_only"]:
             padded_query = query.view(1, r, heads, d)
         elif r == 1:
