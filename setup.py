@@ -11,9 +11,11 @@ setup(
     package_data={"megatron.training.builtin_data": ["*.json", "*.txt", "*.gz", "*.bin", "*.idx", "*.md"]},
     install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
-        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken", "regex"],
+        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken", "regex",
+                 "fastapi", "uvicorn", "jinja2", "httpx", "openai"],
         "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],
         "gpu": ["triton"],
         "logging": ["tensorboard", "wandb"],
+        "inference": ["fastapi", "uvicorn", "jinja2"],
     },
 )

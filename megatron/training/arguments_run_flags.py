@@ -252,7 +252,6 @@ VALIDATION_OPTIONS = FlagTable("validation", (
 
 
 TOKENIZER_OPTIONS = FlagTable("tokenizer", (
-    value("--chat-template", str, None),
     off_switch("--no-pad-vocab-size, --disable-pad-vocab-size", "pad_vocab_size"),
     off_switch(
         "--no-tokenizer-sentencepiece-ignore-extra-whitespaces, "
@@ -268,6 +267,13 @@ TOKENIZER_OPTIONS = FlagTable("tokenizer", (
     value("--tokenizer-special-tokens", str, None, dest="special_tokens", nargs="+"),
     switch("--trust-remote-code"),
 ), not_supported="tokenizer option")
+
+
+# The tokenizer flags the text generation server reads.
+CHAT_TEMPLATE = FlagTable("tokenizer", (
+    value("--chat-template", str, None,
+          help="A Jinja chat template file for the server's chat completions (replaces the tokenizer's own)."),
+))
 
 
 FILL_IN_THE_MIDDLE = FlagTable("data and dataloader", (
@@ -289,4 +295,4 @@ TABLES = (
     CONTEXT_PARALLEL, HYBRID_CONTEXT_PARALLEL, FSDP, COMMUNICATOR_TUNING, DISTRIBUTED_OPTIONS, WEIGHT_SHARDING, CPU_OFFLOADING,
     PRECISION_AWARE_OPTIMIZER, OTHER_OPTIMIZERS, TRAINING_OPTIONS, CUDA_PROFILING, PYTORCH_PROFILER,
     CHECKPOINT_LOAD_STRICTNESS, CHECKPOINT_IO_TUNING, CHECKPOINT_OPTIONS, LOGGING_OPTIONS, DATA_OPTIONS,
-    VALIDATION_OPTIONS, TOKENIZER_OPTIONS, FILL_IN_THE_MIDDLE)
+    VALIDATION_OPTIONS, TOKENIZER_OPTIONS, CHAT_TEMPLATE, FILL_IN_THE_MIDDLE)

@@ -21,8 +21,6 @@ INFERENCE = FlagTable("inference", (
     switch("--inference-disable-triton-nvls-kernels"),
     switch("--inference-dynamic-batching"),
     value("--inference-dynamic-batching-async-sched-mode", str, 'legacy', choices=['legacy', 'async']),
-    value("--inference-dynamic-batching-block-size", int, 256),
-    value("--inference-dynamic-batching-buffer-size-gb", float, 40.0),
     value("--inference-dynamic-batching-cuda-graph-mixed-prefill-count", int, 16),
     value("--inference-dynamic-batching-cuda-graph-sizing-distribution", str, 'exponential',
         choices=['exponential', 'linear']),
@@ -30,7 +28,6 @@ INFERENCE = FlagTable("inference", (
         choices=['raw_logprobs', 'processed_logprobs']),
     value("--inference-dynamic-batching-mamba-memory-ratio", float, None),
     value("--inference-dynamic-batching-max-requests", int, None),
-    value("--inference-dynamic-batching-max-tokens", int, None),
     value("--inference-dynamic-batching-num-cuda-graphs", int, 16),
     value("--inference-dynamic-batching-paused-buffer-size-gb", float, None),
     bool_optional("--inference-dynamic-batching-prefix-caching",
@@ -47,8 +44,6 @@ INFERENCE = FlagTable("inference", (
     switch("--inference-fuse-tp-communication"),
     value("--inference-grouped-gemm-backend", str, 'vllm', choices=['flashinfer', 'torch', 'vllm']),
     value("--inference-logging-step-interval", int, 0),
-    value("--inference-max-requests", int, 8),
-    value("--inference-max-seq-length", int, 2560),
     switch("--inference-moe-disable-fused-quant-kernels"),
     value("--inference-moe-token-dispatcher-type", str, 'nvls', choices=['nccl', 'nvls']),
     switch("--inference-rng-tracker"),
@@ -62,6 +57,21 @@ INFERENCE = FlagTable("inference", (
     value("--num-speculative-tokens", int, 0),
     switch("--use-legacy-static-engine"),
 ), not_supported="inference engine")
+
+
+# The inference flags the server and the dynamic engine read (tools/run_text_generation_server.py).
+INFERENCE_ENGINE_SIZES = FlagTable("inference", (
+    value("--inference-dynamic-batching-block-size", int, 256,
+          help="Tokens per block of the dynamic engine's paged KV cache."),
+    value("--inference-dynamic-batching-buffer-size-gb", float, 40.0,
+          help="Most KV-cache memory per rank in GB (the server allocates no more than its requests can use)."),
+    value("--inference-dynamic-batching-max-tokens", int, None,
+          help="Most tokens one engine step runs (decode tokens plus prefill chunks; default 2048)."),
+    value("--inference-max-requests", int, 8,
+          help="Most requests the engine runs at once; more wait in its queue."),
+    value("--inference-max-seq-length", int, 2560,
+          help="Longest prompt plus generation of one request (at most --max-position-embeddings)."),
+))
 
 
 RL = FlagTable("rl", (
@@ -212,5 +222,5 @@ SFT = FlagTable("sft", (
 
 
 TABLES = (
-    INFERENCE, RL, RESILIENCY, STRAGGLER_DETECTOR, FAULT_INJECTOR, ONE_LOGGER, MULTI_STORAGE_CLIENT, AUTORESUME,
-    WORKLOAD_INSPECTOR, RERUN_STATE_MACHINE, LOGIT_DISTILLATION, SFT)
+    INFERENCE_ENGINE_SIZES, INFERENCE, RL, RESILIENCY, STRAGGLER_DETECTOR, FAULT_INJECTOR, ONE_LOGGER,
+    MULTI_STORAGE_CLIENT, AUTORESUME, WORKLOAD_INSPECTOR, RERUN_STATE_MACHINE, LOGIT_DISTILLATION, SFT)

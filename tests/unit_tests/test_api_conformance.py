@@ -28,7 +28,6 @@ COMPATIBILITY_DOC = REPO_ROOT / "docs" / "compatibility.md"
 LATER = {
     "megatron.core.transformer.moe": "MoE (issue 12)",
     "megatron.core.models.gpt.moe_module_specs": "MoE (issue 12)",
-    "megatron.core.inference": "inference (issue 15)",
 }
 
 

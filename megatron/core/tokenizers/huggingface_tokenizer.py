@@ -4,7 +4,8 @@
 `tokenizer.json` itself. It is loaded with the `tokenizers` library from local disk; nothing is downloaded, and a
 hub model name is rejected with a message. The special tokens (eos, bos, pad) come from the directory's
 `tokenizer_config.json` or `special_tokens_map.json`, as `transformers` reads them; without either, the usual
-names (`</s>`, `<|endoftext|>`, ...) are looked up among the tokenizer's special tokens.
+names (`</s>`, `<|endoftext|>`, ...) are looked up among the tokenizer's special tokens. `chat_template` is the
+directory's Jinja chat template (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`), or None.
 """
 
 import json
@@ -63,6 +64,24 @@ def _configured_special_tokens(directory: str) -> Dict[str, str]:
     return found
 
 
+def _chat_template(directory: str) -> Optional[str]:
+    """The chat template saved with the tokenizer: `chat_template.jinja`, else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates of which "default" is the one used)."""
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as file:
+            return file.read()
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path, encoding="utf-8") as file:
+        template = json.load(file).get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 class HuggingFaceTokenizer(DictVocabTokenizer):
     """A Hugging Face fast tokenizer, run by the `tokenizers` library.
 
@@ -80,8 +99,10 @@ class HuggingFaceTokenizer(DictVocabTokenizer):
             raise ValueError(f"--tokenizer-model {json_path}: not a Hugging Face tokenizer.json ({error})") from None
         self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._inv_vocab = {token_id: token for token, token_id in self._vocab.items()}
-        configured = _configured_special_tokens(os.path.dirname(os.path.abspath(json_path)))
+        directory = os.path.dirname(os.path.abspath(json_path))
+        configured = _configured_special_tokens(directory)
         self._special_ids = {key: self._special_id(key, configured.get(key)) for key in _CONVENTIONAL_NAMES}
+        self.chat_template = _chat_template(directory)
 
     def _special_id(self, key: str, configured: Optional[str]) -> int:
         if configured is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,8 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 if TYPE_CHECKING:
-    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
-    BaseInferenceContext = Any
+    from megatron.core.inference.contexts.base_context import BaseInferenceContext
 
 # ---- what the submodule builders and their modules look like (ColumnParallelLinear, DotProductAttention fit) ----
 
@@ -306,13 +305,22 @@ class Attention(MegatronModule, ABC):
         ``rotary_pos_cos`` / ``rotary_pos_sin`` may be given instead. With ``packed_seq_params``
         (``qkv_format='thd'``) ``hidden_states`` is one row ``[t, 1, h]`` of concatenated sequences, each attending
         only within itself, with positions restarting per sequence.
+
+        With an ``inference_context`` (``inference_params`` is its old name) the context rotates the new tokens'
+        query/key, stores their keys/values in its KV cache and runs core attention over the cached sequence.
         """
-        if inference_context is not None or inference_params is not None or sequence_len_offset is not None:
-            raise ValueError("not supported yet: inference with a KV cache (inference_context / sequence_len_offset)")
+        inference_context = inference_context if inference_context is not None else inference_params
+        if sequence_len_offset is not None:
+            raise ValueError("sequence_len_offset is not used: the inference context carries the positions")
         if rotary_pos_cos_sin is not None:
             raise ValueError("not supported yet: the fused cos/sin RoPE tensor of inference kernels "
                              "(rotary_pos_cos_sin); pass rotary_pos_cos and rotary_pos_sin")
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if inference_context is not None:
+            if self.attention_type != "self" or packed_seq_params is not None or rotary_pos_cos is not None:
+                raise ValueError("inference with a KV cache supports self-attention with rotary_pos_emb (or no "
+                                 "rotary), without packed_seq_params")
+            return self.linear_proj(inference_context.cached_attention(self, query, key, value, rotary_pos_emb))
         packed = _is_thd(packed_seq_params, hidden_states)
         if packed:
             # Packed sequences: one row [t, 1, ...] of concatenated sequences becomes [t, heads, d] (THD).

@@ -183,9 +183,9 @@ class TransformerBlock(MegatronModule):
         reference can be dropped early).
 
         With ``extract_layer_indices`` (global, 0-based layer indices) returns ``(hidden_states, intermediate)``:
-        the outputs of those of this stage's layers, in layer order. ``dynamic_inference_decode_only`` only
-        concerns the dynamic inference engine, which is not built here; the inference context is refused by
-        the attention layers.
+        the outputs of those of this stage's layers, in layer order. With an ``inference_context`` the
+        attention layers read and write its KV cache. ``dynamic_inference_decode_only`` is Megatron's hint for
+        CUDA-graph selection in its dynamic engine; this block runs the same either way.
         """
         if not self.pre_process:
             hidden_states = self.input_tensor

@@ -22,8 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_m
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 if TYPE_CHECKING:
-    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
-    BaseInferenceContext = Any
+    from megatron.core.inference.contexts.base_context import BaseInferenceContext
 
 # ---- the pipeline layer split ----------------------------------------------------------------------------------
 

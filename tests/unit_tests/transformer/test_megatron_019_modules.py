@@ -191,8 +191,12 @@ def _self_attention_paths():
     torch.testing.assert_close(by_freqs, by_cos_sin)
     with pytest.raises(ValueError, match="not supported yet: the fused cos/sin RoPE tensor"):
         attention(x, None, rotary_pos_cos_sin=cos)
-    with pytest.raises(ValueError, match="not supported yet: inference with a KV cache"):
-        attention(x, None, inference_context=object())
+    with pytest.raises(ValueError, match="sequence_len_offset is not used: the inference context carries"):
+        attention(x, None, sequence_len_offset=2)
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    with pytest.raises(ValueError, match="inference with a KV cache supports self-attention with rotary_pos_emb"):
+        attention(x, None, inference_context=StaticInferenceContext(2, 8), rotary_pos_cos=cos, rotary_pos_sin=sin)
     return True
 
 

@@ -4,7 +4,7 @@ and multimodal RoPE (M-RoPE, Qwen2-VL) whose channels follow separate temporal /
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 from torch import Tensor
@@ -20,8 +20,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    # No inference context class exists here yet (inference is not built); the annotation keeps Megatron's name.
-    BaseInferenceContext = Any
+    from megatron.core.inference.contexts.base_context import BaseInferenceContext
 
 
 def apply_llama3_scaling(

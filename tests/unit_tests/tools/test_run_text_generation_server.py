@@ -1,0 +1,62 @@
+"""tools/run_text_generation_server.py's command line: pretrain_gpt.py's model flags without data or a training
+length, the server's flags, and a clear error (before any process group exists) for each bad setting."""
+
+import sys
+
+import pytest
+
+from megatron.training.global_vars import unset_global_variables
+from tools.run_text_generation_server import _check_serving_args, max_sequence_length, parse_server_args
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+         "--distributed-backend", "gloo"]
+
+
+@pytest.fixture
+def parse(monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+    def parse_with(*flags, load=True):
+        argv = MODEL + (["--load", str(tmp_path)] if load else []) + list(flags)
+        monkeypatch.setattr(sys, "argv", ["run_text_generation_server.py", *argv])
+        return parse_server_args()
+
+    yield parse_with
+    unset_global_variables()
+
+
+def test_serving_flags_parse_without_data_or_training_length(parse, tmp_path):
+    args = parse("--inference-max-requests", "4", "--inference-max-seq-length", "48", "--top_k", "1")
+    _check_serving_args(args)
+    assert (args.port, args.host, args.temperature, args.top_k, args.top_p) == (5000, "0.0.0.0", 1.0, 1, 0.0)
+    assert (args.skip_train, args.no_load_optim, args.no_load_rng, args.exit_on_missing_checkpoint) == (
+        True, True, True, True)
+    assert args.micro_batch_size == 1 and args.inference_max_requests == 4
+    assert max_sequence_length(args) == 48
+    assert max_sequence_length(parse()) == 64  # the default 2560 is capped by --max-position-embeddings
+
+
+@pytest.mark.parametrize("flags,load,message", [
+    ((), False, "--load is required"),
+    (("--port", "70000"), True, "--port 70000: not a TCP port"),
+    (("--temperature", "-1"), True, "need temperature >= 0"),
+    (("--top_p", "1.5"), True, "0 <= top_p <= 1"),
+    (("--inference-max-requests", "0"), True, "need at least 1 request"),
+    (("--chat-template", "/no/such/template.jinja"), True, "--chat-template /no/such/template.jinja: no such file"),
+])
+def test_bad_serving_flags_are_refused_with_the_flag_named(parse, flags, load, message):
+    args = parse(*flags, load=load)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _check_serving_args(args)
+
+
+def test_missing_checkpoint_directory_and_data_parallel_replicas_are_refused(parse, monkeypatch, tmp_path):
+    args = parse()
+    args.load = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match="missing: no such directory"):
+        _check_serving_args(args)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="runs one model replica.*DP 2"):
+        _check_serving_args(parse())
