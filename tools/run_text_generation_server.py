@@ -33,11 +33,6 @@ from megatron.training.global_vars import set_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 
 
-_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
-                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-
-
 def add_text_generate_args(parser):
     """The server's own flags (Megatron's tools/run_text_generation_server.py names)."""
     group = parser.add_argument_group(title="text generation")
@@ -62,15 +57,9 @@ def parse_server_args():
     parse_and_validate_args order: parse, --use-checkpoint-args, validate)."""
     args = parse_args(add_text_generate_args)
     if args.use_checkpoint_args:
-        # The model's shape comes from the checkpoint; the layout to serve at stays the command line's (the
-        # checkpoint is resharded on load), where training's --use-checkpoint-args would take it over too.
-        layout = {name: getattr(args, name, None) for name in _LAYOUT_ARGS}
-        derived = [name for name in _LAYOUT_ARGS if not hasattr(args, name)]  # validation derives these
+        # The model's shape comes from the checkpoint; the layout to serve at is the command line's (the checkpoint
+        # is resharded on load) unless --use-mp-args-from-checkpoint-args asks for the saved one.
         load_args_from_checkpoint(args)
-        for name, value in layout.items():
-            setattr(args, name, value)
-        for name in derived:
-            delattr(args, name)
     data_flags = (args.data_path, args.data_args_path, args.train_data_path, args.valid_data_path,
                   args.test_data_path, args.per_split_data_args_path)
     if all(flag is None for flag in data_flags):

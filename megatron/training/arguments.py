@@ -462,6 +462,10 @@ def _add_checkpointing_args(parser):
                        help="Directory of a pretrained checkpoint to finetune from (when --load has none).")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Take the model arguments from the checkpoint given by --load.")
+    group.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                       help="With --use-checkpoint-args, take the model-parallel layout (TP, PP, virtual stages) "
+                       "from the checkpoint too; without it this command line's layout is used and the checkpoint "
+                       "is resharded on load.")
     group.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
                        "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
                        dest="use_tokenizer_model_from_checkpoint_args",

@@ -210,7 +210,6 @@ CHECKPOINT_OPTIONS = FlagTable("checkpointing", (
     value("--non-persistent-save-interval", int, None),
     value("--override-ckpt-iteration", int, None),
     value("--save-retain-interval", int, None),
-    switch("--use-mp-args-from-checkpoint-args"),
 ), not_supported="checkpointing option")
 
 

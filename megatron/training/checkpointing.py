@@ -311,12 +311,16 @@ _CHECKPOINT_MODEL_ARGS = (
     "openai_gelu",
     "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
-    "vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
-    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "vocab_size", "make_vocab_size_divisible_by",
     "is_hybrid_model", "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
     "mamba_num_heads",
+)
+# The layout, taken as well only with --use-mp-args-from-checkpoint-args (as in Megatron-LM): otherwise the command
+# line's layout holds and the checkpoint is resharded on load.
+_CHECKPOINT_PARALLEL_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
 )
 # What a checkpoint's model must share with this run's to load at all (the layout may differ: it reshards).
 _CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type",
@@ -363,7 +367,10 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
     saved = load_common_state_dict(found[0]).get("args")
     if saved is None:
         raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
-    for name in _CHECKPOINT_MODEL_ARGS:
+    names = _CHECKPOINT_MODEL_ARGS
+    if getattr(args, "use_mp_args_from_checkpoint_args", False):
+        names += _CHECKPOINT_PARALLEL_ARGS
+    for name in names:
         if hasattr(saved, name):
             setattr(args, name, getattr(saved, name))
     return args

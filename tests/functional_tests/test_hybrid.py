@@ -103,6 +103,22 @@ def test_checkpoint_args_carry_the_hybrid_shape(hybrid_run):
             args.mamba_num_groups, args.is_hybrid_model) == ("M*-M-", 5, 8, 16, 2, True)
 
 
+def test_checkpoint_args_take_the_layout_only_when_asked(hybrid_run):
+    """The saved TP size replaces the command line's only with --use-mp-args-from-checkpoint-args (Megatron-LM's
+    rule); otherwise the command line's layout holds and the checkpoint reshards on load."""
+    from megatron.training.arguments import parse_args_list
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from pretrain_hybrid import hybrid_model_flags
+
+    _, save_dir = hybrid_run
+    sizes = {}
+    for extra in ([], ["--use-mp-args-from-checkpoint-args"]):
+        args = parse_args_list(["--load", str(save_dir), "--use-checkpoint-args", *extra],
+                               extra_args_provider=hybrid_model_flags)
+        sizes[bool(extra)] = load_args_from_checkpoint(args).tensor_model_parallel_size
+    assert sizes == {False: 1, True: 2}
+
+
 def test_hybrid_pipeline_and_data_parallel_train_like_tensor_parallel(hybrid_run, cpu_data_flags):
     """PP2 (3 + 2 layers by the pattern's '|') x DP2 with the distributed optimizer follows the TP2 + SP run's
     curve: both are the single-process model (the unit tests compare each layout with one process)."""

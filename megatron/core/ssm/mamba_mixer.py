@@ -44,7 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
-from megatron.core.utils import get_current_device, warn_once
+from megatron.core.utils import cuda_available, get_current_device, warn_once
 
 if TYPE_CHECKING:
     # The inference contexts live in megatron.core.inference; the mixer only needs the protocol of
@@ -173,7 +173,9 @@ class MambaMixer(MegatronModule):
         self.in_proj_sections = [self.d_inner, self.d_inner, group_width, group_width, self.nheads]
         self.conv_sections = [self.d_inner, group_width, group_width]
         self.use_mem_eff_path = config.use_mamba_mem_eff_path
-        if self.use_mem_eff_path and not ssd_kernels.kernels_usable():
+        # Only where the kernels could run: on a CPU-only machine the PyTorch path is the one path (Megatron's
+        # default True would otherwise warn on every CPU run).
+        if self.use_mem_eff_path and cuda_available() and not ssd_kernels.kernels_usable():
             warn_once(
                 "use_mamba_mem_eff_path=True but mamba-ssm is not installed: the Mamba mixer runs the pure-PyTorch "
                 "conv1d and chunked SSD scan (same results, more activation memory)"

@@ -30,7 +30,7 @@ def convert(*arguments):
 def finetune(load_flags, save_dir, lr, tokenizer_dir):
     """Two iterations of pretrain_gpt.py on 4 ranks; the model flags, the layout and the tokenizer type come from
     the checkpoint."""
-    flags = [*load_flags, "--use-checkpoint-args", "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
+    flags = [*load_flags, "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args", "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
              "--global-batch-size", "2", "--train-iters", "2", "--lr", str(lr), "--min-lr", "0",
              "--log-interval", "1", "--eval-iters", "0", "--save", save_dir, "--save-interval", "2", *CPU_FLAGS]
     return run(torchrun_command(flags, nproc=4), timeout=300)
