@@ -118,3 +118,31 @@ def test_hybrid_pipeline_and_data_parallel_train_like_tensor_parallel(hybrid_run
                             entry_point=ENTRY_POINT)
     expected = {i: v for i, v in result.curve().items() if i <= 6}
     assert_curves_close(parallel.curve(), expected, LAYOUT_REL_TOL, f"PP2 x DP2\n{parallel.describe()}")
+
+
+def test_generate_from_a_hybrid_checkpoint_at_tp1_and_tp2(hybrid_run):
+    """examples/inference/generate_from_checkpoint.py builds a HybridModel from --hybrid-layer-pattern and generates
+    from the TP2 checkpoint at TP1 and at TP2 (resharded on load; the Mamba states split by heads at TP2): the same
+    greedy tokens and log-probs."""
+    from megatron.training import builtin_data
+
+    _, save_dir = hybrid_run
+    model_flags = HYBRID_FLAGS[: HYBRID_FLAGS.index("--tensor-model-parallel-size")]
+    script = REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py"
+    outputs = []
+    for nproc in (1, 2):
+        flags = model_flags + [
+            "--tensor-model-parallel-size", str(nproc), "--distributed-backend", "gloo",
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", builtin_data.vocab_file(),
+            "--merge-file", builtin_data.merge_file(), "--load", str(save_dir),
+            "--prompts", "ROMEO:", "First Citizen: Before we proceed any further,",
+            "--num-tokens-to-generate", "6", "--top_k", "1", "--return-log-probs",
+        ]
+        result = run_pretrain(flags, nproc, entry_point=script)
+        lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"prompt"')]
+        assert len(lines) == 2, result.describe()
+        outputs.append(lines)
+    for expected, actual in zip(*outputs):
+        assert len(expected["generated_tokens"]) == 6
+        assert actual["generated_tokens"] == expected["generated_tokens"]
+        assert actual["generated_log_probs"] == pytest.approx(expected["generated_log_probs"], abs=1e-4)
