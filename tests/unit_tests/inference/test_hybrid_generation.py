@@ -131,3 +131,33 @@ def test_mamba_states_need_registered_layers():
 
     with pytest.raises(ValueError, match="no Mamba layers were registered"):
         StaticInferenceContext(1, 4).mamba_states_cache(1)
+
+
+def _megatron_llm():
+    from megatron.core.inference.apis.llm import MegatronLLM
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.sampling_params import SamplingParams
+    from tests.unit_tests.models.hybrid.hybrid_test_helpers import build_model
+
+    model = build_model().eval()
+    expected = [_greedy_without_cache(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    config = InferenceConfig(max_sequence_length=MAX_SEQ, block_size_tokens=4, max_requests=2)  # two wait
+    llm = MegatronLLM(model=model, tokenizer=_tokenizer(), inference_config=config)
+    llm.controller.dummy_forward()  # the server's warm-up: a one-token static-context forward touches no request
+    out = llm.generate(PROMPTS, SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1))
+    return expected, [r.generated_tokens for r in out], _free(llm.context)
+
+
+def test_megatron_llm_over_a_hybrid_model():
+    expected, generated, free = run_distributed(1, _megatron_llm)[0]
+    assert generated == expected
+    assert free, "KV blocks or Mamba state slots still allocated after generate"
+
+
+def test_dynamic_context_needs_a_prepared_step_for_mamba_layers():
+    from megatron.core.inference.contexts import DynamicInferenceContext
+
+    context = DynamicInferenceContext(params_dtype=torch.float32, num_layers=1, kv_channels=8, num_attention_heads=2,
+                                      max_sequence_length=8, block_size_tokens=4, num_blocks=4, device="cpu")
+    with pytest.raises(ValueError, match="call prepare_step"):
+        context.is_decode_only()
