@@ -146,3 +146,28 @@ def test_generate_from_a_hybrid_checkpoint_at_tp1_and_tp2(hybrid_run):
         assert len(expected["generated_tokens"]) == 6
         assert actual["generated_tokens"] == expected["generated_tokens"]
         assert actual["generated_log_probs"] == pytest.approx(expected["generated_log_probs"], abs=1e-4)
+
+
+def test_text_generation_server_serves_a_hybrid_checkpoint(hybrid_run, cpu_data_flags):
+    """tools/run_text_generation_server.py at TP2 over the hybrid checkpoint: a greedy completion through the openai
+    client gives generate_from_checkpoint.py's text at TP1 (the same model, engine and tokenizer)."""
+    from tests.functional_tests.test_text_generation_server import _Server
+
+    _, save_dir = hybrid_run
+    model_flags = HYBRID_FLAGS[: HYBRID_FLAGS.index("--tensor-model-parallel-size")]
+    generated = run_pretrain(
+        model_flags + cpu_data_flags[: cpu_data_flags.index("--data-path")]
+        + cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
+        + ["--load", str(save_dir), "--prompts", "ROMEO:", "--num-tokens-to-generate", "6", "--top_k", "1"],
+        1, entry_point=REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py",
+    )
+    expected = [json.loads(line) for line in generated.output.splitlines() if line.startswith('{"prompt"')]
+    assert len(expected) == 1 and expected[0]["generated_tokens"], generated.describe()
+    server = _Server(str(save_dir), cpu_data_flags, nproc=2, model_flags=model_flags,
+                     extra=["--tensor-model-parallel-size", "2"])
+    try:
+        model = server.client.models.list().data[0].id
+        choice = server.client.completions.create(model=model, prompt="ROMEO:", max_tokens=6, temperature=0).choices[0]
+    finally:
+        server.stop()
+    assert choice.text == expected[0]["generated_text"]
