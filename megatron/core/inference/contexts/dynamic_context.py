@@ -151,7 +151,6 @@ class DynamicInferenceContext(BaseInferenceContext):
         # One Mamba state slot per active request (used only by a hybrid model's Mamba layers); popped from the
         # end, lowest first, like the blocks.
         self._free_mamba_slots: List[int] = list(range(self.max_requests - 1, -1, -1))
-        self.mamba_metadata: Optional[MambaMetadata] = None
         self.device = device if device is not None else get_current_device()
         self.memory_buffer: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._active: Dict[object, _ActiveRequest] = {}
@@ -247,7 +246,6 @@ class DynamicInferenceContext(BaseInferenceContext):
         self._active.clear()
         self.block_allocator.reset()
         self._free_mamba_slots = list(range(self.max_requests - 1, -1, -1))
-        self.mamba_metadata = None
         self._step = None
 
     # ---- one forward step ----
@@ -324,15 +322,9 @@ class DynamicInferenceContext(BaseInferenceContext):
             step["unpad_index"] = torch.tensor(
                 [i * max_q + j for i, n in enumerate(lengths) for j in range(n)], device=device
             )
-        mamba_slots = torch.tensor([self._active[rid].mamba_slot for rid, _ in chunks], device=device)
-        if max_q == 1:
-            self.mamba_metadata = MambaMetadata(batch_indices_decode=mamba_slots)
-        else:
-            self.mamba_metadata = MambaMetadata(
-                batch_indices_prefill=mamba_slots,
-                prefill_lengths=torch.tensor(lengths, device=device),
-                prefill_has_initial_states=torch.tensor([start > 0 for start in starts], device=device),
-            )
+        # Host numbers only: the Mamba metadata's tensors are made on first use (a model without Mamba layers
+        # never pays for them).
+        step["mamba"] = ([self._active[rid].mamba_slot for rid, _ in chunks], lengths, starts)
         self._step = step
         input_ids = torch.tensor(tokens, device=device).unsqueeze(0)
         self.step_inputs = (input_ids, step["positions"].unsqueeze(0), torch.tensor(last_index, device=device))
@@ -343,6 +335,26 @@ class DynamicInferenceContext(BaseInferenceContext):
         if self._step is None:
             raise ValueError("DynamicInferenceContext: call prepare_step() before the forward pass")
         return self._step["decode_only"]
+
+    @property
+    def mamba_metadata(self) -> Optional[MambaMetadata]:
+        """The prepared step's Mamba state slots (None outside a step); built once per step, on first use."""
+        step = self._step
+        if step is None:
+            return None
+        if "mamba_metadata" not in step:
+            slots, lengths, starts = step["mamba"]
+            device = self.device
+            if step["decode_only"]:
+                metadata = MambaMetadata(batch_indices_decode=torch.tensor(slots, device=device))
+            else:
+                metadata = MambaMetadata(
+                    batch_indices_prefill=torch.tensor(slots, device=device),
+                    prefill_lengths=torch.tensor(lengths, device=device),
+                    prefill_has_initial_states=torch.tensor([start > 0 for start in starts], device=device),
+                )
+            step["mamba_metadata"] = metadata
+        return step["mamba_metadata"]
 
     def mamba_tokens_to_rows(self, hidden_states: Tensor) -> Tensor:
         """The step's flat tokens ``[t, 1, h]`` as one row per request ``[max_q, r, h]`` (right-padded; a
