@@ -8,6 +8,10 @@ plus prompt chunks of requests in prefill, in any mix. :meth:`DynamicInferenceCo
 step's plan into index tensors once, on the host's numbers, so the layers do no host synchronisation: each layer
 scatters its new keys/values into their slots, gathers every request's blocks through the block table, and runs
 one masked attention for the whole step.
+
+A hybrid model's Mamba layers keep no KV cache but a fixed-size conv and SSM state per request: every active
+request also owns one of ``max_requests`` state slots, given with its blocks and returned with them, and a Mamba
+layer sees the step's tokens regrouped into one row per request (``megatron.core.ssm.mamba_inference``).
 """
 
 import math
@@ -75,7 +79,8 @@ class DynamicInferenceContext(BaseInferenceContext):
     Args:
         params_dtype: dtype of the cached keys/values (the model's compute dtype).
         num_layers: transformer layers of the whole model (layer numbers are global; a pipeline stage allocates
-            memory only for the layers it runs).
+            memory only for the layers it runs); it only sizes ``buffer_size_gb`` into blocks, so for a hybrid the
+            number of attention layers is the accurate value.
         kv_channels: head dimension.
         num_attention_heads: key/value heads of the whole model (``num_query_groups``), split over TP ranks.
         max_sequence_length: longest prompt plus generation of one request.
