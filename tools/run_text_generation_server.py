@@ -1,16 +1,18 @@
-"""Serve a checkpoint saved by pretrain_gpt.py over HTTP: OpenAI's completions and chat API, and Megatron's PUT /api.
+"""Serve a checkpoint saved by pretrain_gpt.py or pretrain_hybrid.py over HTTP: OpenAI's completions and chat API,
+and Megatron's PUT /api.
 
     torchrun --nproc_per_node 2 tools/run_text_generation_server.py --tensor-model-parallel-size 2 \\
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --load checkpoints/gpt --port 5000
 
-The model flags are pretrain_gpt.py's (the model is built by its ``model_provider``; ``--use-checkpoint-args``
-reads them from the checkpoint instead), the layout flags choose the TP/PP layout to serve at (any layout: the
-checkpoint is resharded on load), and the inference flags size the engine: ``--inference-max-requests`` (requests
-decoding at once; more wait in the queue), ``--inference-max-seq-length`` (prompt plus generation, capped by
-``--max-position-embeddings``), ``--inference-dynamic-batching-block-size`` / ``-buffer-size-gb`` /
-``-max-tokens`` (the paged KV cache and the tokens per step). ``--temperature``, ``--top_k`` and ``--top_p`` are
+The model flags are pretrain_gpt.py's (the model is built by its ``model_provider``; with ``--hybrid-layer-pattern``
+it is pretrain_hybrid.py's HybridModel; ``--use-checkpoint-args`` reads them from the checkpoint instead), the
+layout flags choose the TP/PP layout to serve at (any layout: the checkpoint is resharded on load), and the
+inference flags size the engine: ``--inference-max-requests`` (requests decoding at once; more wait in the queue),
+``--inference-max-seq-length`` (prompt plus generation, capped by ``--max-position-embeddings``),
+``--inference-dynamic-batching-block-size`` / ``-buffer-size-gb`` / ``-max-tokens`` (the paged KV cache and the
+tokens per step). ``--temperature``, ``--top_k`` and ``--top_p`` are
 the defaults of requests that do not set them. Rank 0 listens on ``--host``:``--port``; the other ranks step the
 engine with it. Needs the inference extra: ``pip install -e ".[inference]"``. See docs/inference.md.
 """
@@ -114,7 +116,10 @@ def build_engine(args, model, tokenizer):
     blocks_needed = args.inference_max_requests * math.ceil(seq_length / block_size)
     element_size = torch.empty((), dtype=config.params_dtype).element_size()
     kv_heads = config.num_query_groups or config.num_attention_heads
-    bytes_per_block = 2 * config.num_layers * kv_heads * config.kv_channels * element_size * block_size
+    # Only attention layers cache keys/values (a hybrid's Mamba layers keep a fixed-size state per request slot).
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    attention_layers = pattern.split("/")[0].count("*") if pattern else config.num_layers
+    bytes_per_block = 2 * max(attention_layers, 1) * kv_heads * config.kv_channels * element_size * block_size
     blocks_in_buffer = int(args.inference_dynamic_batching_buffer_size_gb * 1024**3 // bytes_per_block)
     context = DynamicInferenceContext(
         params_dtype=config.params_dtype,
@@ -138,7 +143,12 @@ def main() -> None:
         _check_serving_args(args)
     from megatron.core.inference.text_generation_server.server import TextGenerationServer, control_group
     from megatron.core.inference.text_generation_server.validation import ServingDefaults
-    from pretrain_gpt import model_provider
+    # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
+    # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.
+    if args.hybrid_layer_pattern or args.is_hybrid_model:
+        from pretrain_hybrid import model_provider
+    else:
+        from pretrain_gpt import model_provider
 
     initialize_megatron()
     args = get_args()

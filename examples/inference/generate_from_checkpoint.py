@@ -1,4 +1,4 @@
-"""Generate text offline from a checkpoint saved by pretrain_gpt.py, at any TP/PP layout.
+"""Generate text offline from a checkpoint saved by pretrain_gpt.py or pretrain_hybrid.py, at any TP/PP layout.
 
     torchrun --nproc_per_node 2 examples/inference/generate_from_checkpoint.py \\
         --tensor-model-parallel-size 2 --distributed-backend gloo \\
@@ -7,10 +7,11 @@
         --load /tmp/megatron-lite/gpt_cpu \\
         --prompts "ROMEO:" "First Citizen:" --num-tokens-to-generate 32 --top_k 1
 
-The model flags are pretrain_gpt.py's (``--use-checkpoint-args`` reads them from the checkpoint); the layout flags
-pick the layout to generate at, whatever the layout that saved it (the checkpoint is resharded on load). The
-sampling flags apply to every prompt: ``--temperature``, ``--top_k`` (1: greedy), ``--top_p``, ``--seed``
-(reproducible samples), ``--return-log-probs``, ``--stop-words``. Rank 0 prints one JSON line per prompt.
+The model flags are pretrain_gpt.py's (with ``--hybrid-layer-pattern``, pretrain_hybrid.py's HybridModel;
+``--use-checkpoint-args`` reads them from the checkpoint); the layout flags pick the layout to generate at, whatever
+the layout that saved it (the checkpoint is resharded on load). The sampling flags apply to every prompt:
+``--temperature``, ``--top_k`` (1: greedy), ``--top_p``, ``--seed`` (reproducible samples), ``--return-log-probs``,
+``--stop-words``. Rank 0 prints one JSON line per prompt.
 """
 
 import json
@@ -61,7 +62,12 @@ def main() -> None:
             num_tokens_to_generate=args.num_tokens_to_generate, return_log_probs=args.return_log_probs,
             skip_prompt_log_probs=True, stop_words=args.stop_words or None, seed=args.seed,
         )
-    from pretrain_gpt import model_provider
+    # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
+    # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.
+    if args.hybrid_layer_pattern or args.is_hybrid_model:
+        from pretrain_hybrid import model_provider
+    else:
+        from pretrain_gpt import model_provider
 
     initialize_megatron()
     args = get_args()

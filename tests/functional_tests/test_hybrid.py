@@ -134,3 +134,56 @@ def test_hybrid_pipeline_and_data_parallel_train_like_tensor_parallel(hybrid_run
                             entry_point=ENTRY_POINT)
     expected = {i: v for i, v in result.curve().items() if i <= 6}
     assert_curves_close(parallel.curve(), expected, LAYOUT_REL_TOL, f"PP2 x DP2\n{parallel.describe()}")
+
+
+def test_generate_from_a_hybrid_checkpoint_at_tp1_and_tp2(hybrid_run):
+    """examples/inference/generate_from_checkpoint.py builds a HybridModel from --hybrid-layer-pattern and generates
+    from the TP2 checkpoint at TP1 and at TP2 (resharded on load; the Mamba states split by heads at TP2): the same
+    greedy tokens and log-probs."""
+    from megatron.training import builtin_data
+
+    _, save_dir = hybrid_run
+    model_flags = HYBRID_FLAGS[: HYBRID_FLAGS.index("--tensor-model-parallel-size")]
+    script = REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py"
+    outputs = []
+    for nproc in (1, 2):
+        flags = model_flags + [
+            "--tensor-model-parallel-size", str(nproc), "--distributed-backend", "gloo",
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", builtin_data.vocab_file(),
+            "--merge-file", builtin_data.merge_file(), "--load", str(save_dir),
+            "--prompts", "ROMEO:", "First Citizen: Before we proceed any further,",
+            "--num-tokens-to-generate", "6", "--top_k", "1", "--return-log-probs",
+        ]
+        result = run_pretrain(flags, nproc, entry_point=script)
+        lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"prompt"')]
+        assert len(lines) == 2, result.describe()
+        outputs.append(lines)
+    for expected, actual in zip(*outputs):
+        assert len(expected["generated_tokens"]) == 6
+        assert actual["generated_tokens"] == expected["generated_tokens"]
+        assert actual["generated_log_probs"] == pytest.approx(expected["generated_log_probs"], abs=1e-4)
+
+
+def test_text_generation_server_serves_a_hybrid_checkpoint(hybrid_run, cpu_data_flags):
+    """tools/run_text_generation_server.py at TP2 over the hybrid checkpoint: a greedy completion through the openai
+    client gives generate_from_checkpoint.py's text at TP1 (the same model, engine and tokenizer)."""
+    from tests.functional_tests.test_text_generation_server import _Server
+
+    _, save_dir = hybrid_run
+    model_flags = HYBRID_FLAGS[: HYBRID_FLAGS.index("--tensor-model-parallel-size")]
+    generated = run_pretrain(
+        model_flags + cpu_data_flags[: cpu_data_flags.index("--data-path")]
+        + cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
+        + ["--load", str(save_dir), "--prompts", "ROMEO:", "--num-tokens-to-generate", "6", "--top_k", "1"],
+        1, entry_point=REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py",
+    )
+    expected = [json.loads(line) for line in generated.output.splitlines() if line.startswith('{"prompt"')]
+    assert len(expected) == 1 and expected[0]["generated_tokens"], generated.describe()
+    server = _Server(str(save_dir), cpu_data_flags, nproc=2, model_flags=model_flags,
+                     extra=["--tensor-model-parallel-size", "2"])
+    try:
+        model = server.client.models.list().data[0].id
+        choice = server.client.completions.create(model=model, prompt="ROMEO:", max_tokens=6, temperature=0).choices[0]
+    finally:
+        server.stop()
+    assert choice.text == expected[0]["generated_text"]

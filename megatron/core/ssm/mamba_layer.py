@@ -87,9 +87,17 @@ class MambaLayer(MegatronModule):
         inference_context = inference_context if inference_context is not None else inference_params
         residual = hidden_states.float() if self.residual_in_fp32 else hidden_states
         hidden_states = self.norm(hidden_states.to(dtype=self.config.params_dtype))
+        # A dynamic (continuous-batching) context runs a flat batch of tokens [t, 1, h]; the mixer's recurrence
+        # needs one row per request, so the context regroups the tokens around the mixer.
+        regroup = inference_context is not None and hasattr(inference_context, "mamba_tokens_to_rows")
+        if regroup:
+            hidden_states = inference_context.mamba_tokens_to_rows(hidden_states)
         mixer_output_with_bias = self.mixer(
             hidden_states, inference_context=inference_context, packed_seq_params=packed_seq_params
         )
+        if regroup:
+            output, bias = mixer_output_with_bias
+            mixer_output_with_bias = (inference_context.mamba_rows_to_tokens(output), bias)
         return self.mamba_bda(self.training, self.config.bias_dropout_fusion)(
             mixer_output_with_bias, residual, self.hidden_dropout
         )

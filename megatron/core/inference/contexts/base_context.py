@@ -2,6 +2,7 @@
 attention over cached keys/values that ``Attention.forward`` hands its projected query/key/value to."""
 
 from abc import ABC, abstractmethod
+from typing import Dict, Tuple
 
 from torch import Tensor
 
@@ -16,6 +17,41 @@ class BaseInferenceContext(ABC):
 
     def __init__(self, materialize_only_last_token_logits: bool = True):
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
+        # Mamba layers of a hybrid model (this stage's, by local layer number) and their per-slot states.
+        self._mamba_mixers: Dict[int, object] = {}
+        self.mamba_states: Dict[int, Tuple[Tensor, Tensor]] = {}
+
+    # ---- Mamba layers (see megatron.core.ssm.mamba_inference for the protocol) ----
+
+    def set_mamba_layers(self, mixers: Dict[int, object]) -> None:
+        """The model's Mamba mixers by local layer number (``layer_number - pp_layer_offset``); the inference
+        wrapper registers them before each forward, so a context built without the model can still hold their
+        states."""
+        self._mamba_mixers = mixers
+
+    @property
+    def mamba_state_slot_count(self) -> int:
+        """How many requests' Mamba states the context holds (one slot per batch row or active request)."""
+        raise NotImplementedError
+
+    def mamba_states_cache(self, layer_number: int) -> Tuple[Tensor, Tensor]:
+        """``(conv_state [slots, ...], ssm_state [slots, ...])`` of a Mamba layer, allocated zeroed on the layer's
+        first forward with the mixer's own shapes, device and dtypes (``MambaMixer.allocate_inference_cache``)."""
+        states = self.mamba_states.get(layer_number)
+        if states is None:
+            mixer = self._mamba_mixers.get(layer_number)
+            if mixer is None:
+                raise ValueError(
+                    f"{type(self).__name__}: Mamba layer {layer_number} asked for its states but no Mamba layers "
+                    "were registered; run the model through an inference wrapper (GPTInferenceWrapper), which "
+                    "registers them, or call set_mamba_layers()"
+                )
+            states = mixer.allocate_inference_cache(self.mamba_state_slot_count, self.max_sequence_length)
+            self.mamba_states[layer_number] = states
+        return states
+
+    def mamba_states_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in self.mamba_states.values())
 
     @abstractmethod
     def is_static_batching(self) -> bool:

@@ -8,6 +8,10 @@ plus prompt chunks of requests in prefill, in any mix. :meth:`DynamicInferenceCo
 step's plan into index tensors once, on the host's numbers, so the layers do no host synchronisation: each layer
 scatters its new keys/values into their slots, gathers every request's blocks through the block table, and runs
 one masked attention for the whole step.
+
+A hybrid model's Mamba layers keep no KV cache but a fixed-size conv and SSM state per request: every active
+request also owns one of ``max_requests`` state slots, given with its blocks and returned with them, and a Mamba
+layer sees the step's tokens regrouped into one row per request (``megatron.core.ssm.mamba_inference``).
 """
 
 import math
@@ -52,7 +56,21 @@ class BlockOverflowError(ContextOverflowError):
 @dataclass
 class _ActiveRequest:
     blocks: List[int]
+    mamba_slot: int  # the row of every Mamba layer's conv/SSM state tensors this request owns
     length: int = 0  # tokens whose keys/values are in the cache
+
+
+@dataclass
+class MambaMetadata:
+    """Which Mamba state slot each request of the step uses (``megatron.core.ssm.mamba_inference``): decode-only
+    steps set ``batch_indices_decode``; other steps run every request as a right-padded prefill row with
+    ``prefill_lengths`` tokens, continuing from its stored states where it already has tokens (a later prompt
+    chunk, or a decoding request's one token)."""
+
+    batch_indices_decode: Optional[Tensor] = None
+    batch_indices_prefill: Optional[Tensor] = None
+    prefill_lengths: Optional[Tensor] = None
+    prefill_has_initial_states: Optional[Tensor] = None
 
 
 class DynamicInferenceContext(BaseInferenceContext):
@@ -61,7 +79,8 @@ class DynamicInferenceContext(BaseInferenceContext):
     Args:
         params_dtype: dtype of the cached keys/values (the model's compute dtype).
         num_layers: transformer layers of the whole model (layer numbers are global; a pipeline stage allocates
-            memory only for the layers it runs).
+            memory only for the layers it runs); it only sizes ``buffer_size_gb`` into blocks, so for a hybrid the
+            number of attention layers is the accurate value.
         kv_channels: head dimension.
         num_attention_heads: key/value heads of the whole model (``num_query_groups``), split over TP ranks.
         max_sequence_length: longest prompt plus generation of one request.
@@ -134,6 +153,9 @@ class DynamicInferenceContext(BaseInferenceContext):
                 f"max_tokens={self.max_tokens}"
             )
         self.block_allocator = KVBlockAllocator(num_blocks)
+        # One Mamba state slot per active request (used only by a hybrid model's Mamba layers); popped from the
+        # end, lowest first, like the blocks.
+        self._free_mamba_slots: List[int] = list(range(self.max_requests - 1, -1, -1))
         self.device = device if device is not None else get_current_device()
         self.memory_buffer: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._active: Dict[object, _ActiveRequest] = {}
@@ -203,12 +225,23 @@ class DynamicInferenceContext(BaseInferenceContext):
             raise BlockOverflowError(
                 request_id, f"needs {needed} KV-cache blocks, {self.block_allocator.total_avail} free now"
             )
-        self._active[request_id] = _ActiveRequest(self.block_allocator.allocate_memory_blocks(needed))
+        self._active[request_id] = _ActiveRequest(
+            self.block_allocator.allocate_memory_blocks(needed), self._free_mamba_slots.pop()
+        )
 
     def release_request(self, request_id) -> None:
-        """A request finished (or failed): its blocks go back to the free list."""
+        """A request finished (or failed): its blocks and its Mamba state slot go back to the free lists."""
         entry = self._active.pop(request_id)
         self.block_allocator.release_memory_blocks(entry.blocks)
+        self._free_mamba_slots.append(entry.mamba_slot)
+
+    @property
+    def mamba_state_slot_count(self) -> int:
+        return self.max_requests
+
+    @property
+    def mamba_slots_in_use(self) -> int:
+        return self.max_requests - len(self._free_mamba_slots)
 
     def request_length(self, request_id) -> int:
         return self._active[request_id].length
@@ -217,6 +250,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         """Forget every request; the allocated memory is kept and overwritten."""
         self._active.clear()
         self.block_allocator.reset()
+        self._free_mamba_slots = list(range(self.max_requests - 1, -1, -1))
         self._step = None
 
     # ---- one forward step ----
@@ -293,10 +327,58 @@ class DynamicInferenceContext(BaseInferenceContext):
             step["unpad_index"] = torch.tensor(
                 [i * max_q + j for i, n in enumerate(lengths) for j in range(n)], device=device
             )
+        # Host numbers only: the Mamba metadata's tensors are made on first use (a model without Mamba layers
+        # never pays for them).
+        step["mamba"] = ([self._active[rid].mamba_slot for rid, _ in chunks], lengths, starts)
         self._step = step
         input_ids = torch.tensor(tokens, device=device).unsqueeze(0)
         self.step_inputs = (input_ids, step["positions"].unsqueeze(0), torch.tensor(last_index, device=device))
         return self.step_inputs
+
+    def is_decode_only(self) -> bool:
+        """Whether the prepared step is one token per request (a Mamba layer then updates its states in O(1))."""
+        if self._step is None:
+            raise ValueError("DynamicInferenceContext: call prepare_step() before the forward pass")
+        return self._step["decode_only"]
+
+    @property
+    def mamba_metadata(self) -> Optional[MambaMetadata]:
+        """The prepared step's Mamba state slots (None outside a step); built once per step, on first use."""
+        step = self._step
+        if step is None:
+            return None
+        if "mamba_metadata" not in step:
+            slots, lengths, starts = step["mamba"]
+            device = self.device
+            if step["decode_only"]:
+                metadata = MambaMetadata(batch_indices_decode=torch.tensor(slots, device=device))
+            else:
+                metadata = MambaMetadata(
+                    batch_indices_prefill=torch.tensor(slots, device=device),
+                    prefill_lengths=torch.tensor(lengths, device=device),
+                    prefill_has_initial_states=torch.tensor([start > 0 for start in starts], device=device),
+                )
+            step["mamba_metadata"] = metadata
+        return step["mamba_metadata"]
+
+    def mamba_tokens_to_rows(self, hidden_states: Tensor) -> Tensor:
+        """The step's flat tokens ``[t, 1, h]`` as one row per request ``[max_q, r, h]`` (right-padded; a
+        decode-only step is ``[1, r, h]``), the layout a Mamba mixer runs, in the order of the step's chunks."""
+        step = self._step
+        if step["decode_only"]:
+            return hidden_states.transpose(0, 1)
+        if step["num_requests"] == 1:
+            return hidden_states
+        return hidden_states[:, 0][step["pad_index"]].transpose(0, 1)
+
+    def mamba_rows_to_tokens(self, rows: Tensor) -> Tensor:
+        """The inverse of :meth:`mamba_tokens_to_rows`: ``[max_q, r, h]`` back to the flat ``[t, 1, h]``."""
+        step = self._step
+        if step["decode_only"]:
+            return rows.transpose(0, 1)
+        if step["num_requests"] == 1:
+            return rows
+        return rows.transpose(0, 1).reshape(-1, rows.shape[-1])[step["unpad_index"]].unsqueeze(1)
 
     def commit_step(self) -> None:
         """The step's forward ran: its tokens' keys/values are now part of each request's cached sequence."""

@@ -42,9 +42,23 @@ class StaticInferenceContext(BaseInferenceContext):
         return True
 
     def swap_key_value_dict(self, batch_idx) -> None:
-        """Reorder the batch rows of every layer's cache (beam search reorders its beams)."""
+        """Reorder the batch rows of every layer's cache and Mamba states (beam search reorders its beams)."""
         for layer_number, (keys, values) in self.key_value_memory_dict.items():
             self.key_value_memory_dict[layer_number] = (keys[:, batch_idx], values[:, batch_idx])
+        for layer_number, (conv, ssm) in self.mamba_states.items():
+            rows = slice(0, len(batch_idx))
+            conv[rows], ssm[rows] = conv[batch_idx], ssm[batch_idx]
+
+    # ---- Mamba layers: batch row i keeps its states in slot batch_size_offset + i ----
+
+    @property
+    def mamba_state_slot_count(self) -> int:
+        return self.max_batch_size
+
+    def is_decode_only(self) -> bool:
+        """After the first window (the prompts' common prefix) every forward is one new token per row, which a
+        Mamba layer applies to its stored states; the first window is a prefill from zero states."""
+        return self.sequence_len_offset > 0
 
     def increment_sequence_len_offset(self, increment: int) -> None:
         self.sequence_len_offset += increment

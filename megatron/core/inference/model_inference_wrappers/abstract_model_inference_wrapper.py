@@ -46,6 +46,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
         self.pipelined = parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_pipeline_model_parallel_world_size() > 1
         )
+        self.mamba_mixers = _mamba_mixers(model)
 
     def prep_model_for_inference(self, prompts_tokens: Optional[torch.Tensor] = None):
         """Eval mode (no dropout). ``prompts_tokens`` is accepted for Megatron's older signature."""
@@ -92,6 +93,9 @@ class AbstractModelInferenceWrapper(abc.ABC):
             received = torch.empty(s, b, self.config.hidden_size, dtype=self._hidden_dtype, device=tokens.device)
             dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
             get_attr_wrapped_model(self.model, "set_input_tensor")(received)
+        if self.mamba_mixers:
+            # A hybrid's Mamba layers keep conv/SSM states in the context, which sizes them from the mixers.
+            self.inference_context.set_mamba_layers(self.mamba_mixers)
         output = self.model(
             tokens,
             inference_input["position_ids"],
@@ -104,3 +108,15 @@ class AbstractModelInferenceWrapper(abc.ABC):
         if get_attr_wrapped_model(self.model, "parallel_output"):
             output = gather_from_tensor_model_parallel_region(output)
         return output
+
+
+def _mamba_mixers(model) -> Dict[int, Any]:
+    """This stage's Mamba mixers by the layer number they ask the context for (``layer_number -
+    pp_layer_offset``); empty for a model without Mamba layers."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    return {
+        module.layer_number - module.pp_layer_offset: module
+        for module in model.modules()
+        if isinstance(module, MambaMixer)
+    }
