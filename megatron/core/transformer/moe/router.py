@@ -266,7 +266,10 @@ class TopKRouter(Router):
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss * tokens * tp_cp)
         else:
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self._num_layers_for_logging())
+        # Each TP x CP rank holds the mean over its own equal slice: their average is the whole sequence's z-loss
+        # (Megatron logs one rank's slice).
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self._num_layers_for_logging(),
+                                   avg_group=self.tp_cp_group)
         return logits
 
     def apply_input_jitter(self, input: torch.Tensor):
