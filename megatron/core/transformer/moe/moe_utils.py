@@ -290,13 +290,12 @@ def apply_router_token_dropping(
         keep = torch.ones_like(routing_map, dtype=torch.bool)
     else:
         if drop_policy == "probs":
-            ranking = routing_probs
+            _, kept_rows = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)
         elif drop_policy == "position":
-            # topk over a 0/1 column returns the earliest selected rows first (ties resolve to lower indices).
-            ranking = routing_map.int()
+            # A stable sort of each 0/1 column keeps the earliest routed tokens (topk leaves ties unordered).
+            kept_rows = routing_map.to(torch.int8).argsort(dim=0, descending=True, stable=True)[:capacity]
         else:
             raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {drop_policy!r}")
-        _, kept_rows = torch.topk(ranking, k=capacity, dim=0, sorted=False)
         keep = torch.zeros_like(routing_map, dtype=torch.bool).scatter(0, kept_rows, True)
     final_map = keep if pad_to_capacity else routing_map & keep
     return routing_probs * final_map, final_map
