@@ -138,7 +138,9 @@ def _update_router_expert_bias(model: List[torch.nn.Module], config, tp_dp_cp_gr
     for the next step. A stage without
     routers issues no collective (every rank of its TP x DP x CP group is on the same stage, so none waits).
     """
-    routers = [module for chunk in model for module in chunk.modules() if hasattr(module, "expert_bias")]
+    routers = [
+        module for chunk in model for module in chunk.modules() if getattr(module, "expert_bias", None) is not None
+    ]
     if not routers:
         return
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias

@@ -306,7 +306,6 @@ ERRORS = [
      r"\(2\) x --context-parallel-size \(1\) = 4"),
     (["--context-parallel-size", "2"], dict(world_size=2),
      r"not supported yet: context parallelism \(--context-parallel-size 2\)"),
-    (["--num-experts", "8"], {}, r"not supported yet: mixture of experts \(MoE\) \(--num-experts 8\)"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2), "give only one of them"),
     (["--num-virtual-stages-per-pipeline-rank", "2"], {}, r"needs --pipeline-model-parallel-size > 1"),
