@@ -204,12 +204,12 @@ class MoELayer(BaseMoELayer):
         """The dispatcher's local preparation: ``(tokens, probs)`` ready to send."""
         return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
 
-    def router_and_preprocess(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """Route and prepare: ``(tokens, probs, residual)``, the residual being the unchanged input."""
-        residual = hidden_states
-        probs, routing_map = self.route(hidden_states, padding_mask)
-        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
-        return hidden_states, probs, residual
+    def router_and_preprocess(self, hidden_states: torch.Tensor):
+        """Route (without a padding mask) and prepare: ``(tokens, probs, residual)``, the residual being the
+        unchanged input."""
+        probs, routing_map = self.route(hidden_states)
+        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
+        return tokens, probs, hidden_states
 
     def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Send the tokens to their experts' ranks."""
@@ -243,7 +243,8 @@ class MoELayer(BaseMoELayer):
 
     def _forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         shared_expert_output = self.shared_experts_compute(hidden_states)
-        tokens, probs, _ = self.router_and_preprocess(hidden_states, padding_mask)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
         tokens, probs = self.dispatch(tokens, probs)
         output, _ = self.routed_experts_compute(tokens, probs)
         return self.postprocess(self.combine(output), shared_expert_output)
