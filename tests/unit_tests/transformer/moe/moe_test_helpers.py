@@ -76,14 +76,15 @@ def _gather_shards(tensor, param, group):
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(size)], dim=dim)
 
 
-def _global_name(name: str, layer) -> str:
-    """Local expert ``i`` of this EP rank is global expert ``offset + i``."""
-    offset = layer.local_expert_indices[0]
+def _global_name(name: str, num_experts: int) -> str:
+    """Local expert ``i`` of this EP rank is global expert ``ep_rank * experts_per_rank + i``."""
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    offset = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep_size)
     name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{offset + int(m.group(1))}.", name)
     return re.sub(r"(linear_fc[12]\.(?:weight|bias))(\d+)$", lambda m: f"{m.group(1)}{offset + int(m.group(2))}", name)
 
 
-def summed_full_gradients(layer) -> dict:
+def summed_full_gradients(layer, num_experts: int = EXPERTS) -> dict:
     """Every gradient as the single-process layer run over the whole global batch (one backward per data-parallel
     batch, summed) would hold it, keyed by single-process names: what DDP's reduction computes, done by hand.
 
@@ -106,7 +107,7 @@ def summed_full_gradients(layer) -> dict:
             grads[name] = _gather_shards(grad, param, tp_group)
         else:
             dist.all_reduce(grad, group=edp_group)
-            expert_grads[_global_name(name, layer)] = _gather_shards(grad, param, etp_group)
+            expert_grads[_global_name(name, num_experts)] = _gather_shards(grad, param, etp_group)
     parts = [None] * dist.get_world_size(ep_group)
     dist.all_gather_object(parts, expert_grads, group=ep_group)
     for part in parts:

@@ -143,3 +143,14 @@ def test_grouped_matmul_paths_agree():
                           atol=1e-5)
     aligned.pow(2).sum().backward()
     assert x.grad is not None and all(w.grad is not None for w in weights)
+
+
+def test_moe_layer_recompute_gives_the_same_output_losses_and_gradients():
+    base = {"moe_token_dispatcher_type": "alltoall"}
+    ref_outputs, ref_grads, ref_tracker = reference(tuple(sorted(base.items())), 2)
+    for result in run_distributed(2, _parallel, 1, 2, 1, {**base, "moe_layer_recompute": True}, 2):
+        assert relative_error(result["output"], ref_outputs[result["dp_rank"]]) <= TOLERANCE
+        for name, grad in ref_grads.items():
+            assert relative_error(result["grads"][name], grad) <= TOLERANCE, name
+        for name, values in ref_tracker.items():  # the losses are attached once, in the recomputation
+            assert relative_error(result["tracker"][name], values) <= TOLERANCE, name
