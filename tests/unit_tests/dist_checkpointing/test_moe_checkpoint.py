@@ -186,3 +186,14 @@ def test_saved_at_ep4_loads_at_other_layouts(saved, world, tp, ep, etp):
         for name, weight in expected.items():
             assert torch.equal(after[name], weight), name
         assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def _router_state_keys():
+    model = _build(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    return key_listing(describe_pieces(model.sharded_state_dict()))
+
+
+def test_expert_bias_is_saved_and_token_counts_are_not():
+    listing = run_distributed(1, _router_state_keys)[0]
+    assert "decoder.layers.mlp.router.expert_bias tensor [2, 4]" in listing
+    assert not [line for line in listing if "tokens_per_expert" in line]

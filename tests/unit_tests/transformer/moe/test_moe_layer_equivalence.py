@@ -54,9 +54,11 @@ def _parallel(tp: int, ep: int, etp: int, overrides: dict, num_batches: int):
     x, w = inputs[dp_rank].chunk(tp)[tp_rank], weights[dp_rank].chunk(tp)[tp_rank]
     output, _ = layer(x.clone().requires_grad_())
     (output * w).sum().backward()
-    for param in layer.parameters():
-        if not getattr(param, "allreduce", True):
-            assert not getattr(param, "sequence_parallel", False)
+    for name, param in layer.named_parameters():
+        # Expert weights are reduced over the expert data-parallel group; router and shared experts over DP.
+        assert getattr(param, "allreduce", True) == (not name.startswith("experts.")), name
+        if name.startswith("experts."):
+            assert not getattr(param, "sequence_parallel", False), name
     assert layer.router.weight.sequence_parallel == (tp > 1)
     return dict(
         dp_rank=dp_rank, tp_rank=tp_rank, output=output.detach(), grads=summed_full_gradients(layer),
@@ -154,3 +156,26 @@ def test_moe_layer_recompute_gives_the_same_output_losses_and_gradients():
             assert relative_error(result["grads"][name], grad) <= TOLERANCE, name
         for name, values in ref_tracker.items():  # the losses are attached once, in the recomputation
             assert relative_error(result["tracker"][name], values) <= TOLERANCE, name
+
+
+def _padding(valid_only: bool):
+    Utils.initialize_model_parallel(1)
+    fresh_moe_state()
+    layer = build_moe_layer(moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
+    (x,), _ = global_batch(1)
+    padding = torch.zeros(x.shape[1], x.shape[0], dtype=torch.bool)  # [b, s], True = padding
+    padding[1, 5:] = True
+    if valid_only:
+        output, _ = layer(torch.cat([x[:, 0], x[:5, 1]]).unsqueeze(1))
+    else:
+        output, _ = layer(x, padding_mask=padding)
+    output.sum().backward()
+    return reduced_tracker(), layer.router.local_tokens_per_expert.clone()
+
+
+def test_padding_tokens_are_left_out_of_the_losses_and_the_expert_counts():
+    (padded_tracker, padded_counts), = run_distributed(1, _padding, False)
+    (valid_tracker, valid_counts), = run_distributed(1, _padding, True)
+    assert torch.equal(padded_counts, valid_counts) and padded_counts.sum() == 13 * 2
+    for name in ("load_balancing_loss", "z_loss"):
+        assert relative_error(padded_tracker[name], valid_tracker[name]) <= TOLERANCE, name
