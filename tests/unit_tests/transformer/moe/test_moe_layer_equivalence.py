@@ -83,6 +83,8 @@ LAYOUTS = [
     (4, 2, 2, 2, "alltoall", {"moe_grouped_gemm": True}),
     (2, 1, 1, 2, "allgather", {"add_bias_linear": True, "moe_grouped_gemm": True}),
     (2, 1, 2, 1, "alltoall", {"add_bias_linear": True}),
+    (2, 1, 2, 1, "alltoall", {"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0,
+                              "moe_router_topk_scaling_factor": 2.0, "moe_router_dtype": "fp32"}),
     # z-loss off: it is a per-batch mean, which the concatenated reference batch would halve.
     (4, 2, 2, 2, "alltoall", {"moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}),
     (2, 1, 2, 1, "alltoall", {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,

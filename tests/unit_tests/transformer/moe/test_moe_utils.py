@@ -227,3 +227,35 @@ def test_tracker_reduces_and_reports_like_megatron():
         assert scalars["moe/load_balancing_loss_layer_2"] == pytest.approx(3.5 * 0.5)
         assert "load_balancing_loss" in line
         assert torch.equal(after, torch.zeros(4))  # cleared for the next interval
+
+
+def test_router_gating_in_fp32_from_bf16_activations():
+    generator = torch.Generator().manual_seed(1)
+    inp = torch.randn(4, 2, 8, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(3, 8, generator=generator).bfloat16().requires_grad_()
+    logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    assert logits.dtype == torch.float32 and logits.shape == (4, 2, 3)
+    assert torch.allclose(logits, inp.float() @ weight.float().t())
+    logits.sum().backward()
+    assert inp.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(weight.grad.float(), inp.float().reshape(-1, 8).sum(0).expand(3, 8), rtol=1e-2)
+
+
+def _inference_router():
+    from megatron.core.transformer.moe.router import InferenceTopKRouter
+    from tests.unit_tests.transformer.moe.moe_test_helpers import moe_config
+
+    Utils.initialize_model_parallel(1)
+    torch.manual_seed(0)
+    router = InferenceTopKRouter(moe_config()).eval()
+    x = torch.randn(8, 2, 16)
+    with torch.no_grad():
+        probs, indices = router(x)
+        top = (x.reshape(-1, 16) @ router.weight.t()).topk(2, dim=-1)
+    return probs, indices, torch.softmax(top.values, dim=-1), top.indices
+
+
+def test_inference_router_returns_dense_topk():
+    probs, indices, expected_probs, expected_indices = run_distributed(1, _inference_router)[0]
+    assert probs.shape == (16, 2) and torch.equal(indices, expected_indices)
+    assert torch.allclose(probs, expected_probs, atol=1e-6)
