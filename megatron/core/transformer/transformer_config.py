@@ -43,6 +43,8 @@ _KERNEL_KNOBS = (
     "use_grouped_gemm_for_dense_mlp",
     "disable_parameter_transpose_cache",
     "symmetric_ar_type",
+    "moe_permute_fusion",
+    "moe_router_fusion",
 )
 
 
