@@ -199,7 +199,7 @@ class MLP(MegatronModule):
         output, output_bias = self.linear_fc2(intermediate)
         if output_bias is not None:
             output_bias = bias_on_first_tensor_parallel_rank(output_bias, self.linear_fc2)
-            output = output + output_bias * per_token_scale.unsqueeze(-1)
+            output = output + (output_bias * per_token_scale.unsqueeze(-1)).to(output.dtype)
         return output, None
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):

@@ -78,3 +78,33 @@ def test_gpt_with_moe_layers_matches_single_process_at_tp2_ep2():
             assert relative_error(parallel_grads[name], grad) <= 1e-5, name
         for name, values in tracker.items():
             assert relative_error(parallel_tracker[name], values) <= 1e-5, name
+
+
+def _bf16(grouped):
+    from megatron.core.transformer.module import Float16Module
+
+    Utils.initialize_model_parallel(1, expert_model_parallel_size=2)
+    fresh_moe_state()
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2, bf16=True,
+        pipeline_dtype=torch.bfloat16, moe_router_dtype="fp32", moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01, expert_model_parallel_size=2,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
+    )
+    model = Float16Module(config, GPTModel(config, get_gpt_decoder_block_spec(config, False), vocab_size=VOCAB,
+                                           max_sequence_length=SEQ))
+    outputs = []
+    model.module.decoder.layers[0].mlp.register_forward_hook(lambda m, i, o: outputs.append(o[0].dtype))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    model(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=tokens).mean().backward()
+    router = model.module.decoder.layers[0].mlp.router
+    return outputs[0], router.expert_bias.dtype, router.weight.grad.dtype, router.local_tokens_per_expert.sum().item()
+
+
+def test_bf16_model_with_fp32_routing_keeps_its_dtypes():
+    for grouped in (False, True):
+        for output_dtype, bias_dtype, grad_dtype, routed in run_distributed(2, _bf16, grouped):
+            assert output_dtype == torch.bfloat16 and grad_dtype == torch.bfloat16
+            assert bias_dtype == torch.float32  # the aux-loss-free bias stays fp32 inside a Float16Module
+            assert routed == BATCH * SEQ * 2  # every token counted at its 2 experts

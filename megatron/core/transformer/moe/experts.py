@@ -258,7 +258,8 @@ class TEGroupedMLP(MegatronModule):
         intermediate = (intermediate * scale).to(intermediate.dtype)
         output, fc2_bias = self.linear_fc2(intermediate, counts)
         if fc2_bias is not None:
-            output = output + bias_on_first_tensor_parallel_rank(fc2_bias, self.linear_fc2) * scale
+            # fp32 routing probabilities must not promote the expert output (bf16 / fp16 models).
+            output = output + (bias_on_first_tensor_parallel_rank(fc2_bias, self.linear_fc2) * scale).to(output.dtype)
         return output, None
 
     def backward_dw(self):
