@@ -96,3 +96,10 @@ def test_logged_moe_losses_follow_megatron_lms_rule(balancing, z_loss, names):
     args = validated(*MOE)
     args.moe_router_load_balancing_type, args.moe_z_loss_coeff = balancing, z_loss
     assert moe_track_names(args) == names
+
+
+def test_top1_probability_on_input_and_forced_balancing_reach_the_config():
+    args = validated("--num-experts", "4", "--moe-router-topk", "1", "--moe-apply-probs-on-input",
+                     "--moe-router-force-load-balancing")
+    config = core_transformer_config_from_args(args)
+    assert config.moe_apply_probs_on_input and config.moe_router_force_load_balancing
