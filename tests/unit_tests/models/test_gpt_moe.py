@@ -1,6 +1,7 @@
 """GPTModel with MoE layers (mixed with dense ones by moe_layer_freq): the block spec places them, forward and
-backward run with the aux losses in the backward, and TP2 x EP2 with sequence parallelism equals one process over
-the same global batch (loss and every gradient, experts by global index)."""
+backward run with the aux losses in the backward, and TP2 x EP2 with sequence parallelism, and EP2 x PP2 through the
+pipeline schedule, equal one process over the same global batch (loss and every gradient, experts by global index,
+logged losses); a bf16 model keeps its dtypes with fp32 routing."""
 
 import torch
 import torch.nn.functional as F
@@ -108,3 +109,49 @@ def test_bf16_model_with_fp32_routing_keeps_its_dtypes():
             assert output_dtype == torch.bfloat16 and grad_dtype == torch.bfloat16
             assert bias_dtype == torch.float32  # the aux-loss-free bias stays fp32 inside a Float16Module
             assert routed == BATCH * SEQ * 2  # every token counted at its 2 experts
+
+
+def _pipeline(pp, ep, num_microbatches):
+    """The MoE GPT through the pipeline schedule: each data-parallel rank runs its share of the micro-batches."""
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from tests.unit_tests.models.gpt_test_helpers import SEQ as PIPE_SEQ, VOCAB as PIPE_VOCAB
+    from tests.unit_tests.pipeline_parallel.gpt_pipeline_helpers import forward_step, global_name, microbatches
+
+    Utils.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
+    fresh_moe_state()
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
+        moe_router_topk=2, moe_layer_freq=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall", pipeline_dtype=torch.float32,
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    model = GPTModel(config, get_gpt_decoder_block_spec(config, False), vocab_size=PIPE_VOCAB,
+                     max_sequence_length=PIPE_SEQ, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    share = num_microbatches // dp_size
+    batches = microbatches(num_microbatches)[dp_rank * share : (dp_rank + 1) * share]
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=share,
+        seq_length=PIPE_SEQ, micro_batch_size=2,
+    )
+    grads = {global_name(name, model): grad / dp_size for name, grad in summed_full_gradients(model).items()}
+    stages = [None] * pp
+    torch.distributed.all_gather_object(stages, grads, group=parallel_state.get_pipeline_model_parallel_group())
+    merged = {name: grad for stage in stages for name, grad in stage.items()}
+    # Per micro-batch, as the training log reports it (track_moe_metrics' loss_scale is 1 / micro-batches).
+    tracker = {name: values / share for name, values in reduced_tracker().items()}
+    return merged, tracker
+
+
+def test_gpt_with_moe_layers_through_the_pipeline_at_ep2_pp2_matches_one_process():
+    expected_grads, expected_tracker = run_distributed(1, _pipeline, 1, 1, 4)[0]
+    for grads, tracker in run_distributed(4, _pipeline, 2, 2, 4):
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in expected_grads.items():
+            assert relative_error(grads[name], grad) <= 1e-5, name
+        for name, values in expected_tracker.items():  # layers 1 and 3 are MoE, on different stages
+            assert values[0] > 0 and values[2] > 0 and values[1] == 0
+            assert relative_error(tracker[name], values) <= 1e-5, name

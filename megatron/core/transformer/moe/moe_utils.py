@@ -153,8 +153,8 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
         """Set the gradient the aux losses receive (it must match the main loss's backward scale)."""
-        if not torch.is_tensor(scale):
-            scale = torch.tensor(float(scale))
+        # One value, whatever shape it comes in ([] or [1]), so later calls can copy into the stored tensor.
+        scale = torch.as_tensor(scale).detach().reshape(())
         if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
             MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
         else:
