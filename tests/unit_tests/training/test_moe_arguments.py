@@ -2,6 +2,7 @@
 process group exists, and carried into the TransformerConfig (pretrain_gpt's model then gets MoE layers)."""
 
 import pytest
+import torch
 
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.moe_logging import moe_track_names
@@ -103,3 +104,43 @@ def test_top1_probability_on_input_and_forced_balancing_reach_the_config():
                      "--moe-router-force-load-balancing")
     config = core_transformer_config_from_args(args)
     assert config.moe_apply_probs_on_input and config.moe_router_force_load_balancing
+
+
+class _RecordingWriter:
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[(name, iteration)] = float(value)
+
+
+def _logged_moe_losses():
+    from megatron.core import num_microbatches_calculator as calculator
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.training.moe_logging import track_moe_losses
+    from tests.unit_tests.test_utilities import Utils
+
+    Utils.initialize_model_parallel()
+    calculator.unset_num_microbatches_calculator()
+    calculator.init_num_microbatches_calculator(0, None, 8, 2, 1)  # 4 micro-batches per step
+    args = validated(*MOE, "--num-layers", "4", "--moe-layer-freq", "2", "--moe-z-loss-coeff", "1e-3",
+                     "--moe-per-layer-logging")
+    # Four micro-batches recorded the losses of the two MoE layers (1 and 3, 1-based layer numbers).
+    for _ in range(4):
+        moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.5), 1, 4)
+        moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), 3, 4)
+        moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(2.0), 3, 4)
+    writer, totals = _RecordingWriter(), {}
+    track_moe_losses(args, 7, writer, None, totals)
+    calculator.unset_num_microbatches_calculator()
+    return {k: float(v) for k, v in totals.items()}, writer.scalars
+
+
+def test_moe_losses_reach_the_loss_dict_and_tensorboard_per_layer():
+    from tests.unit_tests.test_utilities import run_distributed
+
+    totals, scalars = run_distributed(1, _logged_moe_losses)[0]
+    # Per layer: the sum over micro-batches / 4 micro-batches; logged: the sum over layers / 2 MoE layers.
+    assert totals == pytest.approx({"load_balancing_loss": 1.0, "z_loss": 1.0})
+    assert scalars[("load_balancing_loss", 7)] == pytest.approx(1.0) and scalars[("z_loss", 7)] == pytest.approx(1.0)
+    assert [scalars[(f"moe/load_balancing_loss_layer_{i}", 7)] for i in range(4)] == pytest.approx([1.5, 0, 0.5, 0])
