@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
+from megatron.training.argument_validation_moe import validate_moe_args
 from megatron.training.arguments_support import (
     FlagTable,
     ignore_flags_without_effect,
@@ -72,8 +73,6 @@ DEPRECATED_FLAGS = {
 # Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
 # with the implemented ones in arguments.py; these rows only carry their defaults).
 _NOT_BUILT_SETTINGS = (
-    FlagTable("moe", (value("--num-experts", int, None), value("--expert-model-parallel-size", int, 1)),
-              not_supported="mixture of experts (MoE)"),
     FlagTable("distributed", (value("--num-distributed-optimizer-instances", int, 1),),
               not_supported="several distributed-optimizer instances"),
 )
@@ -126,6 +125,7 @@ def validate_args(args, defaults={}):
     _validate_checkpointing(args)
     _validate_logging(args)
     _turn_off_what_cannot_run_here(args)
+    validate_moe_args(args)
     _set_run_state(args)
     return args
 
@@ -170,6 +170,7 @@ def _check_flag_support(args) -> None:
         "optimizer": {name: f"the {name} optimizer" for name in _UNSUPPORTED_OPTIMIZERS},
         "position_embedding_type": _UNSUPPORTED_POSITION_EMBEDDINGS,
         "transformer_impl": {"inference_optimized": "inference-optimized layers"},
+        "moe_token_dispatcher_type": {"flex": "the flex token dispatcher (DeepEP / HybridEP kernels)"},
         "tokenizer_type": {
             name: f"the {name}" for name in TOKENIZER_TYPES if name not in BUILT_TOKENIZER_TYPES
         },

@@ -622,11 +622,48 @@ def _add_tokenizer_args(parser):
     return parser
 
 
+# MoE flags generated from TransformerConfig fields of the same name: (field, extra add_argument keywords). Where
+# the field's type has no mechanical command-line form (int-or-list, str-or-list), Megatron-LM's type and nargs.
+_MOE_FIELD_FLAGS = (
+    ("moe_ffn_hidden_size", {}),
+    ("moe_layer_freq", {"type": moe_freq_type}),
+    ("moe_router_topk", {}),
+    ("moe_router_load_balancing_type", {
+        "type": str, "nargs": "+",
+        "choices": ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"]}),
+    ("moe_aux_loss_coeff", {"type": float, "nargs": "+"}),
+    ("moe_z_loss_coeff", {}),
+    ("moe_router_score_function", {"choices": ["softmax", "sigmoid", "sqrtsoftplus"]}),
+    ("moe_router_pre_softmax", {}),
+    ("moe_router_topk_scaling_factor", {}),
+    ("moe_router_num_groups", {}),
+    ("moe_router_group_topk", {}),
+    ("moe_router_enable_expert_bias", {}),
+    ("moe_router_bias_update_rate", {}),
+    ("moe_router_dtype", {"choices": ["fp32", "fp64"]}),
+    ("moe_input_jitter_eps", {}),
+    ("moe_expert_capacity_factor", {}),
+    ("moe_pad_expert_input_to_capacity", {}),
+    ("moe_token_drop_policy", {"choices": ["probs", "position"]}),
+    ("moe_token_dispatcher_type", {"choices": ["allgather", "alltoall", "flex"]}),
+    ("moe_grouped_gemm", {}),
+    ("moe_shared_expert_intermediate_size", {}),
+    ("moe_shared_expert_gate", {}),
+    ("moe_shared_expert_overlap", {}),
+    ("moe_layer_recompute", {}),
+    ("moe_per_layer_logging", {}),
+    ("moe_apply_probs_on_input", {}),
+    ("moe_router_force_load_balancing", {}),
+)
+
+
 def _add_moe_args(parser):
     group = parser.add_argument_group(title="moe")
     add_field_argument(group, ModelParallelConfig, "expert_model_parallel_size")
     add_field_argument(group, ModelParallelConfig, "expert_tensor_parallel_size")
     add_field_argument(group, TransformerConfig, "num_moe_experts", flags=["--num-experts"], dest="num_experts")
+    for name, kwargs in _MOE_FIELD_FLAGS:
+        add_field_argument(group, TransformerConfig, name, **kwargs)
     return parser
 
 

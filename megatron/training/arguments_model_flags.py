@@ -9,82 +9,59 @@ Megatron-LM's argparse types, defined in ``megatron.training.arguments``.
 
 from megatron.training.arguments_support import FlagTable, off_switch, switch, value
 
+# The MoE flags that work are generated from TransformerConfig's fields in arguments._add_moe_args; these are the
+# MoE features that are not built (DeepEP/HybridEP dispatch, upcycling, routing traces, paged stashing, ...).
 MOE = FlagTable("moe", (
     switch("--delay-wgrad-compute"),
     switch("--ep-overlap-early-attn-memory-release"),
     value("--expert-tensor-parallel-num-weight-shards", int, None),
     switch("--high-priority-a2a-comm-stream"),
-    switch("--moe-apply-probs-on-input"),
-    value("--moe-aux-loss-coeff", float, 0.0, nargs="+"),
     value("--moe-deepep-num-sms", int, None),
     switch("--moe-enable-deepep"),
     switch("--moe-enable-routing-replay"),
-    value("--moe-expert-capacity-factor", float, None),
     value("--moe-expert-rank-capacity-factor", float, None),
-    value("--moe-ffn-hidden-size", int, None),
     value("--moe-flex-dispatcher-backend", str, 'deepep', choices=['deepep', 'hybridep', 'ncclep']),
     value("--moe-flex-dispatcher-num-sms", int, None),
-    switch("--moe-grouped-gemm"),
     value("--moe-hybridep-num-blocks-permute", int, None),
     value("--moe-hybridep-num-blocks-unpermute", int, None),
     value("--moe-hybridep-num-sms", int, None),
     value("--moe-hybridep-num-sms-preprocessing", int, 108),
     switch("--moe-hybridep-pad-uneven-dispatch-inputs"),
-    value("--moe-input-jitter-eps", float, None),
     value("--moe-latent-size", int, None),
-    value("--moe-layer-freq", "moe_freq_type", 1),
-    switch("--moe-layer-recompute"),
     value("--moe-mlp-glu-interleave-size", int, None),
     switch("--moe-ncclep-static-shape"),
     switch("--moe-ncclep-zero-copy"),
-    switch("--moe-pad-expert-input-to-capacity"),
     switch("--moe-pad-experts-for-cuda-graph-inference"),
     switch("--moe-paged-stash"),
     value("--moe-paged-stash-buffer-size-factor-cpu", float, 0.0),
     value("--moe-paged-stash-buffer-size-factor-cuda", float, 1.1),
     value("--moe-paged-stash-page-size", int, 64),
-    switch("--moe-per-layer-logging"),
-    switch("--moe-permute-fusion"),
     switch("--moe-permute-fusion-into-hybridep"),
-    value("--moe-router-bias-update-rate", float, 0.001),
-    value("--moe-router-dtype", str, None, choices=['fp32', 'fp64']),
-    switch("--moe-router-enable-expert-bias"),
     value("--moe-router-force-biased", float, None),
-    switch("--moe-router-force-load-balancing"),
-    switch("--moe-router-fusion"),
-    value("--moe-router-group-topk", int, None),
-    value("--moe-router-load-balancing-type", str, 'aux_loss',
-        choices=['aux_loss', 'seq_aux_loss', 'global_aux_loss', 'sinkhorn', 'quantile_balancing', 'none'],
-        nargs="+"),
-    value("--moe-router-num-groups", int, None),
     switch("--moe-router-padding-for-fp8"),
     switch("--moe-router-padding-for-quantization"),
-    switch("--moe-router-pre-softmax"),
     value("--moe-router-quantile-balancing-ema", float, 0.0),
-    value("--moe-router-score-function", str, 'softmax', choices=['softmax', 'sigmoid', 'sqrtsoftplus']),
-    value("--moe-router-topk", int, 2),
-    value("--moe-router-topk-scaling-factor", float, None),
     switch("--moe-routing-trace-capture-hidden-states"),
     switch("--moe-routing-trace-capture-logits"),
     switch("--moe-routing-trace-dump-weights"),
     value("--moe-routing-trace-max-training-iters", int, None),
     value("--moe-routing-trace-path", str, None),
-    switch("--moe-shared-expert-gate"),
     value("--moe-shared-expert-glu-interleave-size", int, None),
-    value("--moe-shared-expert-intermediate-size", int, None),
-    switch("--moe-shared-expert-overlap"),
     switch("--moe-single-grouped-bias"),
     switch("--moe-single-grouped-weight"),
-    value("--moe-token-dispatcher-type", str, 'allgather', choices=['allgather', 'alltoall', 'flex']),
-    value("--moe-token-drop-policy", str, 'probs', choices=['probs', 'position']),
     value("--moe-upcycling-granularity", int, 1),
     switch("--moe-use-upcycling"),
-    value("--moe-z-loss-coeff", float, None),
     switch("--overlap-dispatch-backward-with-experts-wgrad"),
     switch("--overlap-moe-expert-parallel-comm"),
     value("--save-tokens-per-expert-interval", int, None),
     switch("--use-grouped-gemm-for-shared-expert"),
-), not_supported="mixture of experts (MoE)")
+), not_supported="these mixture-of-experts options")
+
+
+MOE_KERNELS = FlagTable("moe", (
+    switch("--moe-permute-fusion"),
+    switch("--moe-router-fusion"),
+), no_effect="fused MoE permutation / router kernels; the PyTorch implementation runs")
 
 
 MLA = FlagTable("mla", (
@@ -350,5 +327,6 @@ CUDA_GRAPHS = FlagTable("training", (
 
 
 TABLES = (
-    MOE, MLA, EXPERIMENTAL_ATTENTION, ATTENTION_VARIANTS, MAMBA, MAMBA_INFERENCE, MTP, ENCODER_DECODER, HETEROGENEOUS,
-    MODEL_OPTIONS, MUP, VISION, RETRIEVAL, KITCHEN, LOW_PRECISION_RECIPES, KERNEL_CHOICES, TE_COMM_OVERLAP, CUDA_GRAPHS)
+    MOE, MOE_KERNELS, MLA, EXPERIMENTAL_ATTENTION, ATTENTION_VARIANTS, MAMBA, MAMBA_INFERENCE, MTP, ENCODER_DECODER,
+    HETEROGENEOUS, MODEL_OPTIONS, MUP, VISION, RETRIEVAL, KITCHEN, LOW_PRECISION_RECIPES, KERNEL_CHOICES, TE_COMM_OVERLAP,
+    CUDA_GRAPHS)

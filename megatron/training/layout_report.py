@@ -19,7 +19,7 @@ from megatron.core.parallel_state import (
 )
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
-from megatron.training.flops import num_query_groups, required_arg
+from megatron.training.flops import moe_layer_pattern, num_query_groups, required_arg
 from megatron.training.hybrid_accounting import layer_parameters as hybrid_layer_parameters
 
 # How many groups of one kind to list before summarising the rest.
@@ -167,16 +167,23 @@ def parallel_layout(
 
 
 def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int, int]]:
-    """(parameters of the whole stage, parameters on one of its tensor-parallel ranks) for each pipeline rank, for
-    the GPT model of Megatron-LM's ``model_args`` built from the local layer spec (a tied output layer's copy on
-    the last stage counts, as it is a parameter there)."""
-    if getattr(model_args, "num_experts", None) is not None:
-        raise ValueError("parameter counts per stage cover dense GPT layers; MoE layers (--num-experts) are not built")
-    tp = layout.sizes["tp"]
-    pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
-    layer_kinds = pattern.replace(Symbols.PIPE, "")
-    if not layer_kinds:
-        layer_split, layer_replicated = _layer_parameters(model_args)
+    """(parameters of the whole stage, parameters on one of its ranks) for each pipeline rank, for the model of
+    Megatron-LM's ``model_args`` built from the local layer spec (a tied output layer's copy on the last stage
+    counts, as it is a parameter there). One rank holds its tensor-parallel share of the dense weights and, in MoE
+    layers (``--num-experts``, ``--moe-layer-freq``), its ``1 / EP`` of the routed experts, split over expert-TP.
+    Hybrid models (``--hybrid-layer-pattern``) count each layer by its kind."""
+    tp, ep, etp = layout.sizes["tp"], layout.sizes["ep"], layout.sizes["etp"]
+    hybrid_pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
+    layer_kinds = hybrid_pattern.replace(Symbols.PIPE, "")
+    dense_layer = _layer_parameters(model_args) + (0, 0) if not layer_kinds else None
+    moe_layer = _moe_layer_parameters(model_args, ep, etp) if getattr(model_args, "num_experts", None) else None
+    pattern = moe_layer_pattern(model_args) if moe_layer is not None else None
+
+    def layer_counts(layer: int) -> Tuple[int, int, int, int]:
+        if layer_kinds:
+            return hybrid_layer_parameters(model_args, layer_kinds[layer]) + (0, 0)
+        return moe_layer if pattern and pattern[layer] else dense_layer
+
     hidden = model_args.hidden_size
     vocab = required_arg(model_args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
     norm = hidden * (1 if model_args.normalization == "RMSNorm" else 2)
@@ -184,16 +191,13 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     if model_args.position_embedding_type == "learned_absolute":
         positions = hidden * required_arg(model_args, "max_position_embeddings", "pass --max-position-embeddings")
 
-    counts = [[0, 0] for _ in range(layout.sizes["pp"])]  # [split over TP, replicated] per pipeline rank
+    # [split over TP, replicated, routed experts in the stage, routed experts on one rank] per pipeline rank
+    counts = [[0, 0, 0, 0] for _ in range(layout.sizes["pp"])]
     for chunk in layout.chunks:
         stage = counts[chunk.pipeline_rank]
-        if layer_kinds:
-            for index in chunk.layers:
-                split, replicated = hybrid_layer_parameters(model_args, layer_kinds[index])
-                stage[0], stage[1] = stage[0] + split, stage[1] + replicated
-        else:
-            stage[0] += chunk.num_layers * layer_split
-            stage[1] += chunk.num_layers * layer_replicated
+        for layer in chunk.layers:
+            for index, value in enumerate(layer_counts(layer)):
+                stage[index] += value
         if chunk.has_embedding:
             stage[0] += vocab * hidden
             stage[1] += positions
@@ -202,7 +206,10 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
             # A tied output layer reuses the embedding on the same chunk; another chunk keeps a copy.
             if model_args.untie_embeddings_and_output_weights or not chunk.has_embedding:
                 stage[0] += vocab * hidden
-    return [(split + replicated, split // tp + replicated) for split, replicated in counts]
+    return [
+        (split + replicated + experts, split // tp + replicated + experts_per_rank)
+        for split, replicated, experts, experts_per_rank in counts
+    ]
 
 
 def _layer_parameters(args) -> Tuple[int, int]:
@@ -223,6 +230,32 @@ def _layer_parameters(args) -> Tuple[int, int]:
     if args.qk_layernorm:
         replicated += 2 * kv_channels * norm_size
     return split, replicated
+
+
+def _moe_layer_parameters(args, ep: int, etp: int) -> Tuple[int, int, int, int]:
+    """(split over TP, replicated, routed experts, routed experts on one EP x expert-TP rank) of one MoE layer:
+    attention and norms as in a dense layer, the router (one row per expert), the shared expert (split over TP like
+    a dense MLP, its gate replicated) and the routed experts (fc1 weight and bias and fc2 weight split over
+    expert-TP, fc2 bias whole on every expert-TP rank)."""
+    hidden, bias = args.hidden_size, args.add_bias_linear
+    num_experts = args.num_experts
+    expert_ffn = required_arg(args, "moe_ffn_hidden_size", "run validate_args or pass --moe-ffn-hidden-size")
+    shared_ffn = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    glu = 2 if args.swiglu else 1
+    dense_split, dense_replicated = _layer_parameters(args)
+    ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
+    # The dense layer's MLP: fc1 weight (+bias), fc2 weight split; fc2 bias replicated.
+    split = dense_split - (hidden * ffn * glu + (ffn * glu if bias else 0) + ffn * hidden)
+    replicated = dense_replicated - (hidden if bias else 0)
+    replicated += hidden * num_experts + (num_experts if bias else 0)  # router
+    if shared_ffn:
+        split += hidden * shared_ffn * glu + (shared_ffn * glu if bias else 0) + shared_ffn * hidden
+        replicated += (hidden if bias else 0) + (hidden if getattr(args, "moe_shared_expert_gate", False) else 0)
+    expert_split = hidden * expert_ffn * glu + (expert_ffn * glu if bias else 0) + expert_ffn * hidden
+    expert_whole = hidden if bias else 0
+    experts = num_experts * (expert_split + expert_whole)
+    experts_per_rank = num_experts // ep * (expert_split // etp + expert_whole)
+    return split, replicated, experts, experts_per_rank
 
 
 def describe_parallel_layout(
@@ -273,7 +306,9 @@ def describe_parallel_layout(
             lines.append(f"    {label}{_describe_chunk(chunk, layer_kinds)}")
         if stage_parameters is not None:
             total, per_rank = stage_parameters[rank]
-            lines.append(f"    parameters: {total:,} in the stage, {per_rank:,} per tensor-parallel rank")
+            moe = getattr(model_args, "num_experts", None)
+            where = "per rank (TP share + 1/EP of the experts)" if moe else "per tensor-parallel rank"
+            lines.append(f"    parameters: {total:,} in the stage, {per_rank:,} {where}")
     return "\n".join(lines)
 
 

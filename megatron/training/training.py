@@ -54,6 +54,7 @@ from megatron.training.global_vars import (
     set_args,
 )
 from megatron.training.initialize import initialize_megatron
+from megatron.training.moe_logging import track_moe_losses
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -757,6 +758,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate: float | None, iterat
             writer.add_scalar("grad-norm", grad_norm, iteration)
     if wandb_writer is not None and iteration % args.tensorboard_log_interval == 0:
         wandb_writer.log({"learning-rate": learning_rate, **{k: float(v) for k, v in loss_dict.items()}}, iteration)
+
+    track_moe_losses(args, iteration, writer, wandb_writer, total_loss_dict)
 
     if iteration % args.log_interval != 0 and not is_first_iteration:
         return report_memory_flag

@@ -24,6 +24,8 @@ CPU_QUICKSTART = EXAMPLES / "cpu" / "train_gpt_cpu.sh"
 GPT3 = EXAMPLES / "gpt3" / "train_gpt3_125m_distributed.sh"
 LLAMA3 = EXAMPLES / "llama" / "train_llama3_8b.sh"
 SLURM = EXAMPLES / "slurm" / "sbatch_gpt.sh"
+MIXTRAL = EXAMPLES / "mixtral" / "train_mixtral_8x7b_distributed.sh"
+MIXTRAL_CPU = EXAMPLES / "mixtral" / "train_mixtral_cpu.sh"
 GPT3_SIZES = ["125M", "350M", "1.3B", "2.7B", "6.7B", "13B", "175B"]
 
 _STAND_INS = {
@@ -35,7 +37,7 @@ _STAND_INS = {
 }
 
 
-@pytest.mark.parametrize("script", [CPU_QUICKSTART, GPT3, LLAMA3, SLURM], ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("script", [CPU_QUICKSTART, GPT3, LLAMA3, SLURM, MIXTRAL, MIXTRAL_CPU], ids=lambda p: p.name)
 def test_example_is_valid_bash(script):
     assert os.access(script, os.X_OK), f"{script} is not executable"
     checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -134,6 +136,28 @@ def test_llama3_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeyp
 def test_llama3_script_requires_its_tokenizer(stand_in_path):
     ran = subprocess.run(["bash", str(LLAMA3)], env=stand_in_path, capture_output=True, text=True)
     assert ran.returncode != 0 and "TOKENIZER_MODEL" in ran.stderr
+
+
+def test_mixtral_8x7b_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeypatch):
+    launcher, megatron_args = _launch_with_stand_ins(
+        MIXTRAL, stand_in_path,
+        extra_env={"TOKENIZER_MODEL": str(tmp_path / "tokenizer.model"), "DATA_PREFIX": builtin_data.data_prefix(),
+                   "CHECKPOINT_DIR": str(tmp_path / "ckpt")},
+    )
+    args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
+    assert args.world_size == 64 and (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (4, 8)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_query_groups) == (32, 4096, 14336, 8)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (8, 2, 14336)
+    assert args.moe_token_dispatcher_type == "alltoall" and args.moe_grouped_gemm and args.moe_aux_loss_coeff == 1e-2
+
+
+def test_mixtral_cpu_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeypatch):
+    launcher, megatron_args = _launch_with_stand_ins(
+        MIXTRAL_CPU, stand_in_path, extra_env={"CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    )
+    args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
+    assert (args.world_size, args.expert_model_parallel_size, args.num_experts) == (2, 2, 4)
+    assert args.data_parallel_size == 2 and args.distributed_backend == "gloo"
 
 
 def test_slurm_script_launches_torchrun_per_node_with_a_rendezvous(stand_in_path, tmp_path, monkeypatch):

@@ -26,8 +26,6 @@ COMPATIBILITY_DOC = REPO_ROOT / "docs" / "compatibility.md"
 
 # Module prefixes of features not built yet: their whole API arrives with them.
 LATER = {
-    "megatron.core.transformer.moe": "MoE (issue 12)",
-    "megatron.core.models.gpt.moe_module_specs": "MoE (issue 12)",
 }
 
 

@@ -8,9 +8,13 @@ Called once per training step (the pipeline schedules call it through ``config.f
    layernorms: parameters marked ``sequence_parallel=True``) over the TP group;
 3. all-reduce the gradient of the tied word embedding over the embedding group (first and last pipeline stage),
    and of learned absolute position embeddings over the position-embedding group;
-4. with per-token loss, divide every gradient by the number of tokens in the global batch.
+4. with aux-loss-free MoE load balancing (``moe_router_enable_expert_bias``), move every router's
+   ``expert_bias`` by ``moe_router_bias_update_rate`` towards balance, from this step's token counts summed over
+   the TP x DP x CP ranks, then clear the per-step router statistics (:func:`reset_model_temporary_tensors`);
+5. with per-token loss, divide every gradient by the number of tokens in the global batch.
 
-:func:`reset_model_temporary_tensors` clears per-step router statistics (MoE) before the next step.
+Expert parameters (``allreduce=False``) are not special-cased here: DDP already reduced them over the
+expert-data-parallel group, and none of them is replicated across TP in a way that the all-reduces above touch.
 
 It works on plain modules too (reading ``param.grad``) as well as on DDP-wrapped ones (reading ``param.main_grad``).
 """
@@ -51,7 +55,9 @@ def _find_attr(module: torch.nn.Module, attr: str):
 def _groups(pg_collection: Optional[ProcessGroupCollection]) -> ProcessGroupCollection:
     if pg_collection is not None:
         return pg_collection
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "embd", "pos_embd", "dp_cp"])
+    return ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "pp", "embd", "pos_embd", "dp_cp", "tp_dp_cp"]
+    )
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -123,6 +129,32 @@ def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, po
     dist.all_reduce(_grad_or_zeros(position_embeddings.weight), group=pos_emb_group)
 
 
+def _update_router_expert_bias(model: List[torch.nn.Module], config, tp_dp_cp_group) -> None:
+    """Aux-loss-free load balancing (DeepSeek-V3): every router with an ``expert_bias`` moves it by
+    ``config.moe_router_bias_update_rate`` up for under-loaded and down for over-loaded experts.
+
+    All routers of this stage are stacked so that their token counts are summed over the TP x DP x CP group in one
+    collective (inside ``get_updated_expert_bias``); :func:`reset_model_temporary_tensors` then zeroes the counts
+    for the next step. A stage without
+    routers issues no collective (every rank of its TP x DP x CP group is on the same stage, so none waits).
+    """
+    routers = [
+        module for chunk in model for module in chunk.modules() if getattr(module, "expert_bias", None) is not None
+    ]
+    if not routers:
+        return
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    tokens_per_expert = torch.stack([router.local_tokens_per_expert for router in routers])
+    expert_bias = torch.stack([router.expert_bias for router in routers])
+    updated = get_updated_expert_bias(
+        tokens_per_expert, expert_bias, config.moe_router_bias_update_rate, tp_dp_cp_group=tp_dp_cp_group
+    )
+    with torch.no_grad():
+        for router, new_bias in zip(routers, updated):
+            router.expert_bias.copy_(new_bias)
+
+
 def _scale_grads(chunk: torch.nn.Module, factor: torch.Tensor) -> None:
     if hasattr(chunk, "scale_gradients"):
         chunk.scale_gradients(factor)
@@ -158,7 +190,8 @@ def finalize_model_grads(
     ``num_tokens`` (a tensor holding this rank's token count, used with ``calculate_per_token_loss``) is summed over
     the data-parallel(+context-parallel) ranks of the last pipeline stage, shared with every stage, and every
     gradient is divided by it. ``pg_collection`` names the groups to use (tp, pp, embd, pos_embd, dp_cp); by
-    default the ``parallel_state`` groups. ``force_all_reduce`` makes DDP chunks all-reduce their gradients even
+    default the ``parallel_state`` groups (``tp_dp_cp`` is used for the MoE expert-bias update).
+    ``force_all_reduce`` makes DDP chunks all-reduce their gradients even
     with the distributed optimizer (every rank then holds the full reduced gradient, not just its shard).
     """
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -170,6 +203,10 @@ def finalize_model_grads(
     _allreduce_non_tensor_model_parallel_grads(chunks, config, groups.tp)
     _allreduce_word_embedding_grads(chunks, config, groups.embd, groups.pp)
     _allreduce_position_embedding_grads(chunks, config, getattr(groups, "pos_embd", None), groups.pp)
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias(chunks, config, getattr(groups, "tp_dp_cp", None))
+    if config is not None:
+        reset_model_temporary_tensors(config, chunks)
     if num_tokens is not None:
         if not isinstance(num_tokens, torch.Tensor):
             raise TypeError(

@@ -287,8 +287,11 @@ def forward_step_calc_loss(
     ``num_microbatches``). ``reduced_dict`` is appended to ``forward_data_store``; with ``collect_non_loss_data``
     it is ``loss_func(output_tensor, non_loss_data=True)`` instead. Off the last stage the output passes through
     and the token count is 0. ``is_last_stage`` / ``cp_group_size`` default to ``parallel_state``'s view.
+    On every stage of an MoE model it also sets the scale of the MoE auxiliary losses' gradient for this
+    micro-batch (see :func:`_set_moe_aux_loss_scale`).
     """
-    del model  # Megatron reads MoE / MTP loss scalers from it; this model has none
+    del model  # Megatron reads MTP loss scalers from it; this model has none
+    _set_moe_aux_loss_scale(config, num_microbatches)
     if is_last_stage is None:
         is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if cp_group_size is None:
@@ -304,6 +307,25 @@ def forward_step_calc_loss(
     )
     forward_data_store.append(reduced)
     return output_tensor, num_tokens
+
+
+def _set_moe_aux_loss_scale(config, num_microbatches: int) -> None:
+    """Give MoE auxiliary losses (load balancing, z-loss) the same scaling as the main loss.
+
+    The aux losses enter backward through ``MoEAuxLossAutoScaler`` (a gradient injected at the router, not a term
+    added to the returned loss), so the loss scale (``config.grad_scale_func``, for fp16) and the 1/num_microbatches
+    averaging that the main loss gets must be handed to it explicitly, as Megatron does; with per-token loss the
+    global token count divides every gradient later (finalize_model_grads), so only the loss scale applies.
+    """
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    ones = torch.ones(1, device=get_current_device())
+    loss_scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    if not config.calculate_per_token_loss:
+        loss_scale = loss_scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
 
 
 def _reduce_loss(outputs, num_microbatches: int, cp_group_size: int, config):

@@ -198,7 +198,8 @@ class MLP(MegatronModule):
         intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
         output, output_bias = self.linear_fc2(intermediate)
         if output_bias is not None:
-            output = output + output_bias * per_token_scale.unsqueeze(-1)
+            output_bias = bias_on_first_tensor_parallel_rank(output_bias, self.linear_fc2)
+            output = output + (output_bias * per_token_scale.unsqueeze(-1)).to(output.dtype)
         return output, None
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
@@ -237,6 +238,15 @@ class MLP(MegatronModule):
                         )
             sharded_state_dict.update(module_state)
         return sharded_state_dict
+
+
+def bias_on_first_tensor_parallel_rank(bias: torch.Tensor, linear) -> torch.Tensor:
+    """The bias of a row-parallel expert linear whose partial outputs the MoE dispatcher sums over the expert
+    tensor-parallel group: only rank 0 adds its value (or it would be counted once per rank), while every rank
+    still receives the bias's full gradient, so the replicated copies stay equal."""
+    if getattr(linear, "tp_size", 1) > 1 and getattr(linear, "tp_rank", 0) != 0:
+        return bias - bias.detach()
+    return bias
 
 
 def apply_swiglu_sharded_factory(

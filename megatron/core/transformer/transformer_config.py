@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import init_method_normal, scaled_init_method_normal, warn_once
+from megatron.core.transformer.moe.moe_config_validation import validate_moe_config
 
 _RECOMPUTE_GRANULARITIES = ("full", "selective")
 _RECOMPUTE_METHODS = ("uniform", "block")
@@ -43,6 +44,8 @@ _KERNEL_KNOBS = (
     "use_grouped_gemm_for_dense_mlp",
     "disable_parameter_transpose_cache",
     "symmetric_ar_type",
+    "moe_permute_fusion",
+    "moe_router_fusion",
 )
 
 
@@ -118,7 +121,7 @@ class TransformerConfig(ModelParallelConfig):
     activation_func_clamp_value: Optional[float] = None
     """Clamp fc1's output inside the activation (not supported yet: must be None)."""
     num_moe_experts: Optional[int] = None
-    """Number of MoE experts (None: dense MLP; MoE is not supported yet)."""
+    """Number of MoE experts (None: dense MLP)."""
     rotary_interleaved: bool = False
     """Rotate interleaved pairs instead of the two halves of each head."""
     window_size: Optional[Tuple[int, int]] = None
@@ -312,7 +315,7 @@ class TransformerConfig(ModelParallelConfig):
     fp4_quantizer_factory: Optional[str] = None
     """Import path of a custom FP4 quantizer factory (not supported yet)."""
 
-    # ---- mixture of experts (not supported yet: every field must keep its default) ----
+    # ---- mixture of experts (validated in megatron/core/transformer/moe/moe_config_validation.py) ----
     high_priority_a2a_comm_stream: bool = False
     """Expert-parallel overlap: high-priority stream for the all-to-alls."""
     moe_shared_expert_intermediate_size: Optional[int] = None
@@ -555,6 +558,7 @@ class TransformerConfig(ModelParallelConfig):
         _validate_tensor_parallel_split(self)
         _validate_context_parallel(self)
         _validate_mamba(self)
+        validate_moe_config(self)
         _validate_recompute(self)
         _validate_transformer_impl(self)
         _warn_about_kernel_knobs(self)

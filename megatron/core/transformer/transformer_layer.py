@@ -277,6 +277,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
         self.mlp = self._build_mlp(submodules.mlp)
+        if hasattr(self.mlp, "set_layer_number"):  # an MoE layer logs its router losses under the global number
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
 
         self.recompute_input_layernorm = self._recompute("layernorm") and not isinstance(

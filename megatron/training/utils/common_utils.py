@@ -108,20 +108,26 @@ def to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, re
 
 
 def calc_params_l2_norm(model, force_create_fp32_copy=False) -> float:
-    """L2 norm of all parameters, each counted once across TP ranks and tied copies, over the model-parallel group.
+    """L2 norm of all parameters, each value counted once on the ranks that hold distinct parts of the model.
 
-    The norm is accumulated in fp32 whatever the parameters' dtype, so ``force_create_fp32_copy`` (Megatron's
-    switch for that) changes nothing here.
+    Dense parameters are summed over the model-parallel group (TP x PP, TP-replicated ones on TP rank 0 only, the
+    last stage's copy of a tied embedding not at all); expert parameters (``allreduce=False``) over the expert
+    tensor x expert x pipeline group, since expert-data-parallel ranks hold identical copies of them. The norm is
+    accumulated in fp32 whatever the parameters' dtype, so ``force_create_fp32_copy`` (Megatron's switch for that)
+    changes nothing here.
     """
-    params = [
-        param
-        for chunk in unwrap_model(model if isinstance(model, list) else [model])
-        for param in chunk.parameters()
-        if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
-    ]
-    return get_grad_norm_fp32(
-        [param.detach() for param in params], grad_stats_parallel_group=parallel_state.get_model_parallel_group()
+    dense, expert = [], []
+    for chunk in unwrap_model(model if isinstance(model, list) else [model]):
+        for param in chunk.parameters():
+            if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)):
+                continue
+            (dense if getattr(param, "allreduce", True) else expert).append(param.detach())
+    dense_norm = get_grad_norm_fp32(dense, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    # Every rank joins the expert reduction (a stage or a dense model without experts adds zero), so no rank waits.
+    expert_norm = get_grad_norm_fp32(
+        expert, grad_stats_parallel_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
     )
+    return (dense_norm**2 + expert_norm**2) ** 0.5
 
 
 def calc_dtensor_params_l2_norm(params) -> float:

@@ -211,3 +211,41 @@ def test_main_grad_attr():
     assert _get_main_grad_attr(param) == "grad"
     param.main_grad = torch.zeros(1)
     assert _get_main_grad_attr(param) == "main_grad"
+
+
+class _BiasedRouter(torch.nn.Module):
+    """What finalize_model_grads reads from a router with aux-loss-free balancing: its bias and token counts."""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.tensor([0.5, 0.0, -0.5, 0.0]))
+        self.register_buffer("local_tokens_per_expert", torch.tensor(tokens, dtype=torch.float32))
+
+
+class _MoEChunk(torch.nn.Module):
+    def __init__(self, tokens_by_router):
+        super().__init__()
+        self.config = types.SimpleNamespace(
+            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.1, moe_router_load_balancing_type="none"
+        )
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.weight.grad = torch.zeros(2)
+        self.routers = torch.nn.ModuleList(_BiasedRouter(tokens) for tokens in tokens_by_router)
+
+
+def _expert_biases_after_one_step():
+    Utils.initialize_model_parallel()  # 2 data-parallel ranks: token counts are summed over TP x DP x CP
+    rank = dist.get_rank()
+    per_rank = {0: [[3, 5, 0, 0], [2, 2, 2, 2]], 1: [[1, 1, 4, 2], [0, 0, 0, 8]]}[rank]
+    chunk = _MoEChunk(per_rank)
+    finalize_model_grads([chunk])
+    return [(r.expert_bias.tolist(), r.local_tokens_per_expert.tolist()) for r in chunk.routers]
+
+
+def test_expert_bias_update_matches_a_hand_computation():
+    # Router 0: summed counts [4, 6, 4, 2], mean 4 -> signs [0, -1, 0, +1]; router 1: [2, 2, 2, 10], mean 4 ->
+    # [+1, +1, +1, -1]; each bias moves by 0.1 times its sign, and the counts are cleared for the next step.
+    expected = [([0.5, -0.1, -0.5, 0.1], [0.0] * 4), ([0.6, 0.1, -0.4, -0.1], [0.0] * 4)]
+    for routers in run_distributed(2, _expert_biases_after_one_step):
+        for (bias, tokens), (expected_bias, expected_tokens) in zip(routers, expected):
+            assert bias == pytest.approx(expected_bias) and tokens == expected_tokens

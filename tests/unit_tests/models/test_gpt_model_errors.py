@@ -14,7 +14,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_inference_spec,
     get_gpt_layer_with_transformer_engine_spec,
     get_mlp_module_spec,
-    get_mlp_module_spec_for_backend,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -79,10 +78,16 @@ def test_model_errors():
 
 
 def test_spec_errors():
-    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts \(num_experts=8"):
-        get_gpt_layer_local_spec(num_experts=8)
-    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts .*moe_grouped_gemm=True"):
-        get_gpt_layer_local_spec(moe_grouped_gemm=True)
+    from megatron.core.models.gpt.moe_module_specs import (
+        get_inference_optimized_moe_spec,
+        get_moe_module_spec,
+        get_moe_module_spec_for_backend,
+    )
+
+    with pytest.raises(ValueError, match=r"get_moe_module_spec_for_backend needs num_experts"):
+        get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=None)
+    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine MoE specs \(use_te=True\)"):
+        get_moe_module_spec(num_experts=8)
     with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine MLP specs \(use_te=True\)"):
         get_mlp_module_spec()
     with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):
@@ -97,8 +102,8 @@ def test_spec_errors():
         get_gpt_layer_with_transformer_engine_spec()
     with pytest.raises(ValueError, match=r"not supported yet: inference-optimized layer specs"):
         get_gpt_layer_with_inference_spec()
-    with pytest.raises(ValueError, match=r"not supported yet: mixture of experts"):
-        get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=4)
+    with pytest.raises(ValueError, match=r"not supported yet: the inference-optimized MoE spec"):
+        get_inference_optimized_moe_spec()
 
 
 def _block_spec_builds_the_same_model():

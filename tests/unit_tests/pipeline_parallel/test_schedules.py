@@ -574,3 +574,23 @@ def test_backward_step_multimodule_returns_input_grads_per_module():
     loss = (vision_in * 4).sum() + text_in.sum()
     grads = schedules.backward_step_multimodule({"vision": vision_in, "text": text_in}, loss, None, config, "text")
     assert torch.equal(grads["vision"], torch.full((2,), 40.0)) and torch.equal(grads["text"], torch.full((3,), 10.0))
+
+
+@pytest.mark.parametrize("per_token, grad_scale, expected", [(False, None, 0.25), (False, 8.0, 2.0), (True, 8.0, 8.0)])
+def test_forward_step_sets_the_moe_aux_loss_scale_on_every_stage(per_token, grad_scale, expected):
+    """As Megatron: the aux losses' gradient scale is the loss scale over the micro-batches (not divided with
+    per-token loss, whose division by the token count comes later), set on every pipeline stage."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    config = types.SimpleNamespace(
+        num_moe_experts=4, calculate_per_token_loss=per_token,
+        grad_scale_func=None if grad_scale is None else (lambda ones: ones * grad_scale),
+    )
+    for is_last_stage in (False, True):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(123.0))
+        schedules.forward_step_calc_loss(
+            None, torch.tensor(1.0), lambda o: (o, torch.tensor(1), {}), config, None, False, 4, [],
+            cp_group_size=1, is_last_stage=is_last_stage,
+        )
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale.item() == pytest.approx(expected), is_last_stage
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))

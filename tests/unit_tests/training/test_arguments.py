@@ -314,7 +314,6 @@ ERRORS = [
     (["--cp-comm-type", "ring"], {}, r"--cp-comm-type ring is not one of p2p, all_gather, a2a, a2a\+p2p"),
     (["--cp-comm-type", "p2p", "a2a"], {}, r"--cp-comm-type has 2 values; give one, or one per layer "
      r"\(--num-layers 4\)"),
-    (["--num-experts", "8"], {}, r"not supported yet: mixture of experts \(MoE\) \(--num-experts 8\)"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2), "give only one of them"),
     (["--num-virtual-stages-per-pipeline-rank", "2"], {}, r"needs --pipeline-model-parallel-size > 1"),

@@ -225,12 +225,64 @@ def test_parameter_counts_match_the_built_model(variant, tp, pp, vpp):
         assert [total for total, _ in expected] == [per_rank for _, per_rank in expected]
 
 
-def test_parameter_counts_reject_moe():
-    layout = parallel_layout(1, 1, 1, 1, 1, None, "tp-cp-ep-dp-pp", num_layers=4)
-    args = model_args("gpt2", 1)
-    args.num_experts = 8
-    with pytest.raises(ValueError, match=r"MoE layers \(--num-experts\) are not built"):
-        stage_parameter_counts(args, layout)
+def _moe_args(variant: str, tp: int):
+    """model_args with 4 experts (top-2) in every other layer (--moe-layer-freq 2), the GPT-2 style one also with a
+    gated shared expert."""
+    args = model_args(variant, tp)
+    args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size = 4, 2, 2, 24
+    args.moe_shared_expert_intermediate_size = 16 if variant == "gpt2" else None
+    args.moe_shared_expert_gate = variant == "gpt2"
+    return args
+
+
+def _moe_parameters_on_this_rank(variant: str, tp: int, ep: int, pp: int):
+    """Build this rank's MoE model stage (from the decoder block spec pretrain_gpt uses) and count its parameters."""
+    import torch.nn.functional as F
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    args = _moe_args(variant, tp)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type="alltoall",
+    )
+    model = GPTModel(
+        config, get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+    total = sum(param.numel() for param in model.parameters())
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    parallel_state.destroy_model_parallel()
+    return pipeline_rank, total
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp, ep, pp", [(1, 2, 2), (2, 2, 1)])
+def test_moe_parameter_counts_match_the_built_model(variant, tp, ep, pp):
+    world = 4  # TP2 x EP2 (ETP = TP: expert-DP 1, DP 2) or EP2 x PP2 (DP 2, expert-DP 1)
+    layout = parallel_layout(world, tp, pp, 1, ep, None, "tp-cp-ep-dp-pp", num_layers=4)
+    expected = stage_parameter_counts(_moe_args(variant, tp), layout)
+    for pipeline_rank, count in run_distributed(world, _moe_parameters_on_this_rank, variant, tp, ep, pp):
+        assert count == expected[pipeline_rank][1], f"pipeline rank {pipeline_rank}"
+    text = describe_parallel_layout(world, tp, pp, 1, ep, None, "tp-cp-ep-dp-pp", 4, model_args=_moe_args(variant, tp))
+    assert "per rank (TP share + 1/EP of the experts)" in text
 
 
 def test_report_text():

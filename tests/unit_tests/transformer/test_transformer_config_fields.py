@@ -88,9 +88,10 @@ def test_model_parallel_config_alone_refuses_its_own_fields():
 
 def test_one_error_names_every_unsupported_feature():
     with pytest.raises(ValueError) as error:
-        TransformerConfig(**BASE, num_moe_experts=8, moe_router_topk=4, mtp_num_layers=1)
+        TransformerConfig(**BASE, num_moe_experts=8, moe_latent_size=4, moe_token_dropping=True, mtp_num_layers=1)
     assert str(error.value).startswith(
-        "not supported yet: mixture of experts (num_moe_experts=8, moe_router_topk=4); "
+        "not supported yet: MoE legacy token dropping (moe_token_dropping=True); MoE latent projections "
+        "(moe_latent_size=4); "
         "multi-token prediction (mtp_num_layers=1). "
     )
 

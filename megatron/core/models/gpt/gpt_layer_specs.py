@@ -1,7 +1,10 @@
 """Layer specs for GPT/Llama-style models built from Megatron-Core's local (pure PyTorch) modules.
 
+Mixture-of-experts layers (``num_experts``) take their MLP from :mod:`megatron.core.models.gpt.moe_module_specs`;
+``get_gpt_decoder_block_spec`` mixes dense and MoE layers by ``config.moe_layer_freq``.
+
 Megatron's spec functions for features not built here (Transformer Engine and inference-optimised layers,
-mixture of experts, multi-latent attention, multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
+multi-latent attention, multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
 names and parameters and refuse those features with a "not supported yet" ``ValueError``. Parameters that only
 pick a Transformer Engine kernel for the same computation (``use_te_op_fuser``, ``use_te_activation_func``,
 ``use_grouped_gemm_for_dense_mlp``) have no effect with the local modules, as the config treats the fields of the
@@ -12,6 +15,7 @@ from typing import List, Optional, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -33,10 +37,7 @@ def _not_supported(feature: str, **settings) -> ValueError:
     return ValueError(f"not supported yet: {feature} ({shown}); build the layer with the local dense specs")
 
 
-def _refuse_unbuilt(num_experts=None, moe_grouped_gemm=False, multi_latent_attention=False, fp8=None,
-                    use_kitchen=False, use_kitchen_attention=False) -> None:
-    if num_experts is not None or moe_grouped_gemm:
-        raise _not_supported("mixture of experts", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+def _refuse_unbuilt(multi_latent_attention=False, fp8=None, use_kitchen=False, use_kitchen_attention=False) -> None:
     if multi_latent_attention:
         raise _not_supported("multi-latent attention", multi_latent_attention=multi_latent_attention)
     if fp8 is not None:
@@ -60,9 +61,11 @@ def get_mlp_module_spec_for_backend(
     use_te_activation_func: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> MlpBuilder:
-    """The dense MLP spec with ``backend``'s linears (and activation module, if it has one). The kernel-choice
-    parameters make no difference to the local backend's modules."""
-    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    """The MLP spec with ``backend``'s linears (and activation module, if it has one): the MoE layer spec when
+    ``num_experts`` is set (grouped-GEMM experts with ``moe_grouped_gemm``), else the dense MLP. The other
+    kernel-choice parameters make no difference to the local backend's modules."""
+    if num_experts is not None:
+        return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, use_te_activation_func)
     return ModuleSpec(
         module=MLP,
         submodules=MLPSubmodules(
@@ -80,8 +83,8 @@ def get_mlp_module_spec(
     fp8: Optional[str] = None,
     use_te_op_fuser: Optional[bool] = False,
 ) -> MlpBuilder:
-    """The dense MLP spec; ``use_te=False`` for the local modules (Megatron's default, Transformer Engine, is
-    not supported yet)."""
+    """The dense (or, with ``num_experts``, MoE) MLP spec; ``use_te=False`` for the local modules (Megatron's
+    default, Transformer Engine, is not supported yet)."""
     if use_te:
         raise _not_supported("Transformer Engine MLP specs", use_te=use_te)
     _refuse_unbuilt(fp8=fp8)
@@ -101,14 +104,13 @@ def get_gpt_layer_local_submodules(
     kitchen_attention_backend: str = "sdpa",
 ) -> TransformerLayerSubmodules:
     """The submodules of a GPT layer from local modules: pre-norm causal self-attention and MLP with
-    bias-dropout-add.
+    bias-dropout-add; the MLP is an MoE layer with ``num_experts`` experts when that is set.
 
     ``normalization`` ('LayerNorm' / 'RMSNorm') overrides the config's choice for every norm in the layer;
     ``qk_layernorm`` normalises each query / key head with that norm, ``qk_l2_norm`` with a parameter-free L2
     norm (it takes precedence). ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``.
     """
-    _refuse_unbuilt(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                    multi_latent_attention=multi_latent_attention, fp8=fp8, use_kitchen=use_kitchen,
+    _refuse_unbuilt(multi_latent_attention=multi_latent_attention, fp8=fp8, use_kitchen=use_kitchen,
                     use_kitchen_attention=use_kitchen_attention)
     norm = _norm_spec(normalization)
     if qk_l2_norm:
@@ -131,7 +133,7 @@ def get_gpt_layer_local_submodules(
         ),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm,
-        mlp=get_mlp_module_spec_for_backend(_LOCAL),
+        mlp=get_mlp_module_spec_for_backend(_LOCAL, num_experts, moe_grouped_gemm),
         mlp_bda=get_bias_dropout_add,
         # Checkpoint keys of the separate norms are those of Transformer Engine's fused norm+linear layers.
         sharded_state_dict_keys_map={
@@ -233,17 +235,28 @@ def get_gpt_decoder_layer_specs(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> List[ModuleSpec]:
-    """A layer spec for every one of the model's ``config.num_layers`` layers (all dense until MoE layers exist;
-    ``config.num_moe_experts`` is refused). ``vp_stage`` / ``pp_rank`` do not change the full list."""
+    """A layer spec for every one of the model's ``config.num_layers`` layers: MoE layers where
+    ``config.moe_layer_freq`` says (an int N: layers 0, N, 2N, ...; a list: 1 = MoE, 0 = dense, per layer), dense
+    ones elsewhere, all dense without ``config.num_moe_experts``. ``vp_stage`` / ``pp_rank`` do not change the
+    full list."""
     if use_transformer_engine:
         raise _not_supported("Transformer Engine layer specs", use_transformer_engine=use_transformer_engine)
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        qk_layernorm=config.qk_layernorm,
-        normalization=normalization,
-        qk_l2_norm=qk_l2_norm,
+    common = dict(qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm)
+    dense_spec = get_gpt_layer_local_spec(**common)
+    if config.num_moe_experts is None:
+        return [dense_spec] * config.num_layers
+    moe_spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **common
     )
-    return [layer_spec] * config.num_layers
+    return [moe_spec if is_moe else dense_spec for is_moe in moe_layer_pattern(config)]
+
+
+def moe_layer_pattern(config: TransformerConfig) -> List[int]:
+    """1 for each MoE layer, 0 for each dense one, from ``config.moe_layer_freq`` (validated by the config)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return [int(bool(x)) for x in freq]
 
 
 def get_gpt_decoder_block_spec(
