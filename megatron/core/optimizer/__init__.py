@@ -17,6 +17,7 @@ import torch.distributed.checkpoint
 from megatron.core.extensions.fused_adam import find_fused_adam
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.no_local_params_optimizer import NoLocalParamsOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
@@ -41,7 +42,7 @@ from megatron.core.optimizer_param_scheduler import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import get_model_config, get_pg_rank, get_pg_size, is_te_min_version
+from megatron.core.utils import get_current_device, get_model_config, get_pg_rank, get_pg_size, is_te_min_version
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +373,16 @@ def _param_to_param_group_map(model_chunks, param_groups: List[Dict]) -> Dict[st
     return {names[param]: index for index, group in enumerate(param_groups) for param in group["params"]}
 
 
+def _experts_in_model(pp_group, local: bool) -> bool:
+    """Whether any pipeline stage holds expert parameters (ranks of one stage agree, so the pipeline group
+    decides); one all-reduce on every rank when there are several stages."""
+    if pp_group is None or get_pg_size(pp_group) == 1:
+        return local
+    flag = torch.tensor([1.0 if local else 0.0], device=get_current_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=pp_group)
+    return flag.item() > 0
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: List[MegatronModule],
@@ -398,7 +409,7 @@ def get_megatron_optimizer(
         model_chunks = [model_chunks]
     _check_models_match_config(config, model_chunks)
     groups = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "mp", "dp_cp", "expt_tp", "tp_ep_pp", "expt_dp"]
+        required_pgs=["tp", "pp", "mp", "dp_cp", "expt_tp", "tp_ep_pp", "expt_dp"]
     )
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
@@ -416,11 +427,18 @@ def get_megatron_optimizer(
         optimizers.append(
             _build_one(config, model_chunks, dense_groups, buffers, groups.mp, groups.dp_cp, groups.tp)
         )
+    experts_in_model = _experts_in_model(getattr(groups, "pp", None), bool(expert_groups))
     if expert_groups:
         buffers = {i: _buffers_of(chunk, "expert_parallel_buffers", config) for i, chunk in enumerate(model_chunks)}
         optimizers.append(
             _build_one(config, model_chunks, expert_groups, buffers, groups.tp_ep_pp, groups.expt_dp, groups.expt_tp)
         )
+    elif experts_in_model:
+        # A dense stage of an MoE model still joins the expert optimizer's statistics collectives.
+        placeholder = NoLocalParamsOptimizer(config, has_grad_scaler=_make_grad_scaler(config) is not None)
+        placeholder.grad_stats_parallel_group = None if config.use_distributed_optimizer else groups.tp_ep_pp
+        placeholder.tp_group = groups.expt_tp
+        optimizers.append(placeholder)
     if not optimizers:
         raise ValueError("get_megatron_optimizer: the model has no trainable parameters (requires_grad=True)")
     if dump_param_to_param_group_map is not None:

@@ -101,3 +101,29 @@ def test_grad_norm_zeros_and_clipping_with_ep_match_one_process(etp):
         assert norm == pytest.approx(expected_norm, rel=1e-6), f"rank {rank}: grad norm"
         assert zeros == expected_zeros, f"rank {rank}: zero count {zeros} vs {expected_zeros}"
         assert clip_error < 1e-6, f"rank {rank}: clipped gradients off by {clip_error:.2e}"
+
+
+def _dense_stage_joins_the_expert_statistics():
+    # PP2: stage 0 holds a dense and an expert parameter, stage 1 (say moe_layer_freq [1, 0]) only a dense one.
+    Utils.initialize_model_parallel(pipeline_model_parallel_size=2)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    module = torch.nn.Module()
+    module.dense = torch.nn.Parameter(torch.zeros(3))
+    module.dense.grad = torch.full((3,), float(stage + 1))  # [1,1,1] and [2,2,2]
+    if stage == 0:
+        module.expert = torch.nn.Parameter(torch.zeros(2))
+        module.expert.allreduce = False
+        module.expert.grad = torch.tensor([0.0, 4.0])
+    config = OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=1e9, log_num_zeros_in_grad=True)
+    optimizer = get_megatron_optimizer(config, [module], config_overrides={})
+    _, grad_norm, num_zeros = optimizer.step()
+    return [type(opt).__name__ for opt in optimizer.chained_optimizers], grad_norm, num_zeros
+
+
+def test_a_stage_without_experts_joins_the_expert_statistics():
+    expected_norm = (3 * 1.0 + 3 * 4.0 + 16.0) ** 0.5
+    stage0, stage1 = run_distributed(2, _dense_stage_joins_the_expert_statistics)
+    assert stage0[0] == ["FP32Optimizer", "FP32Optimizer"]
+    assert stage1[0] == ["FP32Optimizer", "NoLocalParamsOptimizer"]
+    for _, grad_norm, num_zeros in (stage0, stage1):
+        assert grad_norm == pytest.approx(expected_norm) and num_zeros == 1.0
