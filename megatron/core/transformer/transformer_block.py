@@ -237,7 +237,9 @@ class TransformerBlock(MegatronModule):
 
         Local layer ``i`` of this stage is global layer ``layer_number - 1``, so
         ``decoder.layers.self_attention.linear_qkv.weight`` has shape ``[num_layers, ...]`` whatever the pipeline
-        layout that wrote or reads it.
+        layout that wrote or reads it. Layers that differ from each other (``moe_layer_freq`` other than 1, which
+        mixes dense and MoE layers, ``heterogeneous_block_specs``, or ``metadata["non_homogeneous_layers"]``) are
+        stored one key per layer instead, ``decoder.layers.<global index>.…``, as Megatron-Core does.
         """
         if sharded_offsets:
             raise ValueError(
@@ -246,12 +248,16 @@ class TransformerBlock(MegatronModule):
             )
         sharded_state_dict = {}
         layers_prefix = f"{prefix}layers."
+        per_layer_keys = _non_homogeneous_layers(self.config, metadata)
         for local_index, layer in enumerate(self.layers):
             global_index = layer.layer_number - 1
             local_prefix = f"{layers_prefix}{local_index}."
-            layer_axis = ((0, global_index, self.config.num_layers),)
+            if per_layer_keys:
+                sharded_prefix, layer_axis = f"{layers_prefix}{global_index}.", ()
+            else:
+                sharded_prefix, layer_axis = layers_prefix, ((0, global_index, self.config.num_layers),)
             layer_state = layer.sharded_state_dict(prefix=local_prefix, sharded_offsets=layer_axis, metadata=metadata)
-            replace_prefix_for_sharding(layer_state, local_prefix, layers_prefix)
+            replace_prefix_for_sharding(layer_state, local_prefix, sharded_prefix)
             sharded_state_dict.update(layer_state)
         for name, module in self.named_children():
             if module is not self.layers:
@@ -259,3 +265,14 @@ class TransformerBlock(MegatronModule):
                     sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
                 )
         return sharded_state_dict
+
+
+def _non_homogeneous_layers(config, metadata) -> bool:
+    """Whether the block's layers differ in structure, so that their tensors cannot share one stacked key."""
+    moe_layer_freq = config.moe_layer_freq
+    return bool(
+        (metadata or {}).get("non_homogeneous_layers", False)
+        or isinstance(moe_layer_freq, list)
+        or (isinstance(moe_layer_freq, int) and moe_layer_freq > 1)
+        or getattr(config, "heterogeneous_block_specs", False)
+    )

@@ -197,3 +197,40 @@ def test_expert_bias_is_saved_and_token_counts_are_not():
     listing = run_distributed(1, _router_state_keys)[0]
     assert "decoder.layers.mlp.router.expert_bias tensor [2, 4]" in listing
     assert not [line for line in listing if "tokens_per_expert" in line]
+
+
+def _mixed_layer_keys():
+    model = _build(moe_layer_freq=[0, 1])
+    return [line for line in key_listing(describe_pieces(model.sharded_state_dict())) if "layers" in line]
+
+
+def test_mixed_dense_and_moe_layers_are_stored_one_key_per_layer():
+    """With moe_layer_freq other than 1 the layers differ, so (as in Megatron-Core) each is stored under its own
+    global index instead of one stacked key: layer 0 is dense, layer 1 is MoE."""
+    listing = run_distributed(1, _mixed_layer_keys)[0]
+    assert "decoder.layers.0.mlp.linear_fc1.weight tensor [64, 16]" in listing
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight tensor [16]" in listing
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight tensor [4, 64, 16]" in listing
+    assert "decoder.layers.1.mlp.router.weight tensor [4, 16]" in listing
+    assert not [line for line in listing if line.startswith("decoder.layers.mlp.")], "\n".join(listing)
+
+
+def _save_mixed(directory):
+    model = _build(1, 2, 1, seed=1, moe_layer_freq=[0, 1])
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    return _full_weights(model), _loss(model)
+
+
+def _load_mixed(directory):
+    model = _build(seed=2, moe_layer_freq=[0, 1])
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
+    return _full_weights(model), _loss(model)
+
+
+def test_mixed_dense_and_moe_layers_saved_at_ep2_load_at_ep1(tmp_path):
+    expected, expected_loss = run_distributed(2, _save_mixed, tmp_path)[0]
+    weights, loss = run_distributed(1, _load_mixed, tmp_path)[0]
+    assert weights.keys() == expected.keys()
+    for name, weight in expected.items():
+        assert torch.equal(weights[name], weight), name
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
