@@ -22,8 +22,8 @@ import torch
 
 from megatron.core.models.huggingface.config import (
     checkpoint_args_from_settings,
-    gpt_model_kwargs,
     hf_config_for_export,
+    model_class_and_kwargs,
     padded_vocab_size,
     read_hf_config,
     settings_from_checkpoint_args,
@@ -41,6 +41,7 @@ from megatron.core.models.huggingface.families import (
 )
 from megatron.core.models.huggingface.weights import (
     HFCheckpointReader,
+    tensor_parallel_sections_slice,
     tensor_parallel_slice,
     to_hf,
     to_megatron,
@@ -61,10 +62,13 @@ HF_CONFIG_KEY = "hf_config"  # the source config.json, in the checkpoint's commo
 def expand_rules(family: FamilyAdapter, settings: ModelSettings) -> Dict[str, WeightRule]:
     """Megatron state-dict name (global layer numbers) -> rule, for every tensor of the model."""
     rules = {rule.megatron: rule for rule in family.global_rules(settings)}
+    kinds = (settings.hybrid_layer_pattern or "").replace("|", "")
     for layer in range(settings.num_layers):
         for rule in family.layer_rules(settings):
-            expanded = WeightRule(rule.megatron.format(layer=layer), tuple(n.format(layer=layer) for n in rule.hf),
-                                  rule.transform)
+            if rule.kind is not None and (layer >= len(kinds) or kinds[layer] != rule.kind):
+                continue  # a hybrid's rule for another kind of layer
+            expanded = dataclasses.replace(rule, megatron=rule.megatron.format(layer=layer),
+                                           hf=tuple(n.format(layer=layer) for n in rule.hf))
             rules[expanded.megatron] = expanded
     return rules
 
@@ -161,8 +165,12 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
                 )
             plan.append((name, param, chunk.vocab_size))
     for name, param, vocab in plan:
-        full = _megatron_tensor(rules[name], reader, settings, vocab)
-        piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
+        rule = rules[name]
+        full = _megatron_tensor(rule, reader, settings, vocab)
+        if rule.tp_sections is not None:
+            piece = tensor_parallel_sections_slice(full, rule.tp_sections, tp_rank, tp_size)
+        else:
+            piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
         if piece.shape != param.shape:
             raise UnsupportedHFModelError(
                 f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
@@ -172,13 +180,12 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
             param.copy_(piece)
 
 
-def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
-                            make_vocab_size_divisible_by: int = 128, load_weights: bool = True, **config_overrides):
-    """A GPTModel for this rank's TP/PP stage with the HF model's architecture and (unless ``load_weights=False``)
-    its weights. ``config_overrides`` go to the TransformerConfig (the parallel layout: defaults are
-    parallel_state's TP and PP sizes)."""
+def build_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
+                        make_vocab_size_divisible_by: int = 128, load_weights: bool = True, **config_overrides):
+    """A GPTModel (a HybridModel for NemotronH) for this rank's TP/PP stage with the HF model's architecture and
+    (unless ``load_weights=False``) its weights. ``config_overrides`` go to the TransformerConfig (the parallel
+    layout: defaults are parallel_state's TP and PP sizes)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     _, settings = settings_from_hf_config(read_hf_config(hf_dir))
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -188,36 +195,46 @@ def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process:
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
-    model = GPTModel(config, pre_process=pre_process, post_process=post_process,
-                     **gpt_model_kwargs(settings, tp, make_vocab_size_divisible_by))
+    model_class, kwargs = model_class_and_kwargs(settings, tp, make_vocab_size_divisible_by)
+    model = model_class(config, pre_process=pre_process, post_process=post_process, **kwargs)
     if load_weights:
         load_hf_weights(model, hf_dir)
     return model
+
+
+build_gpt_model_from_hf = build_model_from_hf  # the name from before hybrids; builds either model
 
 
 # ---- a structure-only model (the meta device) ------------------------------------------------------------------------
 
 
 def _meta_model(settings: ModelSettings, vocab_size: int):
-    """The single-process GPTModel of ``settings`` with no storage: its sharded state dict names every tensor of
-    the checkpoint (keys, global shapes, layer offsets) exactly as training writes and reads them."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    config = transformer_config_from_settings(settings, use_cpu_initialization=False, perform_initialization=False)
-    kwargs = gpt_model_kwargs(settings)
+    """The single-process GPTModel / HybridModel of ``settings`` with no storage: its sharded state dict names every
+    tensor of the checkpoint (keys, global shapes, layer offsets) exactly as training writes and reads them."""
+    # CPU initialisation for a hybrid: the Mamba mixer draws its conv, dt and A values even without
+    # initialisation; so they are drawn on the meta device too, not from an RNG stream a converter has not set up.
+    hybrid = settings.hybrid_layer_pattern is not None
+    config = transformer_config_from_settings(settings, use_cpu_initialization=hybrid, perform_initialization=False)
+    model_class, kwargs = model_class_and_kwargs(settings)
     kwargs["vocab_size"] = vocab_size
     with torch.device("meta"):
-        return GPTModel(config, **kwargs)
+        return model_class(config, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StoredTensor:
     """Where a model tensor lives in a torch_dist checkpoint: its key, its layer on the stacked leading axis (None
-    for tensors outside the layers), and its full (TP = 1) shape."""
+    for tensors outside the layers, and for a hybrid's, stored one key per layer), and its full (TP = 1) shape.
+    ``segments``: (key, rows) of each piece when the tensor is stored as one key per row segment (the Mamba
+    in_proj's ``.z .x .B .C .dt``, the conv's ``.x .B .C``)."""
 
     key: str
     layer: Optional[int]
     shape: Tuple[int, ...]
+    segments: Tuple[Tuple[str, int], ...] = ()
+
+    def keys(self) -> List[str]:
+        return [key for key, _ in self.segments] or [self.key]
 
 
 def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_StoredTensor"]:
@@ -227,12 +244,16 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
     model = _meta_model(settings, vocab_size)
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
               if isinstance(tensor, torch.Tensor)}
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     stored = {}
     for name, entry in model.sharded_state_dict().items():
         if name not in shapes:
             continue  # extra states (ShardedObjects)
-        match = _LAYER.match(name)
-        stored[name] = _StoredTensor(entry.key, int(match.group(1)) if match else None, shapes[name])
+        pieces = list(entry.build().values()) if isinstance(entry, ShardedTensorFactory) else [entry]
+        layer = pieces[0].global_offset[0] if pieces[0].prepend_axis_num else None  # stacked layers (GPT)
+        segments = tuple((piece.key, piece.global_shape[0]) for piece in pieces if piece.key != entry.key)
+        stored[name] = _StoredTensor(entry.key, layer, shapes[name], segments)
     return stored
 
 
@@ -294,7 +315,10 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     if settings.num_layers % target_pipeline_parallel_size:
         raise ValueError(f"--target-pipeline-parallel-size {target_pipeline_parallel_size} does not divide the "
                          f"{settings.num_layers} layers")
-    for count, what in ((settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")):
+    sizes = [(settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")]
+    if settings.hybrid_layer_pattern is not None:
+        sizes += [(settings.mamba_num_heads, "Mamba heads"), (settings.mamba_num_groups, "Mamba groups")]
+    for count, what in sizes:
         if count % target_tensor_parallel_size:
             raise ValueError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
                              f"{count} {what}")
@@ -308,7 +332,13 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     cleanup = _single_process_group()
     try:
         sharded = _meta_model(settings, vocab).sharded_state_dict()
-        name_of = {(t.key, t.layer): name for name, t in _stored_tensors(settings, vocab).items()}
+        name_of, row_of = {}, {}  # (key, layer) -> model tensor name; segment key -> its first row in the tensor
+        for name, t in _stored_tensors(settings, vocab).items():
+            name_of[(t.key, t.layer)] = name
+            start = 0
+            for key, rows in t.segments:
+                name_of[(key, None)], row_of[key] = name, start
+                start += rows
         last: Dict[str, torch.Tensor] = {}  # the factory pieces of one tensor (fc1's gate, up) arrive in a row
 
         class StreamFromHF(TorchDistSaveShardedStrategy):
@@ -320,8 +350,10 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
                 if name not in last:
                     last.clear()
                     last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
-                box = tuple(slice(offset, offset + size) for offset, size in
-                            zip(shard.global_offset[shard.prepend_axis_num:], shard.local_shape))
+                offsets = list(shard.global_offset[shard.prepend_axis_num:])
+                if shard.key in row_of:  # a segment of the tensor's rows, stored under its own key
+                    offsets[0] += row_of[shard.key]
+                box = tuple(slice(offset, offset + size) for offset, size in zip(offsets, shard.local_shape))
                 return last[name][box]
 
         checkpoint_dir = get_checkpoint_name(save_dir, 0, release=True, return_base_dir=True)
@@ -417,21 +449,25 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
         stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
                   if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")}
-        model_keys = {t.key for t in tensors.values()}
+        model_keys = {key for t in tensors.values() for key in t.keys()}
         if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
                 f"{checkpoint_dir}: its tensors do not match the model of its args: unexpected "
                 f"{sorted(stored.keys() - model_keys)[:8]}, missing {sorted(model_keys - stored.keys())[:8]}")
         strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
-        dtype = {name: stored[t.key].properties.dtype for name, t in tensors.items()}
+        dtype = {name: stored[t.keys()[0]].properties.dtype for name, t in tensors.items()}
 
         def read(name: str) -> torch.Tensor:
-            """One full model tensor (one layer's slice of a stacked key), read alone."""
+            """One full model tensor (one layer's slice of a stacked key; its segments' keys, concatenated), read
+            alone."""
             t = tensors[name]
             layer_axis = () if t.layer is None else ((0, t.layer, settings.num_layers),)
-            target = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.shape, dtype=dtype[name]), *layer_axis,
-                                                     prepend_axis_num=len(layer_axis))
-            return strategy.load_local({"t": target}, checkpoint_dir)["t"]
+            pieces = t.segments or ((t.key, t.shape[0]),)
+            targets = {key: ShardedTensor.from_rank_offsets(key, torch.empty((rows, *t.shape[1:]), dtype=dtype[name]),
+                                                            *layer_axis, prepend_axis_num=len(layer_axis))
+                       for key, rows in pieces}
+            loaded = strategy.load_local(targets, checkpoint_dir)
+            return loaded[t.key] if not t.segments else torch.cat([loaded[key] for key, _ in pieces])
 
         entries = [(name, x.shape, x.dtype) for name, x in iter_hf_tensors(
             family, settings, rules, lambda name: torch.empty(tensors[name].shape, dtype=dtype[name], device="meta"))]
