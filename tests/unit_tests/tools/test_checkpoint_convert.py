@@ -140,7 +140,9 @@ def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path
 @pytest.mark.parametrize("arguments, match", [
     (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
     (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
-    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"], "--model-type hybrid: only GPT models convert"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "BERT"], "--model-type BERT: only GPT and hybrid models"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"],
+     "holds a qwen2 model (Qwen2ForCausalLM), which converts as --model-type GPT"),
 ])
 def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
     from tools.checkpoint.convert import main

@@ -289,15 +289,25 @@ def _single_process_group() -> Callable[[], None]:
     return cleanup
 
 
+def check_model_type(model_type: Optional[str], family: FamilyAdapter, where: str) -> None:
+    """Refuse a ``--model-type`` that is not the family's (a hybrid is trained by pretrain_hybrid.py, a GPT by
+    pretrain_gpt.py: the wrong one would not build the model)."""
+    if model_type is not None and model_type != family.model_type:
+        raise UnsupportedHFModelError(
+            f"--model-type {model_type}, but {where} holds a {family.name} model ({family.architectures[0]}), which "
+            f"converts as --model-type {family.model_type}")
+
+
 # ---- HF -> a Megatron checkpoint, streamed --------------------------------------------------------------------------
 
 
 def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_parallel_size: int = 1,
                                      target_pipeline_parallel_size: int = 1,
-                                     make_vocab_size_divisible_by: int = 128) -> str:
+                                     make_vocab_size_divisible_by: int = 128, model_type: Optional[str] = None) -> str:
     """Write the HF model of ``hf_dir`` as a Megatron training checkpoint under ``save_dir`` (``release/`` +
     ``latest_checkpointed_iteration.txt``, torch_dist) whose ``args`` say the target TP/PP; the tensors are stored
-    whole and reshard on load. Returns the checkpoint directory."""
+    whole and reshard on load. ``model_type`` (convert.py's ``--model-type``), when given, must be the family's
+    ('GPT', or 'hybrid' for NemotronH). Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.training.checkpointing import (
@@ -308,6 +318,7 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     )
 
     family, settings, hf_config, reader, rules = open_hf_model(hf_dir)
+    check_model_type(model_type, family, hf_dir)
     for name, size in (("--target-tensor-parallel-size", target_tensor_parallel_size),
                        ("--target-pipeline-parallel-size", target_pipeline_parallel_size)):
         if size < 1:
@@ -413,7 +424,8 @@ def _check_megatron_names(present: set, rules: Dict[str, WeightRule], settings: 
 
 def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_bytes: int = 5 * 10**9,
                                      hf_architecture: Optional[str] = None,
-                                     true_vocab_size: Optional[int] = None) -> List[str]:
+                                     true_vocab_size: Optional[int] = None,
+                                     model_type: Optional[str] = None) -> List[str]:
     """Write the Megatron checkpoint of ``load_dir`` (its latest, or ``release``) as an HF model in ``save_dir``:
     ``config.json``, safetensors (sharded with an index above ``max_shard_bytes``) and the tokenizer files when the
     checkpoint came with them. ``true_vocab_size`` strips the vocabulary padding (default: the size the checkpoint
@@ -439,6 +451,11 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
     if hf_architecture is None and source_config:
         hf_architecture = (source_config.get("architectures") or [None])[0]
     family = family_for_architecture(hf_architecture) if hf_architecture else family_for_settings(settings)
+    check_model_type(model_type, family, checkpoint_dir)
+    if (family.model_type == "hybrid") != (settings.hybrid_layer_pattern is not None):
+        raise UnsupportedHFModelError(
+            f"{checkpoint_dir}: --hf-architecture {family.architectures[0]} is a {family.model_type} family, but the "
+            f"checkpoint's model is {'a hybrid' if settings.hybrid_layer_pattern else 'a GPT'}")
     rules = expand_rules(family, settings)
     vocab = getattr(args, "padded_vocab_size", None) or padded_vocab_size(
         settings.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128),
