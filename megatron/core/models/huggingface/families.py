@@ -305,7 +305,10 @@ def _nemotron_h_pattern(config: dict) -> str:
             _refuse(_NEMOTRON_H, "layers_block_type entry", unknown[0], f"use {sorted(_BLOCK_SYMBOLS)}")
         pattern = "".join(_BLOCK_SYMBOLS[b] for b in blocks)
     else:
-        pattern = _require(config, "hybrid_override_pattern", _NEMOTRON_H)
+        pattern = config.get("hybrid_override_pattern")
+        if pattern is None:
+            raise UnsupportedHFModelError(f"{_NEMOTRON_H}: config.json has neither 'layers_block_type' nor "
+                                          "'hybrid_override_pattern'; the conversion needs the layer pattern")
         bad = [c for c in pattern if c not in "M*-E"]
         if bad:
             _refuse(_NEMOTRON_H, "hybrid_override_pattern symbol", bad[0], "use M, *, - (and E for MoE)")

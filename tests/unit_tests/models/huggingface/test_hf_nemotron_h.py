@@ -55,7 +55,7 @@ def test_transformer_config_and_model_from_settings():
      "pattern) = 'M*EM' is not supported"),
     ({"layers_block_type": None, "hybrid_override_pattern": "M*G"}, "hybrid_override_pattern symbol = 'G'"),
     ({"layers_block_type": ["linear_attention", "cross_attention"]}, "layers_block_type entry = 'cross_attention'"),
-    ({"layers_block_type": None}, "config.json has no 'hybrid_override_pattern'"),
+    ({"layers_block_type": None}, "config.json has neither 'layers_block_type' nor 'hybrid_override_pattern'"),
     ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act = 'gelu' is not supported; the MLP layers map to Megatron's "
      "squared ReLU"),
     ({"mamba_hidden_act": "relu"}, "mamba_hidden_act = 'relu' is not supported"),
