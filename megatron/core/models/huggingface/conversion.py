@@ -1,7 +1,7 @@
 """Moving weights between HF checkpoints and Megatron models or checkpoints, driven by the family tables.
 
-- :func:`load_hf_weights` fills a (TP/PP-sharded) GPTModel in memory from an HF directory;
-  :func:`build_gpt_model_from_hf` builds that model for this rank's stage first.
+- :func:`load_hf_weights` fills a (TP/PP-sharded) GPTModel, or a HybridModel for NemotronH, in memory from an HF
+  directory; :func:`build_model_from_hf` builds that model for this rank's stage first.
 - :func:`save_megatron_checkpoint_from_hf` writes a Megatron training checkpoint (``torch_dist``), streaming: the
   model is built on the meta device and each tensor is read from the memory-mapped safetensors when the writer
   reaches it.
@@ -142,11 +142,12 @@ def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
 
 
 def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
-    """Fill the GPTModel chunk(s) ``model`` (this rank's stage, any TP/PP) from the HF checkpoint in ``hf_dir``.
+    """Fill the GPTModel / HybridModel chunk(s) ``model`` (this rank's stage, any TP/PP) from the HF checkpoint in
+    ``hf_dir``.
 
     Each parameter gets its piece of the full HF-derived tensor; every parameter must have a source and every HF
     tensor a destination (checked before the first copy). The model must have been built from the same config
-    (see :func:`build_gpt_model_from_hf`)."""
+    (see :func:`build_model_from_hf`)."""
     from megatron.core import parallel_state
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -402,7 +403,7 @@ def _export_rules(rules: Dict[str, WeightRule], settings: ModelSettings) -> List
 
 def hf_state_dict_from_model(model, family: Optional[FamilyAdapter] = None,
                              settings: Optional[ModelSettings] = None, hf_dir: Optional[str] = None) -> dict:
-    """The HF state dict of a single-process (TP = PP = 1) GPTModel; the family and settings come from
+    """The HF state dict of a single-process (TP = PP = 1) GPTModel / HybridModel; the family and settings come from
     ``hf_dir``'s config.json, or are given."""
     if hf_dir is not None:
         family, settings = settings_from_hf_config(read_hf_config(hf_dir))
