@@ -226,6 +226,19 @@ def test_loading_a_hugging_face_directory_says_to_convert_it(hf_source):
         load_args_from_checkpoint(args)
 
 
+def test_loading_a_nemotron_h_directory_names_the_hybrid_conversion(tmp_path):
+    import argparse
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    hf_dir = save_hf_model("nemotron_h", str(tmp_path / "nh"))
+    args = argparse.Namespace(load=hf_dir, pretrained_checkpoint=None, ckpt_step=None)
+    with pytest.raises(CheckpointingException, match="convert it first with tools/checkpoint/convert.py "
+                                                     "--model-type hybrid --loader hf"):
+        load_args_from_checkpoint(args)
+
+
 def _load_checkpoint_from(load_dir):
     import argparse
 
