@@ -458,6 +458,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
             f"{checkpoint_dir}: --hf-architecture {family.architectures[0]} is a {family.model_type} family, but the "
             f"checkpoint's model is {'a hybrid' if settings.hybrid_layer_pattern else 'a GPT'}")
     rules = expand_rules(family, settings)
+    config = hf_config_for_export(family, settings, source_config)  # refuses what the family cannot express
     vocab = getattr(args, "padded_vocab_size", None) or padded_vocab_size(
         settings.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1))
@@ -494,7 +495,6 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
                                              max_shard_bytes)
     finally:
         cleanup()
-    config = hf_config_for_export(family, settings, source_config)
     with open(os.path.join(save_dir, "config.json"), "w") as file:
         json.dump(config, file, indent=2)
     written.append("config.json")

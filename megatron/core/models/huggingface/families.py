@@ -346,7 +346,9 @@ def _nemotron_h_settings(config: dict) -> ModelSettings:
         max_position_embeddings=_require(config, "max_position_embeddings", a), position_embedding_type="none",
         normalization="RMSNorm", layernorm_epsilon=epsilon, swiglu=False, openai_gelu=False,
         add_bias_linear=False, add_qkv_bias=False,
-        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        # transformers' NemotronH never ties lm_head to the embeddings (whatever tie_word_embeddings says, its files
+        # hold lm_head.weight and the model uses it), so neither does the Megatron model.
+        untie_embeddings_and_output_weights=True,
         hidden_dropout=float(config.get("hidden_dropout", 0.0)),
         attention_dropout=float(config.get("attention_dropout", 0.0)), params_dtype=_dtype(config),
         hybrid_layer_pattern=pattern, mamba_state_dim=_require(config, "ssm_state_size", a),
@@ -356,6 +358,10 @@ def _nemotron_h_settings(config: dict) -> ModelSettings:
 
 
 def _nemotron_h_config(s: ModelSettings) -> dict:
+    if not s.untie_embeddings_and_output_weights:
+        _refuse(_NEMOTRON_H, "a Megatron hybrid with tied embeddings (no --untie-embeddings-and-output-weights)",
+                True, "transformers' NemotronH always has its own lm_head; train the hybrid with "
+                "--untie-embeddings-and-output-weights")
     return {
         "architectures": [_NEMOTRON_H], "model_type": "nemotron_h",
         "layers_block_type": [_BLOCK_NAMES[c] for c in s.hybrid_layer_pattern.replace("|", "")],
@@ -366,17 +372,16 @@ def _nemotron_h_config(s: ModelSettings) -> dict:
         "ssm_state_size": s.mamba_state_dim, "mamba_head_dim": s.mamba_head_dim, "n_groups": s.mamba_num_groups,
         "mamba_num_heads": s.mamba_num_heads, "conv_kernel": 4, "use_conv_bias": True, "use_bias": False,
         "mlp_bias": False, "attention_bias": False, "num_nextn_predict_layers": 0,
-        "tie_word_embeddings": not s.untie_embeddings_and_output_weights,
+        "tie_word_embeddings": False,
         "hidden_dropout": s.hidden_dropout, "attention_dropout": s.attention_dropout, "dtype": s.params_dtype,
     }
 
 
 def _nemotron_h_global_rules(s: ModelSettings) -> List[WeightRule]:
-    output_source = "lm_head.weight" if s.untie_embeddings_and_output_weights else "backbone.embeddings.weight"
     return [
         WeightRule("embedding.word_embeddings.weight", ("backbone.embeddings.weight",), "vocab"),
         WeightRule("decoder.final_norm.weight", ("backbone.norm_f.weight",)),
-        WeightRule("output_layer.weight", (output_source,), "vocab"),
+        WeightRule("output_layer.weight", ("lm_head.weight",), "vocab"),
     ]
 
 

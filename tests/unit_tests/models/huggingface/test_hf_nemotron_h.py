@@ -7,7 +7,14 @@ import os
 import pytest
 import torch
 
-from tests.unit_tests.models.huggingface.hf_test_models import CONFIGS, save_hf_model
+from tests.unit_tests.models.huggingface.hf_test_models import (
+    CONFIGS,
+    VOCAB,
+    hf_logits,
+    relative_error,
+    save_hf_model,
+    tokens,
+)
 from tests.unit_tests.test_utilities import run_distributed
 
 NEMOTRON_H = {key: value for key, value in CONFIGS["nemotron_h"].items() if key != "model_type"}
@@ -108,6 +115,39 @@ def test_unexpected_and_missing_tensors_are_refused(tmp_path):
     with pytest.raises(UnsupportedHFModelError, match=r"missing from the checkpoint: \['backbone.layers.3.mixer"
                                                       r"\.dt_bias'\]"):
         open_hf_model(hf_dir)
+
+
+def _in_memory_logits(hf_dir, input_ids):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.huggingface import build_model_from_hf
+
+    ps.initialize_model_parallel()
+    model = build_model_from_hf(hf_dir, use_cpu_initialization=True).eval()
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+    with torch.no_grad():
+        return model(input_ids, positions, None)[..., :VOCAB]
+
+
+def test_tie_word_embeddings_is_untied_as_transformers_does(tmp_path):
+    """transformers' NemotronH keeps its own lm_head even with tie_word_embeddings=true (and saves it): the
+    conversion follows the model, not the flag, and gives its logits."""
+    hf_dir = save_hf_model("nemotron_h", str(tmp_path / "tied"), tie_word_embeddings=True)
+    assert _settings(tie_word_embeddings=True)[1].untie_embeddings_and_output_weights
+    input_ids = tokens()
+    logits = run_distributed(1, _in_memory_logits, hf_dir, input_ids)[0]
+    assert relative_error(logits, hf_logits(hf_dir, input_ids)) <= 1e-5
+
+
+def test_a_tied_megatron_hybrid_is_not_exported():
+    import dataclasses
+
+    from megatron.core.models.huggingface import FAMILIES, UnsupportedHFModelError
+
+    _, s = _settings()
+    tied = dataclasses.replace(s, untie_embeddings_and_output_weights=False)
+    with pytest.raises(UnsupportedHFModelError, match="tied embeddings .* transformers' NemotronH always has its "
+                                                      "own lm_head; train the hybrid with --untie-embeddings"):
+        FAMILIES["nemotron_h"].hf_config_from_settings(tied)
 
 
 def _convert(hf_dir, out):
