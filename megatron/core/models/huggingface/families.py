@@ -319,9 +319,18 @@ def _nemotron_h_pattern(config: dict) -> str:
     return pattern
 
 
+# Older NemotronH config files' names, which transformers still reads (new name: old name).
+_NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias",
+                      "chunk_size": "mamba_chunk_size"}
+
+
 def _nemotron_h_settings(config: dict) -> ModelSettings:
     a = _NEMOTRON_H
+    config = {**{new: config[old] for new, old in _NEMOTRON_H_LEGACY.items() if old in config}, **config}
     pattern = _nemotron_h_pattern(config)
+    if config.get("head_dim") is None and config.get("attention_head_dim", 128) != 128:
+        _refuse(a, "attention_head_dim (without head_dim)", config["attention_head_dim"], "transformers reads "
+                "head_dim (default 128) and ignores attention_head_dim; add head_dim to config.json")
     expected = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mlp_bias": False,
                 "use_conv_bias": True, "conv_kernel": 4, "num_nextn_predict_layers": 0, "sliding_window": None}
     fixes = {"mlp_hidden_act": "the MLP layers map to Megatron's squared ReLU (--squared-relu) only",
@@ -342,7 +351,8 @@ def _nemotron_h_settings(config: dict) -> ModelSettings:
     return ModelSettings(
         num_layers=len(pattern), hidden_size=hidden, ffn_hidden_size=_require(config, "intermediate_size", a),
         num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads") or heads,
-        kv_channels=config.get("head_dim") or hidden // heads, vocab_size=_require(config, "vocab_size", a),
+        kv_channels=config.get("head_dim") or 128,  # transformers' default, not hidden / heads
+        vocab_size=_require(config, "vocab_size", a),
         max_position_embeddings=_require(config, "max_position_embeddings", a), position_embedding_type="none",
         normalization="RMSNorm", layernorm_epsilon=epsilon, swiglu=False, openai_gelu=False,
         add_bias_linear=False, add_qkv_bias=False,

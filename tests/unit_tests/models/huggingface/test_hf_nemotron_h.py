@@ -39,6 +39,13 @@ def test_config_maps_to_hybrid_settings():
     from megatron.core.models.huggingface import settings_from_hf_config
 
     assert settings_from_hf_config({**old, "hybrid_override_pattern": "M*-M"})[1] == s
+    renamed = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv"}
+    legacy = {renamed.get(key, key): value for key, value in NEMOTRON_H.items()}
+    assert settings_from_hf_config(legacy)[1] == s
+    from megatron.core.models.huggingface import UnsupportedHFModelError
+
+    with pytest.raises(UnsupportedHFModelError, match="conv_kernel = 3"):
+        settings_from_hf_config({**legacy, "mamba_d_conv": 3})
 
 
 def test_transformer_config_and_model_from_settings():
@@ -75,6 +82,8 @@ def test_transformer_config_and_model_from_settings():
     ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon = 1e-06 is not supported; Megatron's Mamba mixer fixes its "
      "gated RMSNorm's epsilon at 1e-5"),
     ({"mamba_num_heads": None}, "NemotronHForCausalLM: config.json has no 'mamba_num_heads'"),
+    ({"head_dim": None, "attention_head_dim": 16}, "attention_head_dim (without head_dim) = 16 is not supported; "
+     "transformers reads head_dim (default 128)"),
 ])
 def test_unmapped_config_values_are_refused(overrides, match):
     from megatron.core.models.huggingface import UnsupportedHFModelError
