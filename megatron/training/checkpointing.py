@@ -15,6 +15,7 @@ optimizer built their sharded state with).
 
 import argparse
 import enum
+import json
 import os
 import shutil
 import threading
@@ -220,8 +221,15 @@ def _hugging_face_directory_note(load_dir) -> str:
     if not any(os.path.isfile(os.path.join(load_dir, name))
                for name in ("model.safetensors", "model.safetensors.index.json")):
         return ""
+    model_type = "GPT"
+    try:
+        with open(os.path.join(load_dir, "config.json")) as file:
+            if "NemotronHForCausalLM" in (json.load(file).get("architectures") or []):
+                model_type = "hybrid"  # a Mamba hybrid, converted for pretrain_hybrid.py
+    except (OSError, ValueError, AttributeError):
+        pass  # an unreadable config: the note still says how to convert
     return (f"; {load_dir} is a Hugging Face model directory: convert it first with tools/checkpoint/convert.py "
-            f"--model-type GPT --loader hf --saver core --load-dir {load_dir} --save-dir <dir> and load <dir> "
+            f"--model-type {model_type} --loader hf --saver core --load-dir {load_dir} --save-dir <dir> and load <dir> "
             "(docs/huggingface.md)")
 
 

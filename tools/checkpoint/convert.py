@@ -10,6 +10,9 @@ Megatron checkpoint -> HF (``config.json``, ``model.safetensors`` or shards + in
 
     python tools/checkpoint/convert.py --model-type GPT --loader core --saver hf --load-dir OUT --save-dir HF_OUT
 
+NemotronH (``NemotronHForCausalLM``, a Mamba hybrid) converts with ``--model-type hybrid`` the same way, and
+fine-tunes with ``pretrain_hybrid.py --load OUT --finetune --use-checkpoint-args``.
+
 Tensors are streamed (memory-mapped safetensors in, one tensor at a time out), so memory stays near the largest
 tensor. Unsupported models are refused with the reason before anything is written. ``HF_DIR`` is a local
 directory; nothing is ever downloaded. Families: docs/huggingface.md.
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "checkpoint's tokenizer's).")
     hf.add_argument("--hf-architecture", type=str, default=None,
                     help="HF architecture to export as (default: the one the checkpoint was converted from, else "
-                         "inferred: GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM).")
+                         "inferred: GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM; NemotronHForCausalLM for a hybrid).")
     return parser
 
 
@@ -66,9 +69,8 @@ def check_args(args) -> None:
     """Refuse bad combinations before anything is read or written."""
     args.loader = ALIASES.get(args.loader, args.loader)
     args.saver = ALIASES.get(args.saver, args.saver)
-    if args.model_type != "GPT":
-        raise ValueError(f"--model-type {args.model_type}: only GPT models convert today (hybrid models such as "
-                         "NemotronH come with the Mamba hybrid's support)")
+    if args.model_type not in ("GPT", "hybrid"):
+        raise ValueError(f"--model-type {args.model_type}: only GPT and hybrid models convert")
     if (args.loader, args.saver) not in (("hf", "core"), ("core", "hf")):
         raise ValueError(f"--loader {args.loader} --saver {args.saver}: supported are --loader hf --saver core and "
                          "--loader core --saver hf")
@@ -108,12 +110,13 @@ def main(argv=None) -> int:
         if args.saver == "core":
             written = save_megatron_checkpoint_from_hf(
                 args.load_dir, args.save_dir, args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                args.make_vocab_size_divisible_by)
+                args.make_vocab_size_divisible_by, model_type=args.model_type)
             print(f"wrote Megatron checkpoint {written} (args: TP {args.target_tensor_parallel_size}, "
                   f"PP {args.target_pipeline_parallel_size})")
         else:
             files = export_megatron_checkpoint_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size),
-                                                     args.hf_architecture, args.true_vocab_size)
+                                                     args.hf_architecture, args.true_vocab_size,
+                                                     model_type=args.model_type)
             print(f"wrote Hugging Face model {args.save_dir}: {', '.join(files)}")
     except (UnsupportedHFModelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """tools/checkpoint/convert.py end to end: HF -> Megatron checkpoint -> pretrain_gpt.py fine-tuning at TP2 x PP2
-(--load --finetune --use-checkpoint-args) -> HF again, which transformers loads; the flags it refuses."""
+(--load --finetune --use-checkpoint-args) -> HF again, which transformers loads; the same for a NemotronH hybrid
+with --model-type hybrid and pretrain_hybrid.py at TP2; the flags it refuses."""
 
 import json
 import os
@@ -23,17 +24,20 @@ def run(command, timeout=240):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
 
 
-def convert(*arguments):
-    return run([sys.executable, str(CONVERT), "--model-type", "GPT", *map(str, arguments)])
+def convert(*arguments, model_type="GPT"):
+    return run([sys.executable, str(CONVERT), "--model-type", model_type, *map(str, arguments)])
 
 
-def finetune(load_flags, save_dir, lr, tokenizer_dir):
-    """Two iterations of pretrain_gpt.py on 4 ranks; the model flags, the layout and the tokenizer type come from
-    the checkpoint."""
-    flags = [*load_flags, "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args", "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
+def finetune(load_flags, save_dir, lr, tokenizer_dir, nproc=4, entry_point=None):
+    """Two iterations of pretrain_gpt.py (or ``entry_point``) on ``nproc`` ranks; the model flags, the layout and
+    the tokenizer type come from the checkpoint."""
+    flags = [*load_flags, "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args",
+             "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
              "--global-batch-size", "2", "--train-iters", "2", "--lr", str(lr), "--min-lr", "0",
              "--log-interval", "1", "--eval-iters", "0", "--save", save_dir, "--save-interval", "2", *CPU_FLAGS]
-    return run(torchrun_command(flags, nproc=4), timeout=300)
+    command = torchrun_command(flags, nproc=nproc) if entry_point is None else torchrun_command(
+        flags, nproc=nproc, entry_point=entry_point)
+    return run(command, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +60,14 @@ def _load(directory):
 
 
 def _megatron_logits(megatron_dir, input_ids):
-    """Logits of the GPTModel (TP = PP = 1) loaded from a Megatron checkpoint through its --use-checkpoint-args."""
+    """Logits of the GPTModel / HybridModel (TP = PP = 1) loaded from a Megatron checkpoint through its
+    --use-checkpoint-args."""
     import argparse
 
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing import load_common_state_dict
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.huggingface.config import (
-        gpt_model_kwargs,
+        model_class_and_kwargs,
         settings_from_checkpoint_args,
         transformer_config_from_settings,
     )
@@ -73,8 +77,9 @@ def _megatron_logits(megatron_dir, input_ids):
     checkpoint_dir = find_checkpoint_to_load(megatron_dir)[0]
     args = load_common_state_dict(checkpoint_dir)["args"]
     settings = settings_from_checkpoint_args(argparse.Namespace(**{**vars(args), "tokenizer_type": None}))
-    model = GPTModel(transformer_config_from_settings(settings, use_cpu_initialization=True),
-                     **{**gpt_model_kwargs(settings), "vocab_size": args.padded_vocab_size}).eval()
+    model_class, kwargs = model_class_and_kwargs(settings)
+    model = model_class(transformer_config_from_settings(settings, use_cpu_initialization=True),
+                        **{**kwargs, "vocab_size": args.padded_vocab_size}).eval()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint_dir)
     model.load_state_dict(state["model"])
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
@@ -119,6 +124,51 @@ def test_convert_finetune_and_export(hf_source):
     assert ((actual - expected).norm() / expected.norm()).item() <= 1e-5
 
 
+def test_hybrid_convert_finetune_and_export(tmp_path):
+    """NemotronH: --model-type hybrid to a Megatron checkpoint (args TP 2), pretrain_hybrid.py fine-tunes it at TP2
+    with --use-checkpoint-args, and the result exports to an HF NemotronH whose logits are the Megatron model's."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from tests.unit_tests.test_utilities import run_distributed
+
+    hf_dir = write_huggingface_dir(tmp_path / "hf")
+    vocab = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
+    save_hf_model("nemotron_h", hf_dir, vocab_size=vocab)
+    megatron_dir = str(tmp_path / "megatron")
+    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
+                     "--target-tensor-parallel-size", "2", model_type="hybrid")
+    assert result.returncode == 0, result.stderr
+    tuned_dir = str(tmp_path / "tuned")
+    result = finetune(["--load", megatron_dir, "--finetune"], tuned_dir, 1e-2, os.path.join(megatron_dir,
+                      "hf_tokenizer"), nproc=2, entry_point=REPO_ROOT / "pretrain_hybrid.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "successfully loaded checkpoint" in result.stdout and "iteration        2/       2" in result.stdout
+    tuned_hf = str(tmp_path / "tuned_hf")
+    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf,
+                     model_type="hybrid")
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(tuned_hf, "config.json")) as file:
+        config = json.load(file)
+    assert config["architectures"] == ["NemotronHForCausalLM"]  # inferred from the hybrid's args
+    assert config["layers_block_type"] == ["linear_attention", "full_attention", "mlp", "linear_attention"]
+    source, tuned = _load(hf_dir), _load(tuned_hf)
+    assert sorted(tuned) == sorted(source) and tuned["backbone.embeddings.weight"].shape[0] == vocab
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    assert not torch.equal(tuned[name], source[name])
+    input_ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tuned_hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    actual = run_distributed(1, _megatron_logits, tuned_dir, input_ids)[0][..., :vocab]
+    assert ((actual - expected).norm() / expected.norm()).item() <= 1e-5
+    # --model-type GPT for the hybrid checkpoint is refused before anything is written
+    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir",
+                     str(tmp_path / "wrong"))
+    assert result.returncode == 1 and "which converts as --model-type hybrid" in result.stderr
+    assert not (tmp_path / "wrong").exists()
+
+
 def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path):
     """--use-checkpoint-args with --pretrained-checkpoint (and nothing in --load yet) takes the model flags from the
     pretrained checkpoint, as load_checkpoint will load it."""
@@ -140,7 +190,9 @@ def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path
 @pytest.mark.parametrize("arguments, match", [
     (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
     (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
-    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"], "--model-type hybrid: only GPT models convert"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "BERT"], "--model-type BERT: only GPT and hybrid models"),
+    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"],
+     "holds a qwen2 model (Qwen2ForCausalLM), which converts as --model-type GPT"),
 ])
 def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
     from tools.checkpoint.convert import main
@@ -172,6 +224,19 @@ def test_loading_a_hugging_face_directory_says_to_convert_it(hf_source):
     args = argparse.Namespace(load=hf_dir, pretrained_checkpoint=None, ckpt_step=None)
     with pytest.raises(CheckpointingException, match=f"{hf_dir} is a Hugging Face model directory: convert it first "
                                                      "with tools/checkpoint/convert.py --model-type GPT --loader hf"):
+        load_args_from_checkpoint(args)
+
+
+def test_loading_a_nemotron_h_directory_names_the_hybrid_conversion(tmp_path):
+    import argparse
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    hf_dir = save_hf_model("nemotron_h", str(tmp_path / "nh"))
+    args = argparse.Namespace(load=hf_dir, pretrained_checkpoint=None, ckpt_step=None)
+    with pytest.raises(CheckpointingException, match="convert it first with tools/checkpoint/convert.py "
+                                                     "--model-type hybrid --loader hf"):
         load_args_from_checkpoint(args)
 
 

@@ -67,7 +67,11 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
 
-    if settings.swiglu:
+    from megatron.core.activations import squared_relu
+
+    if settings.squared_relu:
+        activation = squared_relu
+    elif settings.swiglu:
         activation = F.silu
     else:
         activation = openai_gelu if settings.openai_gelu else F.gelu
@@ -89,6 +93,10 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
         attention_dropout=settings.attention_dropout,
         params_dtype=torch_dtype(settings),
     )
+    if settings.hybrid_layer_pattern is not None:
+        kwargs.update(is_hybrid_model=True, mamba_state_dim=settings.mamba_state_dim,
+                      mamba_head_dim=settings.mamba_head_dim, mamba_num_groups=settings.mamba_num_groups,
+                      mamba_num_heads=settings.mamba_num_heads)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -108,6 +116,33 @@ def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
         rope_scaling=settings.use_rope_scaling,
         rope_scaling_factor=settings.rope_scaling_factor,
     )
+
+
+def hybrid_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
+                        make_vocab_size_divisible_by: int = 128) -> dict:
+    """HybridModel's arguments besides ``config`` (the local hybrid spec, the pattern, padded vocabulary, ties)."""
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    return dict(
+        hybrid_stack_spec=hybrid_stack_spec,
+        hybrid_layer_pattern=settings.hybrid_layer_pattern,
+        vocab_size=padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
+        max_sequence_length=settings.max_position_embeddings,
+        share_embeddings_and_output_weights=not settings.untie_embeddings_and_output_weights,
+        position_embedding_type=settings.position_embedding_type,
+    )
+
+
+def model_class_and_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
+                           make_vocab_size_divisible_by: int = 128):
+    """(GPTModel or HybridModel, its arguments besides ``config``) for the settings."""
+    if settings.hybrid_layer_pattern is not None:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel, hybrid_model_kwargs(settings, tensor_parallel_size, make_vocab_size_divisible_by)
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel, gpt_model_kwargs(settings, tensor_parallel_size, make_vocab_size_divisible_by)
 
 
 def _rotary_base(theta: float):
@@ -142,6 +177,11 @@ def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size:
         ckpt_format="torch_dist", iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
         hf_vocab_size=settings.vocab_size,
     )
+    if settings.hybrid_layer_pattern is not None:
+        args.is_hybrid_model, args.hybrid_layer_pattern = True, settings.hybrid_layer_pattern
+        args.mamba_state_dim, args.mamba_head_dim = settings.mamba_state_dim, settings.mamba_head_dim
+        args.mamba_num_groups, args.mamba_num_heads = settings.mamba_num_groups, settings.mamba_num_heads
+        args.squared_relu = settings.squared_relu
     if tokenizer_model is not None:
         args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tokenizer_model
     return args
@@ -161,7 +201,21 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
     vocab = true_vocab_size or getattr(args, "hf_vocab_size", None) or _unpadded_vocab(args)
     dtype = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
-    unsupported = {"squared_relu": False, "qk_layernorm": False, "rotary_interleaved": False,
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is None and getattr(args, "is_hybrid_model", False):
+        pattern = "M" * args.num_layers  # --is-hybrid-model without a pattern: all Mamba layers
+    hybrid = {}
+    if pattern is not None:
+        hybrid = dict(hybrid_layer_pattern=pattern.replace("|", ""), squared_relu=bool(getattr(args, "squared_relu",
+                                                                                              False)))
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
+            hybrid[name] = getattr(args, name)
+        if hybrid["mamba_num_heads"] is None:  # Megatron's default: d_inner = 2 * hidden
+            hybrid["mamba_num_heads"] = 2 * args.hidden_size // args.mamba_head_dim
+        if not hybrid["squared_relu"] and "-" in pattern:
+            raise UnsupportedHFModelError("the checkpoint's hybrid has MLP layers without --squared-relu; "
+                                          "NemotronH's MLP layers use squared ReLU")
+    unsupported = {"squared_relu": bool(hybrid.get("squared_relu", False)), "qk_layernorm": False, "rotary_interleaved": False,
                    "apply_layernorm_1p": False, "num_experts": None}
     for name, expected in unsupported.items():
         if getattr(args, name, expected) not in (expected, 0 if expected is None else expected):
@@ -181,6 +235,7 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
                                                                                               False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, params_dtype=dtype,
+        **hybrid,
     )
 
 

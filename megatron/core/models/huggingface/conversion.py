@@ -1,7 +1,7 @@
 """Moving weights between HF checkpoints and Megatron models or checkpoints, driven by the family tables.
 
-- :func:`load_hf_weights` fills a (TP/PP-sharded) GPTModel in memory from an HF directory;
-  :func:`build_gpt_model_from_hf` builds that model for this rank's stage first.
+- :func:`load_hf_weights` fills a (TP/PP-sharded) GPTModel, or a HybridModel for NemotronH, in memory from an HF
+  directory; :func:`build_model_from_hf` builds that model for this rank's stage first.
 - :func:`save_megatron_checkpoint_from_hf` writes a Megatron training checkpoint (``torch_dist``), streaming: the
   model is built on the meta device and each tensor is read from the memory-mapped safetensors when the writer
   reaches it.
@@ -22,8 +22,8 @@ import torch
 
 from megatron.core.models.huggingface.config import (
     checkpoint_args_from_settings,
-    gpt_model_kwargs,
     hf_config_for_export,
+    model_class_and_kwargs,
     padded_vocab_size,
     read_hf_config,
     settings_from_checkpoint_args,
@@ -41,6 +41,7 @@ from megatron.core.models.huggingface.families import (
 )
 from megatron.core.models.huggingface.weights import (
     HFCheckpointReader,
+    tensor_parallel_sections_slice,
     tensor_parallel_slice,
     to_hf,
     to_megatron,
@@ -61,10 +62,13 @@ HF_CONFIG_KEY = "hf_config"  # the source config.json, in the checkpoint's commo
 def expand_rules(family: FamilyAdapter, settings: ModelSettings) -> Dict[str, WeightRule]:
     """Megatron state-dict name (global layer numbers) -> rule, for every tensor of the model."""
     rules = {rule.megatron: rule for rule in family.global_rules(settings)}
+    kinds = (settings.hybrid_layer_pattern or "").replace("|", "")
     for layer in range(settings.num_layers):
         for rule in family.layer_rules(settings):
-            expanded = WeightRule(rule.megatron.format(layer=layer), tuple(n.format(layer=layer) for n in rule.hf),
-                                  rule.transform)
+            if rule.kind is not None and (layer >= len(kinds) or kinds[layer] != rule.kind):
+                continue  # a hybrid's rule for another kind of layer
+            expanded = dataclasses.replace(rule, megatron=rule.megatron.format(layer=layer),
+                                           hf=tuple(n.format(layer=layer) for n in rule.hf))
             rules[expanded.megatron] = expanded
     return rules
 
@@ -138,11 +142,12 @@ def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
 
 
 def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
-    """Fill the GPTModel chunk(s) ``model`` (this rank's stage, any TP/PP) from the HF checkpoint in ``hf_dir``.
+    """Fill the GPTModel / HybridModel chunk(s) ``model`` (this rank's stage, any TP/PP) from the HF checkpoint in
+    ``hf_dir``.
 
     Each parameter gets its piece of the full HF-derived tensor; every parameter must have a source and every HF
     tensor a destination (checked before the first copy). The model must have been built from the same config
-    (see :func:`build_gpt_model_from_hf`)."""
+    (see :func:`build_model_from_hf`)."""
     from megatron.core import parallel_state
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -161,8 +166,12 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
                 )
             plan.append((name, param, chunk.vocab_size))
     for name, param, vocab in plan:
-        full = _megatron_tensor(rules[name], reader, settings, vocab)
-        piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
+        rule = rules[name]
+        full = _megatron_tensor(rule, reader, settings, vocab)
+        if rule.tp_sections is not None:
+            piece = tensor_parallel_sections_slice(full, rule.tp_sections, tp_rank, tp_size)
+        else:
+            piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
         if piece.shape != param.shape:
             raise UnsupportedHFModelError(
                 f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
@@ -172,13 +181,12 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
             param.copy_(piece)
 
 
-def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
-                            make_vocab_size_divisible_by: int = 128, load_weights: bool = True, **config_overrides):
-    """A GPTModel for this rank's TP/PP stage with the HF model's architecture and (unless ``load_weights=False``)
-    its weights. ``config_overrides`` go to the TransformerConfig (the parallel layout: defaults are
-    parallel_state's TP and PP sizes)."""
+def build_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
+                        make_vocab_size_divisible_by: int = 128, load_weights: bool = True, **config_overrides):
+    """A GPTModel (a HybridModel for NemotronH) for this rank's TP/PP stage with the HF model's architecture and
+    (unless ``load_weights=False``) its weights. ``config_overrides`` go to the TransformerConfig (the parallel
+    layout: defaults are parallel_state's TP and PP sizes)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     _, settings = settings_from_hf_config(read_hf_config(hf_dir))
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -188,36 +196,46 @@ def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process:
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
-    model = GPTModel(config, pre_process=pre_process, post_process=post_process,
-                     **gpt_model_kwargs(settings, tp, make_vocab_size_divisible_by))
+    model_class, kwargs = model_class_and_kwargs(settings, tp, make_vocab_size_divisible_by)
+    model = model_class(config, pre_process=pre_process, post_process=post_process, **kwargs)
     if load_weights:
         load_hf_weights(model, hf_dir)
     return model
+
+
+build_gpt_model_from_hf = build_model_from_hf  # the name from before hybrids; builds either model
 
 
 # ---- a structure-only model (the meta device) ------------------------------------------------------------------------
 
 
 def _meta_model(settings: ModelSettings, vocab_size: int):
-    """The single-process GPTModel of ``settings`` with no storage: its sharded state dict names every tensor of
-    the checkpoint (keys, global shapes, layer offsets) exactly as training writes and reads them."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    config = transformer_config_from_settings(settings, use_cpu_initialization=False, perform_initialization=False)
-    kwargs = gpt_model_kwargs(settings)
+    """The single-process GPTModel / HybridModel of ``settings`` with no storage: its sharded state dict names every
+    tensor of the checkpoint (keys, global shapes, layer offsets) exactly as training writes and reads them."""
+    # CPU initialisation for a hybrid: the Mamba mixer draws its conv, dt and A values even without
+    # initialisation; so they are drawn on the meta device too, not from an RNG stream a converter has not set up.
+    hybrid = settings.hybrid_layer_pattern is not None
+    config = transformer_config_from_settings(settings, use_cpu_initialization=hybrid, perform_initialization=False)
+    model_class, kwargs = model_class_and_kwargs(settings)
     kwargs["vocab_size"] = vocab_size
     with torch.device("meta"):
-        return GPTModel(config, **kwargs)
+        return model_class(config, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StoredTensor:
     """Where a model tensor lives in a torch_dist checkpoint: its key, its layer on the stacked leading axis (None
-    for tensors outside the layers), and its full (TP = 1) shape."""
+    for tensors outside the layers, and for a hybrid's, stored one key per layer), and its full (TP = 1) shape.
+    ``segments``: (key, rows) of each piece when the tensor is stored as one key per row segment (the Mamba
+    in_proj's ``.z .x .B .C .dt``, the conv's ``.x .B .C``)."""
 
     key: str
     layer: Optional[int]
     shape: Tuple[int, ...]
+    segments: Tuple[Tuple[str, int], ...] = ()
+
+    def keys(self) -> List[str]:
+        return [key for key, _ in self.segments] or [self.key]
 
 
 def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_StoredTensor"]:
@@ -227,12 +245,16 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
     model = _meta_model(settings, vocab_size)
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
               if isinstance(tensor, torch.Tensor)}
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     stored = {}
     for name, entry in model.sharded_state_dict().items():
         if name not in shapes:
             continue  # extra states (ShardedObjects)
-        match = _LAYER.match(name)
-        stored[name] = _StoredTensor(entry.key, int(match.group(1)) if match else None, shapes[name])
+        pieces = list(entry.build().values()) if isinstance(entry, ShardedTensorFactory) else [entry]
+        layer = pieces[0].global_offset[0] if pieces[0].prepend_axis_num else None  # stacked layers (GPT)
+        segments = tuple((piece.key, piece.global_shape[0]) for piece in pieces if piece.key != entry.key)
+        stored[name] = _StoredTensor(entry.key, layer, shapes[name], segments)
     return stored
 
 
@@ -268,15 +290,25 @@ def _single_process_group() -> Callable[[], None]:
     return cleanup
 
 
+def check_model_type(model_type: Optional[str], family: FamilyAdapter, where: str) -> None:
+    """Refuse a ``--model-type`` that is not the family's (a hybrid is trained by pretrain_hybrid.py, a GPT by
+    pretrain_gpt.py: the wrong one would not build the model)."""
+    if model_type is not None and model_type != family.model_type:
+        raise UnsupportedHFModelError(
+            f"--model-type {model_type}, but {where} holds a {family.name} model ({family.architectures[0]}), which "
+            f"converts as --model-type {family.model_type}")
+
+
 # ---- HF -> a Megatron checkpoint, streamed --------------------------------------------------------------------------
 
 
 def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_parallel_size: int = 1,
                                      target_pipeline_parallel_size: int = 1,
-                                     make_vocab_size_divisible_by: int = 128) -> str:
+                                     make_vocab_size_divisible_by: int = 128, model_type: Optional[str] = None) -> str:
     """Write the HF model of ``hf_dir`` as a Megatron training checkpoint under ``save_dir`` (``release/`` +
     ``latest_checkpointed_iteration.txt``, torch_dist) whose ``args`` say the target TP/PP; the tensors are stored
-    whole and reshard on load. Returns the checkpoint directory."""
+    whole and reshard on load. ``model_type`` (convert.py's ``--model-type``), when given, must be the family's
+    ('GPT', or 'hybrid' for NemotronH). Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.training.checkpointing import (
@@ -287,6 +319,7 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     )
 
     family, settings, hf_config, reader, rules = open_hf_model(hf_dir)
+    check_model_type(model_type, family, hf_dir)
     for name, size in (("--target-tensor-parallel-size", target_tensor_parallel_size),
                        ("--target-pipeline-parallel-size", target_pipeline_parallel_size)):
         if size < 1:
@@ -294,7 +327,10 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     if settings.num_layers % target_pipeline_parallel_size:
         raise ValueError(f"--target-pipeline-parallel-size {target_pipeline_parallel_size} does not divide the "
                          f"{settings.num_layers} layers")
-    for count, what in ((settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")):
+    sizes = [(settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")]
+    if settings.hybrid_layer_pattern is not None:
+        sizes += [(settings.mamba_num_heads, "Mamba heads"), (settings.mamba_num_groups, "Mamba groups")]
+    for count, what in sizes:
         if count % target_tensor_parallel_size:
             raise ValueError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
                              f"{count} {what}")
@@ -308,7 +344,13 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     cleanup = _single_process_group()
     try:
         sharded = _meta_model(settings, vocab).sharded_state_dict()
-        name_of = {(t.key, t.layer): name for name, t in _stored_tensors(settings, vocab).items()}
+        name_of, row_of = {}, {}  # (key, layer) -> model tensor name; segment key -> its first row in the tensor
+        for name, t in _stored_tensors(settings, vocab).items():
+            name_of[(t.key, t.layer)] = name
+            start = 0
+            for key, rows in t.segments:
+                name_of[(key, None)], row_of[key] = name, start
+                start += rows
         last: Dict[str, torch.Tensor] = {}  # the factory pieces of one tensor (fc1's gate, up) arrive in a row
 
         class StreamFromHF(TorchDistSaveShardedStrategy):
@@ -320,8 +362,10 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
                 if name not in last:
                     last.clear()
                     last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
-                box = tuple(slice(offset, offset + size) for offset, size in
-                            zip(shard.global_offset[shard.prepend_axis_num:], shard.local_shape))
+                offsets = list(shard.global_offset[shard.prepend_axis_num:])
+                if shard.key in row_of:  # a segment of the tensor's rows, stored under its own key
+                    offsets[0] += row_of[shard.key]
+                box = tuple(slice(offset, offset + size) for offset, size in zip(offsets, shard.local_shape))
                 return last[name][box]
 
         checkpoint_dir = get_checkpoint_name(save_dir, 0, release=True, return_base_dir=True)
@@ -359,7 +403,7 @@ def _export_rules(rules: Dict[str, WeightRule], settings: ModelSettings) -> List
 
 def hf_state_dict_from_model(model, family: Optional[FamilyAdapter] = None,
                              settings: Optional[ModelSettings] = None, hf_dir: Optional[str] = None) -> dict:
-    """The HF state dict of a single-process (TP = PP = 1) GPTModel; the family and settings come from
+    """The HF state dict of a single-process (TP = PP = 1) GPTModel / HybridModel; the family and settings come from
     ``hf_dir``'s config.json, or are given."""
     if hf_dir is not None:
         family, settings = settings_from_hf_config(read_hf_config(hf_dir))
@@ -381,7 +425,8 @@ def _check_megatron_names(present: set, rules: Dict[str, WeightRule], settings: 
 
 def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_bytes: int = 5 * 10**9,
                                      hf_architecture: Optional[str] = None,
-                                     true_vocab_size: Optional[int] = None) -> List[str]:
+                                     true_vocab_size: Optional[int] = None,
+                                     model_type: Optional[str] = None) -> List[str]:
     """Write the Megatron checkpoint of ``load_dir`` (its latest, or ``release``) as an HF model in ``save_dir``:
     ``config.json``, safetensors (sharded with an index above ``max_shard_bytes``) and the tokenizer files when the
     checkpoint came with them. ``true_vocab_size`` strips the vocabulary padding (default: the size the checkpoint
@@ -407,7 +452,13 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
     if hf_architecture is None and source_config:
         hf_architecture = (source_config.get("architectures") or [None])[0]
     family = family_for_architecture(hf_architecture) if hf_architecture else family_for_settings(settings)
+    check_model_type(model_type, family, checkpoint_dir)
+    if (family.model_type == "hybrid") != (settings.hybrid_layer_pattern is not None):
+        raise UnsupportedHFModelError(
+            f"{checkpoint_dir}: --hf-architecture {family.architectures[0]} is a {family.model_type} family, but the "
+            f"checkpoint's model is {'a hybrid' if settings.hybrid_layer_pattern else 'a GPT'}")
     rules = expand_rules(family, settings)
+    config = hf_config_for_export(family, settings, source_config)  # refuses what the family cannot express
     vocab = getattr(args, "padded_vocab_size", None) or padded_vocab_size(
         settings.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1))
@@ -417,21 +468,25 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
         stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
                   if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")}
-        model_keys = {t.key for t in tensors.values()}
+        model_keys = {key for t in tensors.values() for key in t.keys()}
         if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
                 f"{checkpoint_dir}: its tensors do not match the model of its args: unexpected "
                 f"{sorted(stored.keys() - model_keys)[:8]}, missing {sorted(model_keys - stored.keys())[:8]}")
         strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
-        dtype = {name: stored[t.key].properties.dtype for name, t in tensors.items()}
+        dtype = {name: stored[t.keys()[0]].properties.dtype for name, t in tensors.items()}
 
         def read(name: str) -> torch.Tensor:
-            """One full model tensor (one layer's slice of a stacked key), read alone."""
+            """One full model tensor (one layer's slice of a stacked key; its segments' keys, concatenated), read
+            alone."""
             t = tensors[name]
             layer_axis = () if t.layer is None else ((0, t.layer, settings.num_layers),)
-            target = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.shape, dtype=dtype[name]), *layer_axis,
-                                                     prepend_axis_num=len(layer_axis))
-            return strategy.load_local({"t": target}, checkpoint_dir)["t"]
+            pieces = t.segments or ((t.key, t.shape[0]),)
+            targets = {key: ShardedTensor.from_rank_offsets(key, torch.empty((rows, *t.shape[1:]), dtype=dtype[name]),
+                                                            *layer_axis, prepend_axis_num=len(layer_axis))
+                       for key, rows in pieces}
+            loaded = strategy.load_local(targets, checkpoint_dir)
+            return loaded[t.key] if not t.segments else torch.cat([loaded[key] for key, _ in pieces])
 
         entries = [(name, x.shape, x.dtype) for name, x in iter_hf_tensors(
             family, settings, rules, lambda name: torch.empty(tensors[name].shape, dtype=dtype[name], device="meta"))]
@@ -440,7 +495,6 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
                                              max_shard_bytes)
     finally:
         cleanup()
-    config = hf_config_for_export(family, settings, source_config)
     with open(os.path.join(save_dir, "config.json"), "w") as file:
         json.dump(config, file, indent=2)
     written.append("config.json")

@@ -4,7 +4,7 @@ names map onto GPTModel's.
 A :class:`FamilyAdapter` is data: the architectures it covers, a function from the HF config to
 :class:`ModelSettings` (Megatron's view of the model, refusing what it cannot express), the reverse function, and
 the weight rules. A :class:`WeightRule` names one GPTModel state-dict entry (``{layer}`` = global layer index), the HF
-tensors it is made of, and one of the few transforms in ``weights.py``. Adding a family (Mixtral, NemotronH) is
+tensors it is made of, and one of the few transforms in ``weights.py``. Adding a family (Mixtral) is
 adding a table here, plus the transforms its new layer types need.
 """
 
@@ -42,15 +42,28 @@ class ModelSettings:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     params_dtype: str = "float32"
+    # A Mamba hybrid (HybridModel, --model-type hybrid) when set: its layer pattern, 'M' / '*' / '-' per layer.
+    hybrid_layer_pattern: Optional[str] = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    squared_relu: bool = False
 
 
 @dataclass(frozen=True)
 class WeightRule:
-    """``megatron`` (a GPTModel state-dict name) is ``transform`` applied to the HF tensors ``hf``."""
+    """``megatron`` (a GPTModel / HybridModel state-dict name) is ``transform`` applied to the HF tensors ``hf``.
+
+    ``kind``: for a hybrid, the layer symbol ('M', '*', '-') the rule belongs to (None: every layer).
+    ``tp_sections``: the tensor's axis 0 concatenates segments of these sizes, each split over TP on its own (the
+    Mamba in_proj's z|x|B|C|dt, the conv's x|B|C), so a rank's piece is piece r of every segment."""
 
     megatron: str
     hf: Tuple[str, ...]
     transform: str = "copy"  # see weights.TRANSFORMS
+    kind: Optional[str] = None
+    tp_sections: Optional[Tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class FamilyAdapter:
     ignorable_hf_suffixes: Tuple[str, ...] = field(default=())
     # Prefixes some writers of this family leave off (GPT-2 files from the Hub have no "transformer.").
     optional_hf_prefix: str = ""
+    model_type: str = "GPT"  # convert.py's --model-type for the family
 
 
 # ---- reading config values ----------------------------------------------------------------------------------------
@@ -274,6 +288,140 @@ def _llama_like(name: str, architecture: str, model_type: str, qkv_bias: bool) -
     )
 
 
+# ---- NemotronH: Mamba-2 / attention / squared-ReLU MLP hybrid (HybridModel) --------------------------------------
+
+_NEMOTRON_H = "NemotronHForCausalLM"
+_BLOCK_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+_BLOCK_NAMES = {symbol: name for name, symbol in _BLOCK_SYMBOLS.items()}
+
+
+def _nemotron_h_pattern(config: dict) -> str:
+    """The hybrid layer pattern from ``layers_block_type`` (transformers 5) or ``hybrid_override_pattern`` (older
+    config files); MoE ('E') layers are refused: their Megatron side is not built on this branch."""
+    blocks = config.get("layers_block_type")
+    if blocks is not None:
+        unknown = [b for b in blocks if b not in _BLOCK_SYMBOLS]
+        if unknown:
+            _refuse(_NEMOTRON_H, "layers_block_type entry", unknown[0], f"use {sorted(_BLOCK_SYMBOLS)}")
+        pattern = "".join(_BLOCK_SYMBOLS[b] for b in blocks)
+    else:
+        pattern = config.get("hybrid_override_pattern")
+        if pattern is None:
+            raise UnsupportedHFModelError(f"{_NEMOTRON_H}: config.json has neither 'layers_block_type' nor "
+                                          "'hybrid_override_pattern'; the conversion needs the layer pattern")
+        bad = [c for c in pattern if c not in "M*-E"]
+        if bad:
+            _refuse(_NEMOTRON_H, "hybrid_override_pattern symbol", bad[0], "use M, *, - (and E for MoE)")
+    if "E" in pattern:
+        _refuse(_NEMOTRON_H, "MoE layers ('moe' / 'E' in the layer pattern)", pattern,
+                "the hybrid's MoE layers are not mapped yet (MoE support is built separately); convert a "
+                "checkpoint whose layers are Mamba, attention and MLP only")
+    return pattern
+
+
+# Older NemotronH config files' names, which transformers still reads (new name: old name).
+_NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias",
+                      "chunk_size": "mamba_chunk_size"}
+
+
+def _nemotron_h_settings(config: dict) -> ModelSettings:
+    a = _NEMOTRON_H
+    config = {**{new: config[old] for new, old in _NEMOTRON_H_LEGACY.items() if old in config}, **config}
+    pattern = _nemotron_h_pattern(config)
+    if config.get("head_dim") is None and config.get("attention_head_dim", 128) != 128:
+        _refuse(a, "attention_head_dim (without head_dim)", config["attention_head_dim"], "transformers reads "
+                "head_dim (default 128) and ignores attention_head_dim; add head_dim to config.json")
+    expected = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mlp_bias": False,
+                "use_conv_bias": True, "conv_kernel": 4, "num_nextn_predict_layers": 0, "sliding_window": None}
+    fixes = {"mlp_hidden_act": "the MLP layers map to Megatron's squared ReLU (--squared-relu) only",
+             "mamba_hidden_act": "Megatron's Mamba mixer uses SiLU", "use_bias": "Megatron's Mamba in/out "
+             "projections have no bias in the hybrid spec", "mlp_bias": "the hybrid's MLP layers have no bias",
+             "use_conv_bias": "Megatron's Mamba conv always has a bias", "conv_kernel": "Megatron's hybrid "
+             "spec builds the Mamba conv with width 4 (d_conv)", "num_nextn_predict_layers": "multi-token "
+             "prediction layers are not built for hybrids", "sliding_window": "attention layers are global"}
+    for key, value in expected.items():
+        if config.get(key, value) != value:
+            _refuse(a, key, config[key], fixes[key])
+    epsilon = float(config.get("layer_norm_epsilon", 1e-5))
+    if "M" in pattern and epsilon != 1e-5:
+        _refuse(a, "layer_norm_epsilon", epsilon, "Megatron's Mamba mixer fixes its gated RMSNorm's epsilon "
+                "at 1e-5, so the model's norms must use it too")
+    hidden = _require(config, "hidden_size", a)
+    heads = _require(config, "num_attention_heads", a)
+    return ModelSettings(
+        num_layers=len(pattern), hidden_size=hidden, ffn_hidden_size=_require(config, "intermediate_size", a),
+        num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads") or heads,
+        kv_channels=config.get("head_dim") or 128,  # transformers' default, not hidden / heads
+        vocab_size=_require(config, "vocab_size", a),
+        max_position_embeddings=_require(config, "max_position_embeddings", a), position_embedding_type="none",
+        normalization="RMSNorm", layernorm_epsilon=epsilon, swiglu=False, openai_gelu=False,
+        add_bias_linear=False, add_qkv_bias=False,
+        # transformers' NemotronH never ties lm_head to the embeddings (whatever tie_word_embeddings says, its files
+        # hold lm_head.weight and the model uses it), so neither does the Megatron model.
+        untie_embeddings_and_output_weights=True,
+        hidden_dropout=float(config.get("hidden_dropout", 0.0)),
+        attention_dropout=float(config.get("attention_dropout", 0.0)), params_dtype=_dtype(config),
+        hybrid_layer_pattern=pattern, mamba_state_dim=_require(config, "ssm_state_size", a),
+        mamba_head_dim=_require(config, "mamba_head_dim", a), mamba_num_groups=_require(config, "n_groups", a),
+        mamba_num_heads=_require(config, "mamba_num_heads", a), squared_relu=True,
+    )
+
+
+def _nemotron_h_config(s: ModelSettings) -> dict:
+    if not s.untie_embeddings_and_output_weights:
+        _refuse(_NEMOTRON_H, "a Megatron hybrid with tied embeddings (no --untie-embeddings-and-output-weights)",
+                True, "transformers' NemotronH always has its own lm_head; train the hybrid with "
+                "--untie-embeddings-and-output-weights")
+    return {
+        "architectures": [_NEMOTRON_H], "model_type": "nemotron_h",
+        "layers_block_type": [_BLOCK_NAMES[c] for c in s.hybrid_layer_pattern.replace("|", "")],
+        "hidden_size": s.hidden_size, "intermediate_size": s.ffn_hidden_size,
+        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_query_groups,
+        "head_dim": s.kv_channels, "vocab_size": s.vocab_size, "max_position_embeddings": s.max_position_embeddings,
+        "layer_norm_epsilon": s.layernorm_epsilon, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
+        "ssm_state_size": s.mamba_state_dim, "mamba_head_dim": s.mamba_head_dim, "n_groups": s.mamba_num_groups,
+        "mamba_num_heads": s.mamba_num_heads, "conv_kernel": 4, "use_conv_bias": True, "use_bias": False,
+        "mlp_bias": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "hidden_dropout": s.hidden_dropout, "attention_dropout": s.attention_dropout, "dtype": s.params_dtype,
+    }
+
+
+def _nemotron_h_global_rules(s: ModelSettings) -> List[WeightRule]:
+    return [
+        WeightRule("embedding.word_embeddings.weight", ("backbone.embeddings.weight",), "vocab"),
+        WeightRule("decoder.final_norm.weight", ("backbone.norm_f.weight",)),
+        WeightRule("output_layer.weight", ("lm_head.weight",), "vocab"),
+    ]
+
+
+def _nemotron_h_layer_rules(s: ModelSettings) -> List[WeightRule]:
+    hf = "backbone.layers.{layer}."
+    mg = "decoder.layers.{layer}."
+    heads = s.mamba_num_heads
+    d_inner, group_width = heads * s.mamba_head_dim, s.mamba_num_groups * s.mamba_state_dim
+    in_proj = (d_inner, d_inner, group_width, group_width, heads)
+    conv = (d_inner, group_width, group_width)
+    mamba = [WeightRule(mg + "norm.weight", (hf + "norm.weight",), kind="M")] + [
+        WeightRule(mg + f"mixer.{name}", (hf + f"mixer.{name}",), kind="M", tp_sections=sections)
+        for name, sections in (("in_proj.weight", in_proj), ("conv1d.weight", conv), ("conv1d.bias", conv),
+                               ("A_log", None), ("D", None), ("dt_bias", None), ("norm.weight", None),
+                               ("out_proj.weight", None))
+    ]
+    qkv = tuple(hf + f"mixer.{name}_proj.weight" for name in "qkv")
+    attention = [
+        WeightRule(mg + "input_layernorm.weight", (hf + "norm.weight",), kind="*"),
+        WeightRule(mg + "self_attention.linear_qkv.weight", qkv, "qkv", kind="*"),
+        WeightRule(mg + "self_attention.linear_proj.weight", (hf + "mixer.o_proj.weight",), kind="*"),
+    ]
+    mlp = [
+        WeightRule(mg + "pre_mlp_layernorm.weight", (hf + "norm.weight",), kind="-"),
+        WeightRule(mg + "mlp.linear_fc1.weight", (hf + "mixer.up_proj.weight",), kind="-"),
+        WeightRule(mg + "mlp.linear_fc2.weight", (hf + "mixer.down_proj.weight",), kind="-"),
+    ]
+    return mamba + attention + mlp
+
+
 FAMILIES: Dict[str, FamilyAdapter] = {
     "gpt2": FamilyAdapter(
         name="gpt2", architectures=("GPT2LMHeadModel",), settings_from_hf=_gpt2_settings,
@@ -284,14 +432,17 @@ FAMILIES: Dict[str, FamilyAdapter] = {
     "llama": _llama_like("llama", "LlamaForCausalLM", "llama", qkv_bias=False),
     "mistral": _llama_like("mistral", "MistralForCausalLM", "mistral", qkv_bias=False),
     "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+    "nemotron_h": FamilyAdapter(
+        name="nemotron_h", architectures=(_NEMOTRON_H,), settings_from_hf=_nemotron_h_settings,
+        hf_config_from_settings=_nemotron_h_config, global_rules=_nemotron_h_global_rules,
+        layer_rules=_nemotron_h_layer_rules, model_type="hybrid",
+    ),
 }
 
 # Architectures whose Megatron side is being built elsewhere: refused with what they wait for.
 NOT_YET = {
     "MixtralForCausalLM": "Mixtral needs Megatron's MoE layers (--num-experts), which this converter does not map "
                           "yet; its table (router, experts' fc1 = cat(w1, w3), fc2 = w2) comes with MoE support",
-    "NemotronHForCausalLM": "NemotronH is a Mamba hybrid (--model-type hybrid), which this converter does not map "
-                            "yet; its table comes with the hybrid model's support",
 }
 
 
@@ -308,7 +459,9 @@ def family_for_architecture(architecture: Optional[str]) -> FamilyAdapter:
 
 def family_for_settings(settings: ModelSettings) -> FamilyAdapter:
     """The family a Megatron model belongs to when no HF config says so (a checkpoint trained here): learned
-    positions -> GPT-2; RoPE + SwiGLU with a QKV bias -> Qwen2, without -> Llama."""
+    positions -> GPT-2; RoPE + SwiGLU with a QKV bias -> Qwen2, without -> Llama; a hybrid -> NemotronH."""
+    if settings.hybrid_layer_pattern is not None:
+        return FAMILIES["nemotron_h"]
     if settings.position_embedding_type == "learned_absolute" and settings.normalization == "LayerNorm":
         return FAMILIES["gpt2"]
     if settings.position_embedding_type == "rope" and settings.swiglu and settings.normalization == "RMSNorm":

@@ -95,6 +95,16 @@ def tensor_parallel_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int,
     return torch.cat([blocks[s * tp_size + tp_rank] for s in range(stride)], dim=dim)
 
 
+def tensor_parallel_sections_slice(full: torch.Tensor, sections: Sequence[int], tp_rank: int,
+                                   tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s rows of ``full`` whose axis 0 concatenates segments of the given sizes, each split over TP
+    on its own (the Mamba in_proj's z|x|B|C|dt): piece ``tp_rank`` of every segment, in order."""
+    if sum(sections) != full.shape[0]:
+        raise UnsupportedHFModelError(f"a tensor of {full.shape[0]} rows cannot hold segments {list(sections)}")
+    segments = torch.split(full, list(sections), dim=0)
+    return torch.cat([segment.chunk(tp_size, dim=0)[tp_rank] for segment in segments], dim=0)
+
+
 # ---- reading HF checkpoints ------------------------------------------------------------------------------------------
 
 SAFETENSORS_FILE = "model.safetensors"

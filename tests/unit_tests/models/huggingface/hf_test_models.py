@@ -33,6 +33,14 @@ CONFIGS = {
                   max_position_embeddings=64, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
                   tie_word_embeddings=True),
+    # Mamba-2 / GQA attention (no RoPE) / squared-ReLU MLP hybrid, untied; 8 Mamba heads in 2 groups (TP2 splits
+    # both), a chunk size that does not divide the sequence
+    "nemotron_h": dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h",
+                       layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                       hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, ssm_state_size=8,
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=5,
+                       layer_norm_epsilon=1e-5, tie_word_embeddings=False),
 }
 
 
@@ -55,6 +63,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
             elif name.endswith("bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            elif name.endswith((".D", ".A_log")):  # Mamba: D initialised to ones, A_log to log(1..heads)
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
     return model.eval()
 
 

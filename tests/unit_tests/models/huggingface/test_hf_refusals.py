@@ -56,7 +56,8 @@ def _config_only(tmp_path, config):
 @pytest.mark.parametrize("architecture, match", [
     ("FooForCausalLM", "unknown architecture 'FooForCausalLM' in config.json; supported: "),
     ("MixtralForCausalLM", "MixtralForCausalLM is not supported yet: Mixtral needs Megatron's MoE layers"),
-    ("NemotronHForCausalLM", "NemotronHForCausalLM is not supported yet: NemotronH is a Mamba hybrid"),
+    ("NemotronHForCausalLM", "NemotronHForCausalLM: config.json has neither 'layers_block_type' nor "
+                             "'hybrid_override_pattern'"),
 ])
 def test_architecture_refused(tmp_path, architecture, match):
     _refused(_config_only(tmp_path, {"architectures": [architecture]}), tmp_path, match)
