@@ -295,3 +295,14 @@ def test_memory_tool_reports_the_8b_hybrid_from_the_command_line(monkeypatch, ca
     for kind in ("Mamba", "attention", "MLP"):
         assert f"Activation memory footprint per {kind} layer: " in out
     assert "per transformer layer" not in out
+
+
+def test_theoretical_memory_of_a_moe_hybrid(capsys):
+    args = _model_args(1, "ME*-E", ep=2)
+    args.padded_vocab_size = 128
+    weights, activations, total = report_theoretical_memory(args, verbose=True)
+    counts = count_parameters(args)
+    assert counts.num_moe_layers == 2 and counts.routed_experts == 4 * 2 * 64 * 32  # 4 experts, fc1 + fc2, no GLU
+    assert counts.active_transformer_block == counts.transformer_block - 2 * 2 * 2 * 64 * 32  # top-2 of 4
+    assert "Activation memory footprint per MoE layer" in capsys.readouterr().out
+    assert activations > 0 and total == pytest.approx(weights + activations)
