@@ -41,6 +41,11 @@ def validate_hybrid_args(args) -> None:
         return
     args.is_hybrid_model = True
     refuse_layer_types_not_built(pattern, flag="--hybrid-layer-pattern")
+    if Symbols.MOE in pattern and not args.num_experts:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r} has MoE layers ('E') but --num-experts is not set; pass "
+            "--num-experts (and --moe-ffn-hidden-size, --moe-router-topk, ...) or use '-' (MLP) layers"
+        )
     num_layers = get_hybrid_total_layer_count(pattern)
     if args.num_layers is None:
         args.num_layers = num_layers

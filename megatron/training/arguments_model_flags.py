@@ -130,7 +130,7 @@ MAMBA = FlagTable("mamba", (
     off_switch("--disable-mamba-mem-eff-path", "use_mamba_mem_eff_path",
                help="Run the Mamba mixer unfused (the pure-PyTorch path is always taken without mamba-ssm)."),
     value("--hybrid-layer-pattern", str, None,
-          help="One symbol per layer: M Mamba, * attention, - MLP (E MoE is not built yet); '|' between pipeline "
+          help="One symbol per layer: M Mamba, * attention, - MLP, E MoE; '|' between pipeline "
           "stages. Sets the number of layers (--num-layers may be left out)."),
     value("--hybrid-override-pattern", str, None, help="Deprecated: use --hybrid-layer-pattern."),
     value("--hybrid-attention-ratio", float, 0.0,

@@ -21,6 +21,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
 from megatron.training.flops import moe_layer_pattern, num_query_groups, required_arg
 from megatron.training.hybrid_accounting import layer_parameters as hybrid_layer_parameters
+from megatron.training.hybrid_accounting import moe_layer_parameters as hybrid_moe_layer_parameters
 
 # How many groups of one kind to list before summarising the rest.
 _GROUPS_SHOWN = 8
@@ -171,15 +172,18 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     Megatron-LM's ``model_args`` built from the local layer spec (a tied output layer's copy on the last stage
     counts, as it is a parameter there). One rank holds its tensor-parallel share of the dense weights and, in MoE
     layers (``--num-experts``, ``--moe-layer-freq``), its ``1 / EP`` of the routed experts, split over expert-TP.
-    Hybrid models (``--hybrid-layer-pattern``) count each layer by its kind."""
+    Hybrid models (``--hybrid-layer-pattern``) count each layer by its kind (``E`` layers' experts as above)."""
     tp, ep, etp = layout.sizes["tp"], layout.sizes["ep"], layout.sizes["etp"]
     hybrid_pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
     layer_kinds = hybrid_pattern.replace(Symbols.PIPE, "")
     dense_layer = _layer_parameters(model_args) + (0, 0) if not layer_kinds else None
-    moe_layer = _moe_layer_parameters(model_args, ep, etp) if getattr(model_args, "num_experts", None) else None
+    moe_layer = (_moe_layer_parameters(model_args, ep, etp)
+                 if getattr(model_args, "num_experts", None) and not layer_kinds else None)
     pattern = moe_layer_pattern(model_args) if moe_layer is not None else None
 
     def layer_counts(layer: int) -> Tuple[int, int, int, int]:
+        if layer_kinds and layer_kinds[layer] == Symbols.MOE:
+            return hybrid_moe_layer_parameters(model_args, ep, etp)
         if layer_kinds:
             return hybrid_layer_parameters(model_args, layer_kinds[layer]) + (0, 0)
         return moe_layer if pattern and pattern[layer] else dense_layer

@@ -38,6 +38,15 @@ def track_moe_losses(args, iteration: int, writer, wandb_writer, total_loss_dict
         return
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+    moe_layer_freq = args.moe_layer_freq
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:
+        # A hybrid's MoE layers are its 'E' layers: average over those, as Megatron-LM does for hybrid models.
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+        main = pattern.split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
+        moe_layer_freq = [int(symbol == Symbols.MOE) for symbol in main]
+
     track_moe_metrics(
         loss_scale=1.0 / get_num_microbatches(),
         iteration=iteration,
@@ -48,6 +57,6 @@ def track_moe_losses(args, iteration: int, writer, wandb_writer, total_loss_dict
         force_initialize=True,
         track_names=moe_track_names(args),
         num_layers=args.num_layers,
-        moe_layer_freq=args.moe_layer_freq,
+        moe_layer_freq=moe_layer_freq,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
     )

@@ -49,8 +49,9 @@ class ParameterCounts:
     num_dense_layers: int
     num_moe_layers: int
     untied_output: bool
-    # Hybrid models (--hybrid-layer-pattern) count their Mamba / attention / MLP layers here instead (GPT layer
-    # counts are then 0).
+    # Hybrid models (--hybrid-layer-pattern) count their Mamba / attention / MLP layers and the non-expert part of
+    # their MoE layers here instead (the GPT layer parts are then 0; routed_experts and num_moe_layers are the MoE
+    # layers' routed experts).
     hybrid_split_in_block: float = 0.0
     hybrid_replicated_in_block: float = 0.0
 
@@ -139,24 +140,33 @@ def count_parameters(args) -> ParameterCounts:
 
 def _count_hybrid_parameters(args) -> ParameterCounts:
     """A hybrid model's counts: each layer of the pattern by its kind (hybrid_accounting), exactly as built."""
-    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_parameters
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_parameters, moe_layer_parameters
 
     split = replicated = 0.0
-    for symbol, count in hybrid_layer_counts(args).items():
-        if count:
+    counts = hybrid_layer_counts(args)
+    for symbol, count in counts.items():
+        if count and symbol != Symbols.MOE:
             layer_split, layer_replicated = layer_parameters(args, symbol)
             split, replicated = split + count * layer_split, replicated + count * layer_replicated
+    # MoE layers: router, norm and shared expert with the layers above; routed experts split over EP x expert-TP.
+    routed = active_routed = 0
+    if counts[Symbols.MOE]:
+        moe_split, moe_replicated, routed, _ = moe_layer_parameters(args)
+        split, replicated = split + counts[Symbols.MOE] * moe_split, replicated + counts[Symbols.MOE] * moe_replicated
+        active_routed = routed / args.num_experts * args.moe_router_topk
     vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
     return ParameterCounts(
-        attention=0, dense_mlp=0, shared_experts=0, routed_experts=0, active_routed_experts=0, layer_norms=0,
+        attention=0, dense_mlp=0, shared_experts=0, routed_experts=routed, active_routed_experts=active_routed,
+        layer_norms=0,
         router=0, shared_expert_gate=0, embedding=args.hidden_size * vocab,
         final_norm=args.hidden_size * (1 if args.normalization == "RMSNorm" else 2), num_dense_layers=0,
-        num_moe_layers=0, untied_output=bool(args.untie_embeddings_and_output_weights),
+        num_moe_layers=counts[Symbols.MOE], untied_output=bool(args.untie_embeddings_and_output_weights),
         hybrid_split_in_block=split, hybrid_replicated_in_block=replicated,
     )
 
 
-_HYBRID_LAYER_NAMES = {"M": "Mamba", "*": "attention", "-": "MLP"}
+_HYBRID_LAYER_NAMES = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
 
 
 def _hybrid_block_activations(args, tp: int, sequence_parallel: bool, verbose: bool = False) -> float:

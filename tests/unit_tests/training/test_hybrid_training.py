@@ -9,7 +9,11 @@ import torch
 
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.hybrid_accounting import hybrid_floating_point_operations, mamba_layer_forward_flops
+from megatron.training.hybrid_accounting import (
+    hybrid_floating_point_operations,
+    mamba_layer_forward_flops,
+    moe_layer_forward_flops,
+)
 from megatron.training.layout_report import describe_parallel_layout_for_args, parallel_layout, stage_parameter_counts
 from megatron.training.theoretical_memory_usage import count_parameters, report_theoretical_memory
 from tests.unit_tests.test_utilities import run_distributed
@@ -60,7 +64,9 @@ def test_deprecated_ratios_warn_and_make_the_pattern():
     (["--hybrid-attention-ratio", "0.6", "--hybrid-mlp-ratio", "0.6"], BASE,
      "--hybrid-attention-ratio (0.6) + --hybrid-mlp-ratio (0.6) must be at most 1"),
     (["--is-hybrid-model"], NO_LAYERS, "a hybrid model needs --hybrid-layer-pattern (or --num-layers"),
-    (["--hybrid-layer-pattern", "M*EM"], NO_LAYERS, "not supported yet: MoE layers ('E')"),
+    (["--hybrid-layer-pattern", "M*EM"], NO_LAYERS,
+     "--hybrid-layer-pattern 'M*EM' has MoE layers ('E') but --num-experts is not set; pass --num-experts"),
+    (["--hybrid-layer-pattern", "M*GM"], NO_LAYERS, "not supported yet: Gated DeltaNet layers ('G')"),
     (["--hybrid-layer-pattern", "M*Q"], NO_LAYERS, "'Q' at position 2 is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*-|M-"], NO_LAYERS,
      "has 2 '|'-separated pipeline segments but --pipeline-model-parallel-size is 1"),
@@ -145,6 +151,16 @@ def test_mamba_layer_flops_follow_megatrons_formula():
     )
 
 
+def test_moe_layers_count_what_a_gpt_moe_layer_counts():
+    # "*E" is one GPT MoE layer split in two (top-2 of 4 experts of width 1024, a shared expert of 2048, SwiGLU).
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024, moe_shared_expert_intermediate_size=2048,
+               swiglu=True, moe_layer_freq=1)
+    hybrid_args = _flops_args("*E", **moe)
+    gpt_args = _flops_args(None, num_layers=1, **moe)
+    assert hybrid_floating_point_operations(hybrid_args, 2) == pytest.approx(num_floating_point_operations(gpt_args, 2))
+    assert moe_layer_forward_flops(hybrid_args, 1) == 4 * 4096 * 4096 * (2 * 1024 + 2048) * 1.5
+
+
 def test_the_8b_hybrid_per_token():
     from tests.unit_tests.models.hybrid.test_hybrid_layer_allocation import PATTERN_8B
 
@@ -157,25 +173,29 @@ def test_the_8b_hybrid_per_token():
 # ---- parameter counts against built models ------------------------------------------------------------------------
 
 
-def _model_args(tp: int, pattern: str):
+def _model_args(tp: int, pattern: str, ep: int = 1):
     pp = 2 if "|" in pattern else 1
-    return hybrid("--hybrid-layer-pattern", pattern, "--normalization", "RMSNorm", "--squared-relu",
+    moe = []
+    if "E" in pattern:  # MoE at TP > 1 needs sequence parallelism
+        moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "48",
+               "--expert-model-parallel-size", str(ep)] + (["--sequence-parallel"] if tp > 1 else [])
+    return hybrid("--hybrid-layer-pattern", pattern, *moe, "--normalization", "RMSNorm", "--squared-relu",
                   "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
                   "--ffn-hidden-size", "96", "--position-embedding-type", "none",
                   "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", str(tp),
-                  "--pipeline-model-parallel-size", str(pp), world_size=tp * pp)
+                  "--pipeline-model-parallel-size", str(pp), world_size=tp * pp * ep)
 
 
-def _built_stage_parameters(tp: int, pattern: str):
+def _built_stage_parameters(tp: int, pattern: str, ep: int = 1):
     from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    args = _model_args(tp, pattern)
+    args = _model_args(tp, pattern, ep)
     args.padded_vocab_size = 128
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tp, args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(tp, args.pipeline_model_parallel_size, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1)
     pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
     model = HybridModel(
@@ -185,14 +205,15 @@ def _built_stage_parameters(tp: int, pattern: str):
     return pp_rank, sum(param.numel() for param in model.parameters())
 
 
-@pytest.mark.parametrize("tp, pattern", [(1, "M*-M-"), (2, "M*-M-"), (1, "M*-|M-")])
-def test_stage_parameter_counts_are_the_built_models(tp, pattern):
-    args = _model_args(tp, pattern)
+@pytest.mark.parametrize("tp, pattern, ep", [(1, "M*-M-", 1), (2, "M*-M-", 1), (1, "M*-|M-", 1), (1, "ME*-E", 2),
+                                             (2, "M*E-", 2)])
+def test_stage_parameter_counts_are_the_built_models(tp, pattern, ep):
+    args = _model_args(tp, pattern, ep)
     args.padded_vocab_size = 128
-    layout = parallel_layout(args.world_size, tp, args.pipeline_model_parallel_size, 1, 1, None, "tp-cp-ep-dp-pp",
+    layout = parallel_layout(args.world_size, tp, args.pipeline_model_parallel_size, 1, ep, None, "tp-cp-ep-dp-pp",
                              args.num_layers, hybrid_layer_pattern=pattern)
     counts = stage_parameter_counts(args, layout)
-    for pp_rank, per_rank in run_distributed(args.world_size, _built_stage_parameters, tp, pattern):
+    for pp_rank, per_rank in run_distributed(args.world_size, _built_stage_parameters, tp, pattern, ep):
         assert counts[pp_rank][1] == per_rank
     if "|" not in pattern:
         # the estimator's block + embeddings are the whole model (it leaves out only linear biases: none here)
@@ -274,3 +295,14 @@ def test_memory_tool_reports_the_8b_hybrid_from_the_command_line(monkeypatch, ca
     for kind in ("Mamba", "attention", "MLP"):
         assert f"Activation memory footprint per {kind} layer: " in out
     assert "per transformer layer" not in out
+
+
+def test_theoretical_memory_of_a_moe_hybrid(capsys):
+    args = _model_args(1, "ME*-E", ep=2)
+    args.padded_vocab_size = 128
+    weights, activations, total = report_theoretical_memory(args, verbose=True)
+    counts = count_parameters(args)
+    assert counts.num_moe_layers == 2 and counts.routed_experts == 4 * 2 * 64 * 32  # 4 experts, fc1 + fc2, no GLU
+    assert counts.active_transformer_block == counts.transformer_block - 2 * 2 * 2 * 64 * 32  # top-2 of 4
+    assert "Activation memory footprint per MoE layer" in capsys.readouterr().out
+    assert activations > 0 and total == pytest.approx(weights + activations)

@@ -23,7 +23,7 @@ from megatron.core.utils import WrappedTensor, layout_independent_init
 
 @dataclass
 class HybridStackSubmodules:
-    """The layer spec of each layer type (``gdn``, ``dsa``, ``mla`` and ``moe`` layers are not built here yet)."""
+    """The layer spec of each layer type (``gdn``, ``dsa`` and ``mla`` layers are not built here yet)."""
 
     mamba_layer: Union[ModuleSpec, type] = IdentityOp
     gdn_layer: Union[ModuleSpec, type] = IdentityOp
@@ -41,8 +41,9 @@ class HybridStack(MegatronModule):
 
     Layer ``i`` of the stage is the model's layer ``pp_layer_offset + i`` (0-based): its ``layer_number`` is
     ``pp_layer_offset + i + 1``, its weights come from that layer's init stream and it is checkpointed as
-    ``layers.<pp_layer_offset + i>.``, so neither depends on the pipeline layout. Attention and MLP layers are
-    :class:`TransformerLayer` s with only that sublayer. On a stage without ``pre_process`` the input comes from
+    ``layers.<pp_layer_offset + i>.``, so neither depends on the pipeline layout. Attention, MLP and MoE layers are
+    :class:`TransformerLayer` s with only that sublayer (an MoE layer's MLP is an :class:`MoELayer` built from the
+    config's MoE fields; its experts are expert-parallel). On a stage without ``pre_process`` the input comes from
     :meth:`set_input_tensor`; with ``post_process`` (and ``post_layer_norm``) the final norm ``final_norm`` is
     applied.
     """
@@ -74,6 +75,11 @@ class HybridStack(MegatronModule):
             )
         layer_type_list = list(layer_type_list or [])
         refuse_layer_types_not_built("".join(layer_type_list), flag="layer_type_list")
+        if Symbols.MOE in layer_type_list and not config.num_moe_experts:
+            raise ValueError(
+                f"layer_type_list {''.join(layer_type_list)!r} has MoE layers ('E') but config.num_moe_experts is "
+                f"{config.num_moe_experts!r}; set num_moe_experts (--num-experts) or use '-' (MLP) layers"
+            )
         self.submodules = submodules
         self.pre_process = pre_process
         self.post_process = post_process
@@ -100,7 +106,11 @@ class HybridStack(MegatronModule):
         if symbol == Symbols.MAMBA:
             return build_module(self.submodules.mamba_layer, **common)
         # TransformerLayers add the transformer pipeline split's offset unless told not to; the number is global.
-        spec = self.submodules.attention_layer if symbol == Symbols.ATTENTION else self.submodules.mlp_layer
+        spec = {
+            Symbols.ATTENTION: self.submodules.attention_layer,
+            Symbols.MLP: self.submodules.mlp_layer,
+            Symbols.MOE: self.submodules.moe_layer,
+        }[symbol]
         return build_module(spec, add_layer_offset=False, **common)
 
     def mamba_state_shapes_per_request(self) -> Optional[Tuple[Tuple[int], Tuple[int]]]:

@@ -41,7 +41,6 @@ class Symbols:
 
 # Layer types Megatron-Core has that are not built here, and where each one is being built.
 _NOT_BUILT = {
-    Symbols.MOE: "MoE layers ('E'): mixture of experts is being built separately (issue 12)",
     Symbols.GDN: "Gated DeltaNet layers ('G')",
     Symbols.DS_ATTENTION: "DeepSeek sparse-attention layers ('D')",
     Symbols.MLA: "multi-latent attention layers ('+')",
@@ -131,7 +130,7 @@ def refuse_layer_types_not_built(pattern: Optional[str], flag: str = "hybrid_lay
     if missing:
         raise ValueError(
             f"not supported yet: {'; '.join(missing)} in {flag} {pattern!r}; build the model from 'M' (Mamba), "
-            "'*' (attention) and '-' (MLP) layers"
+            "'*' (attention), '-' (MLP) and 'E' (MoE) layers"
         )
 
 

@@ -6,12 +6,16 @@ layer's name, so checkpoints match Megatron's:
 
 - Mamba layer ``i``: ``decoder.layers.i.mixer.in_proj.layer_norm_weight`` (the pre-mixer norm);
 - attention layer: ``decoder.layers.i.self_attention.linear_qkv.layer_norm_weight``;
-- MLP layer: ``decoder.layers.i.mlp.linear_fc1.layer_norm_weight``.
+- MLP layer: ``decoder.layers.i.mlp.linear_fc1.layer_norm_weight``;
+- MoE layer: ``decoder.layers.i.pre_mlp_layernorm.weight`` (Megatron's hybrid MoE layer keeps a separate norm in
+  front of the router, so the key is the module's own), experts as grouped linears (``mlp.experts.linear_fc1.weight``,
+  Megatron's hybrid spec uses grouped-GEMM experts), ``mlp.router.weight``, ``mlp.shared_experts.*``.
 """
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -69,12 +73,24 @@ mlp_layer_spec = ModuleSpec(
 )
 """An MLP-only layer: pre-norm MLP with a residual."""
 
+moe_layer_spec = ModuleSpec(
+    module=TransformerLayer,
+    submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=_NORM,
+        # The number of experts comes from the config when the layer is built; the spec only needs one to exist.
+        mlp=get_moe_module_spec_for_backend(_LOCAL, num_experts=1, moe_grouped_gemm=True),
+        mlp_bda=get_bias_dropout_add,
+    ),
+)
+"""An MoE-only layer: pre-norm MoE MLP (router, grouped experts, optional shared expert) with a residual."""
+
 hybrid_stack_spec = ModuleSpec(
     module=HybridStack,
     submodules=HybridStackSubmodules(
         mamba_layer=mamba_layer_spec,
         attention_layer=attention_layer_spec,
         mlp_layer=mlp_layer_spec,
+        moe_layer=moe_layer_spec,
     ),
 )
 """The spec ``HybridModel`` is built from: ``HybridModel(config, hybrid_stack_spec, ...)``."""

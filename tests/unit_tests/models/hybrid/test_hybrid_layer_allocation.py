@@ -72,8 +72,8 @@ def test_segments_have_no_pipes():
 
 
 @pytest.mark.parametrize("pattern, message", [
-    ("MEM*", r"not supported yet: MoE layers \('E'\): mixture of experts is being built separately"),
-    ("MG", r"Gated DeltaNet layers \('G'\)"),
+    ("MEG", r"not supported yet: Gated DeltaNet layers \('G'\) in hybrid_layer_pattern 'MEG'; build the model "
+             r"from 'M' \(Mamba\), '\*' \(attention\), '-' \(MLP\) and 'E' \(MoE\) layers"),
     ("MD", r"DeepSeek sparse-attention layers \('D'\)"),
     ("M+", r"multi-latent attention layers \('\+'\)"),
     ("M*/M*", r"multi-token prediction \('/M\*' x 1\)"),
@@ -85,6 +85,7 @@ def test_layer_types_not_built_are_refused(pattern, message):
 
 def test_layer_types_built_pass():
     refuse_layer_types_not_built("M*-|M-")
+    refuse_layer_types_not_built("M*E-|ME")
     refuse_layer_types_not_built(None)
 
 

@@ -149,7 +149,8 @@ def _build_error(pattern: str, config_overrides: dict):
 @pytest.mark.parametrize("pattern, overrides, message", [
     ("M*-M", {}, "config.num_layers (5) must equal the number of layers in the hybrid layer pattern 'M*-M' (4)"),
     ("M*|-M-", {}, "has 2 '|'-separated segments but the model has 1 pipeline model chunks"),
-    ("M*EM-", {}, "not supported yet: MoE layers ('E')"),
+    ("M*EM-", {}, "layer_type_list 'M*EM-' has MoE layers ('E') but config.num_moe_experts is None"),
+    ("M*GM-", {}, "not supported yet: Gated DeltaNet layers ('G')"),
     ("M*-M-", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
      "not supported yet: recompute_granularity='full' for hybrid models"),
 ])
