@@ -69,7 +69,8 @@ class ModelParallelConfig:
     grad_scale_func: Optional[Callable] = None
     """Scales the loss before backward (the loss scaler)."""
     moe_grad_scale_func: Optional[Callable] = None
-    """Scale of the MoE auxiliary losses (not supported yet: MoE is not built, must be None)."""
+    """A caller's own scale for the MoE auxiliary losses (not supported yet, must be None: the schedules scale them
+    by the loss scale over the number of micro-batches, as Megatron-Core does by default)."""
     mtp_grad_scale_func: Optional[Callable] = None
     """Scale of the multi-token-prediction loss (not supported yet: MTP is not built, must be None)."""
     no_sync_func: Optional[Callable] = None

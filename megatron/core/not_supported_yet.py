@@ -36,6 +36,7 @@ NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
     "MoE block-interleaved GLU layout": ("moe_shared_expert_glu_interleave_size", "moe_mlp_glu_interleave_size"),
     "MoE legacy token dropping": ("moe_token_dropping",),
     "MoE latent projections": ("moe_latent_size",),
+    "a caller-supplied MoE aux-loss scale (RL trainers)": ("moe_grad_scale_func",),
     "MoE per-rank capacity": ("moe_expert_rank_capacity_factor",),
     "MoE CUDA-graph inference padding": ("moe_pad_experts_for_cuda_graph_inference",),
     "MoE flex dispatcher (DeepEP / HybridEP / NCCL-EP kernels)": (
