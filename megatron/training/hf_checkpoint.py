@@ -123,8 +123,15 @@ def load_hf_checkpoint(ddp_model, optimizer, hf_dir: str) -> None:
     check_args_match_hf(args, hf_dir)
     print_rank_0(f" loading the Hugging Face model {hf_dir} in memory (no conversion): fine-tuning from iteration 0 "
                  "with a fresh optimizer and scheduler; --save writes Megatron checkpoints, resume from those")
+    chunks = unwrap_model(list(ddp_model))
+    hybrid = _settings(hf_dir).hybrid_layer_pattern is not None
+    built = {type(chunk).__name__ for chunk in chunks}
+    if hybrid != (built == {"HybridModel"}):
+        entry = "pretrain_hybrid.py" if hybrid else "pretrain_gpt.py"
+        raise CheckpointingException(f"--load {hf_dir}: a {'hybrid' if hybrid else 'GPT'} model, this run built "
+                                     f"{', '.join(sorted(built))}; train it with {entry}")
     try:
-        load_hf_weights(unwrap_model(list(ddp_model)), hf_dir)
+        load_hf_weights(chunks, hf_dir)
     except UnsupportedHFModelError as error:
         raise CheckpointingException(f"--load {hf_dir}: {error}") from None
     if (args.fp16 or args.bf16) and optimizer is not None:
