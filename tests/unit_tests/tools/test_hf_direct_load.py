@@ -139,3 +139,23 @@ def test_pretrain_gpt_refuses_model_flags_other_than_the_hugging_face_model(hf_s
     assert (f"--load {hf_dir}: this run's model is not the Hugging Face model: --hidden-size is 64, the HF config "
             "gives 32;") in result.stdout + result.stderr
     assert "iteration        1/" not in result.stdout
+
+
+def test_a_hybrid_hugging_face_model_is_not_loaded_into_a_gpt_model(tmp_path):
+    """pretrain_gpt.py --use-checkpoint-args on a NemotronH directory (its flags then match): the built model is
+    not a HybridModel, which is refused naming pretrain_hybrid.py."""
+    import torch
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.global_vars import set_args, unset_global_variables
+    from megatron.training.hf_checkpoint import load_hf_checkpoint
+
+    hf_dir = save_hf_model("nemotron_h", str(tmp_path / "nh"))
+    args = _run_args(hf_dir, is_hybrid_model=True, fp16=False, bf16=False)
+    set_args(args)
+    try:
+        with pytest.raises(CheckpointingException, match=f"--load {hf_dir}: a hybrid model, this run built Linear; "
+                                                         "train it with pretrain_hybrid.py"):
+            load_hf_checkpoint([torch.nn.Linear(1, 1)], None, hf_dir)
+    finally:
+        unset_global_variables()
