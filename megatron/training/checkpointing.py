@@ -15,7 +15,6 @@ optimizer built their sharded state with).
 
 import argparse
 import enum
-import json
 import os
 import shutil
 import threading
@@ -27,6 +26,7 @@ from torch.distributed import ProcessGroup
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME
+from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint, take_hf_model_args
 
 TRACKER_FNAME = "latest_checkpointed_iteration.txt"
 RELEASE_DIRNAME = "release"
@@ -214,25 +214,6 @@ def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
     return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
 
 
-def _hugging_face_directory_note(load_dir) -> str:
-    """For a --load that is a Hugging Face model directory: how to convert it (empty otherwise)."""
-    if load_dir is None or not os.path.isfile(os.path.join(load_dir, "config.json")):
-        return ""
-    if not any(os.path.isfile(os.path.join(load_dir, name))
-               for name in ("model.safetensors", "model.safetensors.index.json")):
-        return ""
-    model_type = "GPT"
-    try:
-        with open(os.path.join(load_dir, "config.json")) as file:
-            if "NemotronHForCausalLM" in (json.load(file).get("architectures") or []):
-                model_type = "hybrid"  # a Mamba hybrid, converted for pretrain_hybrid.py
-    except (OSError, ValueError, AttributeError):
-        pass  # an unreadable config: the note still says how to convert
-    return (f"; {load_dir} is a Hugging Face model directory: convert it first with tools/checkpoint/convert.py "
-            f"--model-type {model_type} --loader hf --saver core --load-dir {load_dir} --save-dir <dir> and load <dir> "
-            "(docs/huggingface.md)")
-
-
 def get_load_checkpoint_path_by_args(args, load_arg="load"):
     """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
     when that does; else ``args.<load_arg>`` (nothing to resume)."""
@@ -366,16 +347,18 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
     # --load when it holds a checkpoint, else --pretrained-checkpoint (what load_checkpoint will load).
     load_dir = get_load_checkpoint_path_by_args(args, load_arg)
     found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
+    names = _CHECKPOINT_MODEL_ARGS
+    if found is None and hugging_face_load_dir(args, load_arg) is not None:
+        take_hf_model_args(args, hugging_face_load_dir(args, load_arg), names)  # the layout stays the run's
+        return args
     if found is None:
         raise CheckpointingException(
             f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
             f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
-            + _hugging_face_directory_note(load_dir)
         )
     saved = load_common_state_dict(found[0]).get("args")
     if saved is None:
         raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
-    names = _CHECKPOINT_MODEL_ARGS
     if getattr(args, "use_mp_args_from_checkpoint_args", False):
         names += _CHECKPOINT_PARALLEL_ARGS
     for name in names:
@@ -700,9 +683,11 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
         finetune = True
-    if found is None and _hugging_face_directory_note(load_dir):  # never train from scratch by mistake
-        raise CheckpointingException(f"--load {load_dir} holds no Megatron checkpoint"
-                                     + _hugging_face_directory_note(load_dir))
+    if found is None and hugging_face_load_dir(args, load_arg) is not None:
+        load_hf_checkpoint(ddp_model, optimizer, hugging_face_load_dir(args, load_arg))
+        set_loaded_iteration(0)
+        dist.barrier()
+        return 0, 0
     if found is None:
         if args.exit_on_missing_checkpoint:
             raise CheckpointingException(
