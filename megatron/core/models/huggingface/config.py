@@ -88,9 +88,21 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         params_dtype=torch_dtype(settings),
+        **_moe_config(settings),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_config(settings: ModelSettings) -> dict:
+    """The MoE fields of a model with experts: Megatron's default softmax-then-top-k router renormalises over the
+    k chosen experts, as Mixtral does (``moe_router_pre_softmax=True`` would not)."""
+    if not settings.num_moe_experts:
+        return {}
+    return dict(num_moe_experts=settings.num_moe_experts, moe_router_topk=settings.moe_router_topk,
+                moe_ffn_hidden_size=settings.moe_ffn_hidden_size, moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather")
 
 
 def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
@@ -99,7 +111,8 @@ def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return dict(
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=settings.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=settings.num_moe_experts,
+                                                        normalization=settings.normalization),
         vocab_size=padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
         max_sequence_length=settings.max_position_embeddings,
         share_embeddings_and_output_weights=not settings.untie_embeddings_and_output_weights,
@@ -142,6 +155,11 @@ def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size:
         ckpt_format="torch_dist", iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
         hf_vocab_size=settings.vocab_size,
     )
+    if settings.num_moe_experts:
+        moe = _moe_config(settings)
+        moe["num_experts"] = moe.pop("num_moe_experts")
+        vars(args).update(moe, moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
+                          moe_router_topk_scaling_factor=None)
     if tokenizer_model is not None:
         args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tokenizer_model
     return args
@@ -162,7 +180,10 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
     vocab = true_vocab_size or getattr(args, "hf_vocab_size", None) or _unpadded_vocab(args)
     dtype = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
     unsupported = {"squared_relu": False, "qk_layernorm": False, "rotary_interleaved": False,
-                   "apply_layernorm_1p": False, "num_experts": None}
+                   "apply_layernorm_1p": False, "moe_grouped_gemm": False, "moe_router_pre_softmax": False,
+                   "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+                   "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+                   "moe_input_jitter_eps": None}
     for name, expected in unsupported.items():
         if getattr(args, name, expected) not in (expected, 0 if expected is None else expected):
             raise UnsupportedHFModelError(f"the checkpoint's model uses {name}={getattr(args, name)!r}, which no "
@@ -181,7 +202,17 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
                                                                                               False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, params_dtype=dtype,
+        **_moe_settings_from_args(args, ffn),
     )
+
+
+def _moe_settings_from_args(args, ffn_hidden_size: int) -> dict:
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    return dict(num_moe_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
+                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or ffn_hidden_size,
+                moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
 
 
 def _unpadded_vocab(args) -> int:

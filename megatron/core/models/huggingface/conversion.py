@@ -125,16 +125,23 @@ def _megatron_tensor(rule: WeightRule, reader: HFCheckpointReader, settings: Mod
 # ---- HF -> a Megatron model in memory -------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
     """``decoder.layers.<local index>.x`` -> ``decoder.layers.<global index>.x`` (a pipeline stage numbers its layers
-    from 0; ``layer_number`` is global and 1-based)."""
+    from 0; ``layer_number`` is global and 1-based), and an expert's local index -> its global one (an EP rank holds
+    experts ``local_expert_offset ...``)."""
     match = _LAYER.match(local_name)
     if match is None:
         return local_name
     layer = chunk.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        offset = layer.mlp.experts.local_expert_offset
+        name = f"{name[:expert.start()]}.experts.local_experts.{offset + int(expert.group(1))}.{name[expert.end():]}"
+    return name
 
 
 def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
@@ -148,6 +155,9 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    # Experts are split over the expert tensor-parallel group (by default the same size as TP).
+    expert_tp = ((parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
+                 if parallel_state.model_parallel_is_initialized() else (tp_rank, tp_size))
     family, settings, _, reader, rules = open_hf_model(hf_dir)
     plan = []
     for chunk in chunks:
@@ -162,7 +172,8 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
             plan.append((name, param, chunk.vocab_size))
     for name, param, vocab in plan:
         full = _megatron_tensor(rules[name], reader, settings, vocab)
-        piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
+        rank, size = expert_tp if _EXPERT.search(name) else (tp_rank, tp_size)
+        piece = tensor_parallel_slice(full, param, rank, size)
         if piece.shape != param.shape:
             raise UnsupportedHFModelError(
                 f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
@@ -185,6 +196,8 @@ def build_gpt_model_from_hf(hf_dir: str, pre_process: bool = True, post_process:
     config_overrides.setdefault("tensor_model_parallel_size", tp)
     config_overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config_overrides.setdefault("perform_initialization", not load_weights)  # every weight is overwritten
+    if settings.num_moe_experts and config_overrides["tensor_model_parallel_size"] > 1:
+        config_overrides.setdefault("sequence_parallel", True)  # MoE under TP routes sequence-parallel slices
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
@@ -212,11 +225,11 @@ def _meta_model(settings: ModelSettings, vocab_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class _StoredTensor:
-    """Where a model tensor lives in a torch_dist checkpoint: its key, its layer on the stacked leading axis (None
-    for tensors outside the layers), and its full (TP = 1) shape."""
+    """Where a model tensor lives in a torch_dist checkpoint: its key, its index on each stacked leading axis
+    (``(layer,)``, ``(layer, expert)`` for an expert's, ``()`` outside the layers), and its full (TP = 1) shape."""
 
     key: str
-    layer: Optional[int]
+    axes: Tuple[int, ...]
     shape: Tuple[int, ...]
 
 
@@ -231,8 +244,8 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
     for name, entry in model.sharded_state_dict().items():
         if name not in shapes:
             continue  # extra states (ShardedObjects)
-        match = _LAYER.match(name)
-        stored[name] = _StoredTensor(entry.key, int(match.group(1)) if match else None, shapes[name])
+        axes = tuple(int(m.group(1)) for m in (_LAYER.match(name), _EXPERT.search(name)) if m is not None)
+        stored[name] = _StoredTensor(entry.key, axes, shapes[name])
     return stored
 
 
@@ -308,15 +321,14 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     cleanup = _single_process_group()
     try:
         sharded = _meta_model(settings, vocab).sharded_state_dict()
-        name_of = {(t.key, t.layer): name for name, t in _stored_tensors(settings, vocab).items()}
+        name_of = {(t.key, t.axes): name for name, t in _stored_tensors(settings, vocab).items()}
         last: Dict[str, torch.Tensor] = {}  # the factory pieces of one tensor (fc1's gate, up) arrive in a row
 
         class StreamFromHF(TorchDistSaveShardedStrategy):
             """Each stored piece is cut from its full tensor, built from the HF files when the writer reaches it."""
 
             def materialize(self, shard):
-                layer = shard.global_offset[0] if shard.prepend_axis_num else None
-                name = name_of[(shard.key, layer)]
+                name = name_of[(shard.key, tuple(shard.global_offset[:shard.prepend_axis_num]))]
                 if name not in last:
                     last.clear()
                     last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
@@ -426,11 +438,12 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         dtype = {name: stored[t.key].properties.dtype for name, t in tensors.items()}
 
         def read(name: str) -> torch.Tensor:
-            """One full model tensor (one layer's slice of a stacked key), read alone."""
+            """One full model tensor (one layer's, or one layer's expert's, slice of a stacked key), read alone."""
             t = tensors[name]
-            layer_axis = () if t.layer is None else ((0, t.layer, settings.num_layers),)
-            target = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.shape, dtype=dtype[name]), *layer_axis,
-                                                     prepend_axis_num=len(layer_axis))
+            counts = (settings.num_layers, settings.num_moe_experts)
+            axes = [(axis, index, counts[axis]) for axis, index in enumerate(t.axes)]
+            target = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.shape, dtype=dtype[name]), *axes,
+                                                     prepend_axis_num=len(axes))
             return strategy.load_local({"t": target}, checkpoint_dir)["t"]
 
         entries = [(name, x.shape, x.dtype) for name, x in iter_hf_tensors(
