@@ -180,7 +180,7 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
     vocab = true_vocab_size or getattr(args, "hf_vocab_size", None) or _unpadded_vocab(args)
     dtype = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
     unsupported = {"squared_relu": False, "qk_layernorm": False, "rotary_interleaved": False,
-                   "apply_layernorm_1p": False, "moe_grouped_gemm": False, "moe_router_pre_softmax": False,
+                   "apply_layernorm_1p": False, "moe_router_pre_softmax": False,
                    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
                    "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
                    "moe_input_jitter_eps": None}
@@ -210,6 +210,11 @@ def _moe_settings_from_args(args, ffn_hidden_size: int) -> dict:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
+    if getattr(args, "moe_grouped_gemm", False):
+        raise UnsupportedHFModelError(
+            "the checkpoint's model uses moe_grouped_gemm=True, whose experts are stored as grouped linears "
+            "(mlp.experts.linear_fc1.weight); export reads the per-expert layout of --moe-grouped-gemm off "
+            "(mlp.experts.experts.linear_fc1.weight): convert the checkpoint without grouped GEMM first")
     return dict(num_moe_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or ffn_hidden_size,
                 moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
