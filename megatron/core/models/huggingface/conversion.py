@@ -125,6 +125,9 @@ def _megatron_tensor(rule: WeightRule, reader: HFCheckpointReader, settings: Mod
 # ---- HF -> a Megatron model in memory -------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Optimizer state keys of a training checkpoint: "optimizer.", or "chained_<i>.optimizer." when an MoE run chains
+# the dense and expert optimizers.
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
@@ -428,7 +431,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         tensors = _stored_tensors(settings, vocab)
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
         stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
-                  if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")}
+                  if isinstance(entry, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)}
         model_keys = {t.key for t in tensors.values()}
         if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
