@@ -303,6 +303,8 @@ _CHECKPOINT_MODEL_ARGS = (
     "vocab_size", "make_vocab_size_divisible_by",
     "is_hybrid_model", "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
     "mamba_num_heads",
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm",
 )
 # The layout, taken as well only with --use-mp-args-from-checkpoint-args (as in Megatron-LM): otherwise the command
 # line's layout holds and the checkpoint is resharded on load.

@@ -211,3 +211,49 @@ def test_cli_refuses_missing_and_identical_dirs(tmp_path, capsys):
     assert "nowhere: no such directory (only local directories are read)" in capsys.readouterr().err
     assert main([*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
     assert "is --load-dir; write the conversion somewhere else" in capsys.readouterr().err
+
+
+def test_mixtral_convert_finetune_at_tp2_ep2_and_export(tmp_path):
+    """Mixtral through the command line: HF -> Megatron (MoE flags in args) -> HF gives back every tensor bit for bit;
+    pretrain_gpt.py fine-tunes the converted checkpoint at TP2 x EP2 (--use-checkpoint-args supplies --num-experts
+    and the router flags), and the fine-tuned model exported to HF gives the Megatron model's logits."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from tests.unit_tests.test_utilities import run_distributed
+
+    hf_dir = write_huggingface_dir(tmp_path / "hf")
+    vocab = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
+    save_hf_model("mixtral", hf_dir, vocab_size=vocab)
+    megatron_dir, back_dir = str(tmp_path / "megatron"), str(tmp_path / "back")
+    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
+                     "--target-tensor-parallel-size", "2")
+    assert result.returncode == 0, result.stderr
+    result = convert("--loader", "core", "--saver", "hf", "--load-dir", megatron_dir, "--save-dir", back_dir)
+    assert result.returncode == 0, result.stderr
+    source, back = _load(hf_dir), _load(back_dir)
+    assert sorted(back) == sorted(source) and all(torch.equal(back[name], source[name]) for name in source)
+
+    tuned_dir, tuned_hf = str(tmp_path / "tuned"), str(tmp_path / "tuned_hf")
+    tokenizer_dir = os.path.join(megatron_dir, "hf_tokenizer")
+    result = finetune(["--load", megatron_dir, "--finetune", "--expert-model-parallel-size", "2",
+                       "--sequence-parallel"], tuned_dir, 1e-2, tokenizer_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "successfully loaded checkpoint" in result.stdout and "iteration        2/       2" in result.stdout
+    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf)
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(tuned_hf, "config.json")) as file:
+        config = json.load(file)
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    tuned = _load(tuned_hf)
+    assert sorted(tuned) == sorted(source)
+    expert = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    assert not torch.equal(tuned[expert], source[expert])
+
+    input_ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tuned_hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    actual = run_distributed(1, _megatron_logits, tuned_dir, input_ids)[0][..., :vocab]
+    assert ((actual - expected).norm() / expected.norm()).item() <= 1e-5

@@ -2,8 +2,8 @@
 memory, and HF <-> Megatron checkpoint conversion (``tools/checkpoint/convert.py`` is the command line).
 
 Supported families (one table each in ``families.py``): GPT-2, Llama (1/2/3, incl. Llama-3 RoPE scaling and GQA),
-Mistral (without sliding window), Qwen2 (QKV bias), NemotronH (Mamba-2 hybrid -> HybridModel; no MoE layers).
-Mixtral is refused until MoE support."""
+Mistral (without sliding window), Qwen2 (QKV bias), Mixtral (MoE; experts at their global index, so an EP-sharded
+model loads too), NemotronH (Mamba-2 hybrid -> HybridModel; no MoE layers)."""
 
 from megatron.core.models.huggingface.config import (
     gpt_model_kwargs,

@@ -92,6 +92,7 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         params_dtype=torch_dtype(settings),
+        **_moe_config(settings),
     )
     if settings.hybrid_layer_pattern is not None:
         kwargs.update(is_hybrid_model=True, mamba_state_dim=settings.mamba_state_dim,
@@ -101,13 +102,25 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
     return TransformerConfig(**kwargs)
 
 
+def _moe_config(settings: ModelSettings) -> dict:
+    """The MoE fields of a model with experts: Megatron's default softmax-then-top-k router renormalises over the
+    k chosen experts, as Mixtral does (``moe_router_pre_softmax=True`` would not)."""
+    if not settings.num_moe_experts:
+        return {}
+    return dict(num_moe_experts=settings.num_moe_experts, moe_router_topk=settings.moe_router_topk,
+                moe_ffn_hidden_size=settings.moe_ffn_hidden_size, moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather")
+
+
 def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
                      make_vocab_size_divisible_by: int = 128) -> dict:
     """GPTModel's arguments besides ``config`` (the local layer spec, padded vocabulary, positions, RoPE, ties)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return dict(
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=settings.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=settings.num_moe_experts,
+                                                        normalization=settings.normalization),
         vocab_size=padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
         max_sequence_length=settings.max_position_embeddings,
         share_embeddings_and_output_weights=not settings.untie_embeddings_and_output_weights,
@@ -182,6 +195,11 @@ def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size:
         args.mamba_state_dim, args.mamba_head_dim = settings.mamba_state_dim, settings.mamba_head_dim
         args.mamba_num_groups, args.mamba_num_heads = settings.mamba_num_groups, settings.mamba_num_heads
         args.squared_relu = settings.squared_relu
+    if settings.num_moe_experts:
+        moe = _moe_config(settings)
+        moe["num_experts"] = moe.pop("num_moe_experts")
+        vars(args).update(moe, moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
+                          moe_router_topk_scaling_factor=None)
     if tokenizer_model is not None:
         args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tokenizer_model
     return args
@@ -215,8 +233,11 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
         if not hybrid["squared_relu"] and "-" in pattern:
             raise UnsupportedHFModelError("the checkpoint's hybrid has MLP layers without --squared-relu; "
                                           "NemotronH's MLP layers use squared ReLU")
-    unsupported = {"squared_relu": bool(hybrid.get("squared_relu", False)), "qk_layernorm": False, "rotary_interleaved": False,
-                   "apply_layernorm_1p": False, "num_experts": None}
+    unsupported = {"squared_relu": bool(hybrid.get("squared_relu", False)), "qk_layernorm": False,
+                   "rotary_interleaved": False, "apply_layernorm_1p": False, "moe_router_pre_softmax": False,
+                   "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+                   "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+                   "moe_input_jitter_eps": None}
     for name, expected in unsupported.items():
         if getattr(args, name, expected) not in (expected, 0 if expected is None else expected):
             raise UnsupportedHFModelError(f"the checkpoint's model uses {name}={getattr(args, name)!r}, which no "
@@ -236,7 +257,22 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, params_dtype=dtype,
         **hybrid,
+        **_moe_settings_from_args(args, ffn),
     )
+
+
+def _moe_settings_from_args(args, ffn_hidden_size: int) -> dict:
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    if getattr(args, "moe_grouped_gemm", False):
+        raise UnsupportedHFModelError(
+            "the checkpoint's model uses moe_grouped_gemm=True, whose experts are stored as grouped linears "
+            "(mlp.experts.linear_fc1.weight); export reads the per-expert layout of --moe-grouped-gemm off "
+            "(mlp.experts.experts.linear_fc1.weight): convert the checkpoint without grouped GEMM first")
+    return dict(num_moe_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
+                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or ffn_hidden_size,
+                moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
 
 
 def _unpadded_vocab(args) -> int:

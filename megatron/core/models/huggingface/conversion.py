@@ -129,16 +129,26 @@ def _megatron_tensor(rule: WeightRule, reader: HFCheckpointReader, settings: Mod
 # ---- HF -> a Megatron model in memory -------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Optimizer state keys of a training checkpoint: "optimizer.", or "chained_<i>.optimizer." when an MoE run chains
+# the dense and expert optimizers.
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
     """``decoder.layers.<local index>.x`` -> ``decoder.layers.<global index>.x`` (a pipeline stage numbers its layers
-    from 0; ``layer_number`` is global and 1-based)."""
+    from 0; ``layer_number`` is global and 1-based), and an expert's local index -> its global one (an EP rank holds
+    experts ``local_expert_offset ...``)."""
     match = _LAYER.match(local_name)
     if match is None:
         return local_name
     layer = chunk.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        offset = layer.mlp.experts.local_expert_offset
+        name = f"{name[:expert.start()]}.experts.local_experts.{offset + int(expert.group(1))}.{name[expert.end():]}"
+    return name
 
 
 def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
@@ -153,6 +163,9 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    # Experts are split over the expert tensor-parallel group (by default the same size as TP).
+    expert_tp = ((parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
+                 if parallel_state.model_parallel_is_initialized() else (tp_rank, tp_size))
     family, settings, _, reader, rules = open_hf_model(hf_dir)
     plan = []
     for chunk in chunks:
@@ -171,7 +184,8 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
         if rule.tp_sections is not None:
             piece = tensor_parallel_sections_slice(full, rule.tp_sections, tp_rank, tp_size)
         else:
-            piece = tensor_parallel_slice(full, param, tp_rank, tp_size)
+            rank, size = expert_tp if _EXPERT.search(name) else (tp_rank, tp_size)
+            piece = tensor_parallel_slice(full, param, rank, size)
         if piece.shape != param.shape:
             raise UnsupportedHFModelError(
                 f"{name}: the HF tensors give {tuple(piece.shape)} on this rank, the model has "
@@ -193,6 +207,8 @@ def build_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: boo
     config_overrides.setdefault("tensor_model_parallel_size", tp)
     config_overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config_overrides.setdefault("perform_initialization", not load_weights)  # every weight is overwritten
+    if settings.num_moe_experts and config_overrides["tensor_model_parallel_size"] > 1:
+        config_overrides.setdefault("sequence_parallel", True)  # MoE under TP routes sequence-parallel slices
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)
@@ -224,13 +240,14 @@ def _meta_model(settings: ModelSettings, vocab_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class _StoredTensor:
-    """Where a model tensor lives in a torch_dist checkpoint: its key, its layer on the stacked leading axis (None
-    for tensors outside the layers, and for a hybrid's, stored one key per layer), and its full (TP = 1) shape.
-    ``segments``: (key, rows) of each piece when the tensor is stored as one key per row segment (the Mamba
-    in_proj's ``.z .x .B .C .dt``, the conv's ``.x .B .C``)."""
+    """Where a model tensor lives in a torch_dist checkpoint: its key, its (index, count) on each stacked leading
+    axis (``((layer, layers),)``, plus ``(expert, experts)`` for an expert's; ``()`` outside the layers and for
+    tensors stored one key per layer, as a hybrid's), and its full (TP = 1) shape. ``segments``: (key, rows) of each
+    piece when the tensor is stored as one key per row segment (the Mamba in_proj's ``.z .x .B .C .dt``, the conv's
+    ``.x .B .C``)."""
 
     key: str
-    layer: Optional[int]
+    axes: Tuple[int, ...]
     shape: Tuple[int, ...]
     segments: Tuple[Tuple[str, int], ...] = ()
 
@@ -252,9 +269,11 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
         if name not in shapes:
             continue  # extra states (ShardedObjects)
         pieces = list(entry.build().values()) if isinstance(entry, ShardedTensorFactory) else [entry]
-        layer = pieces[0].global_offset[0] if pieces[0].prepend_axis_num else None  # stacked layers (GPT)
-        segments = tuple((piece.key, piece.global_shape[0]) for piece in pieces if piece.key != entry.key)
-        stored[name] = _StoredTensor(entry.key, layer, shapes[name], segments)
+        first = pieces[0]
+        axes = tuple(zip(first.global_offset[:first.prepend_axis_num], first.global_shape[:first.prepend_axis_num]))
+        segments = tuple((piece.key, piece.global_shape[first.prepend_axis_num]) for piece in pieces
+                         if piece.key != entry.key)
+        stored[name] = _StoredTensor(entry.key, axes, shapes[name], segments)
     return stored
 
 
@@ -344,12 +363,13 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
     cleanup = _single_process_group()
     try:
         sharded = _meta_model(settings, vocab).sharded_state_dict()
-        name_of, row_of = {}, {}  # (key, layer) -> model tensor name; segment key -> its first row in the tensor
+        # (key, stacked-axis indices) -> model tensor name; segment key -> its first row in the tensor
+        name_of, row_of = {}, {}
         for name, t in _stored_tensors(settings, vocab).items():
-            name_of[(t.key, t.layer)] = name
+            name_of[(t.key, tuple(index for index, _ in t.axes))] = name
             start = 0
             for key, rows in t.segments:
-                name_of[(key, None)], row_of[key] = name, start
+                name_of[(key, tuple(index for index, _ in t.axes))], row_of[key] = name, start
                 start += rows
         last: Dict[str, torch.Tensor] = {}  # the factory pieces of one tensor (fc1's gate, up) arrive in a row
 
@@ -357,8 +377,7 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
             """Each stored piece is cut from its full tensor, built from the HF files when the writer reaches it."""
 
             def materialize(self, shard):
-                layer = shard.global_offset[0] if shard.prepend_axis_num else None
-                name = name_of[(shard.key, layer)]
+                name = name_of[(shard.key, tuple(shard.global_offset[:shard.prepend_axis_num]))]
                 if name not in last:
                     last.clear()
                     last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
@@ -467,7 +486,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         tensors = _stored_tensors(settings, vocab)
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
         stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
-                  if isinstance(entry, TensorStorageMetadata) and not key.startswith("optimizer.")}
+                  if isinstance(entry, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)}
         model_keys = {key for t in tensors.values() for key in t.keys()}
         if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
@@ -477,13 +496,13 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
         dtype = {name: stored[t.keys()[0]].properties.dtype for name, t in tensors.items()}
 
         def read(name: str) -> torch.Tensor:
-            """One full model tensor (one layer's slice of a stacked key; its segments' keys, concatenated), read
-            alone."""
+            """One full model tensor (one layer's, or one layer's expert's, slice of a stacked key; its segments'
+            keys, concatenated), read alone."""
             t = tensors[name]
-            layer_axis = () if t.layer is None else ((0, t.layer, settings.num_layers),)
+            axes = [(axis, index, count) for axis, (index, count) in enumerate(t.axes)]
             pieces = t.segments or ((t.key, t.shape[0]),)
             targets = {key: ShardedTensor.from_rank_offsets(key, torch.empty((rows, *t.shape[1:]), dtype=dtype[name]),
-                                                            *layer_axis, prepend_axis_num=len(layer_axis))
+                                                            *axes, prepend_axis_num=len(axes))
                        for key, rows in pieces}
             loaded = strategy.load_local(targets, checkpoint_dir)
             return loaded[t.key] if not t.segments else torch.cat([loaded[key] for key, _ in pieces])

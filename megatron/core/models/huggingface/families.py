@@ -4,11 +4,11 @@ names map onto GPTModel's.
 A :class:`FamilyAdapter` is data: the architectures it covers, a function from the HF config to
 :class:`ModelSettings` (Megatron's view of the model, refusing what it cannot express), the reverse function, and
 the weight rules. A :class:`WeightRule` names one GPTModel state-dict entry (``{layer}`` = global layer index), the HF
-tensors it is made of, and one of the few transforms in ``weights.py``. Adding a family (Mixtral) is
+tensors it is made of, and one of the few transforms in ``weights.py``. Adding a family is
 adding a table here, plus the transforms its new layer types need.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 
@@ -49,6 +49,11 @@ class ModelSettings:
     mamba_num_groups: int = 8
     mamba_num_heads: Optional[int] = None
     squared_relu: bool = False
+    # Mixture of experts (Mixtral): None = a dense MLP.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_aux_loss_coeff: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -421,6 +426,51 @@ def _nemotron_h_layer_rules(s: ModelSettings) -> List[WeightRule]:
     ]
     return mamba + attention + mlp
 
+# ---- Mixtral: the Mistral attention with a top-k mixture of SwiGLU experts -------------------------------------------
+# Mixtral routes by softmax over all experts, top-k, renormalised over the k: Megatron's default router
+# (moe_router_score_function="softmax", moe_router_pre_softmax=False, no top-k scaling factor). transformers 5 holds the
+# experts fused in memory (mlp.experts.gate_up_proj [E, 2F, h]) but writes the legacy per-expert names on disk, which
+# are the names mapped here.
+
+
+def _mixtral_settings(config: dict) -> ModelSettings:
+    architecture = "MixtralForCausalLM"
+    if float(config.get("router_jitter_noise") or 0.0) != 0.0:
+        _refuse(architecture, "router_jitter_noise", config["router_jitter_noise"],
+                "Megatron's router has no multiplicative jitter (--moe-input-jitter-eps adds noise differently); "
+                "set it to 0")
+    settings = _llama_like_settings(config, architecture, qkv_bias=False)
+    experts = _require(config, "num_local_experts", architecture)
+    topk = _require(config, "num_experts_per_tok", architecture)
+    if not 1 <= topk <= experts:
+        _refuse(architecture, "num_experts_per_tok", topk, f"it must be between 1 and num_local_experts ({experts})")
+    return replace(settings, num_moe_experts=experts, moe_router_topk=topk,
+                   moe_ffn_hidden_size=settings.ffn_hidden_size,
+                   moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.001)))
+
+
+def _mixtral_config(s: ModelSettings) -> dict:
+    config = _llama_like_config(s, "MixtralForCausalLM", "mixtral")
+    config.update(intermediate_size=s.moe_ffn_hidden_size, num_local_experts=s.num_moe_experts,
+                  num_experts_per_tok=s.moe_router_topk, router_aux_loss_coef=s.moe_aux_loss_coeff,
+                  router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+    if s.kv_channels * s.num_attention_heads == s.hidden_size:
+        config["head_dim"] = None  # as Mixtral's config writes it: hidden_size / heads
+    return config
+
+
+def _mixtral_layer_rules(s: ModelSettings) -> List[WeightRule]:
+    hf = "model.layers.{layer}."
+    mg = "decoder.layers.{layer}."
+    dense_mlp = (mg + "mlp.linear_fc1.weight", mg + "mlp.linear_fc2.weight")
+    rules = [rule for rule in _llama_like_layer_rules(s) if rule.megatron not in dense_mlp]
+    rules.append(WeightRule(mg + "mlp.router.weight", (hf + "block_sparse_moe.gate.weight",)))
+    for e in range(s.num_moe_experts):  # each expert at its global index, both sides
+        expert, mg_expert = hf + f"block_sparse_moe.experts.{e}.", mg + f"mlp.experts.local_experts.{e}."
+        rules.append(WeightRule(mg_expert + "linear_fc1.weight", (expert + "w1.weight", expert + "w3.weight"), "cat"))
+        rules.append(WeightRule(mg_expert + "linear_fc2.weight", (expert + "w2.weight",)))
+    return rules
+
 
 FAMILIES: Dict[str, FamilyAdapter] = {
     "gpt2": FamilyAdapter(
@@ -437,12 +487,15 @@ FAMILIES: Dict[str, FamilyAdapter] = {
         hf_config_from_settings=_nemotron_h_config, global_rules=_nemotron_h_global_rules,
         layer_rules=_nemotron_h_layer_rules, model_type="hybrid",
     ),
+    "mixtral": FamilyAdapter(
+        name="mixtral", architectures=("MixtralForCausalLM",), settings_from_hf=_mixtral_settings,
+        hf_config_from_settings=_mixtral_config, global_rules=_llama_like_global_rules,
+        layer_rules=_mixtral_layer_rules, ignorable_hf_suffixes=("rotary_emb.inv_freq",),
+    ),
 }
 
 # Architectures whose Megatron side is being built elsewhere: refused with what they wait for.
 NOT_YET = {
-    "MixtralForCausalLM": "Mixtral needs Megatron's MoE layers (--num-experts), which this converter does not map "
-                          "yet; its table (router, experts' fc1 = cat(w1, w3), fc2 = w2) comes with MoE support",
 }
 
 
@@ -459,12 +512,15 @@ def family_for_architecture(architecture: Optional[str]) -> FamilyAdapter:
 
 def family_for_settings(settings: ModelSettings) -> FamilyAdapter:
     """The family a Megatron model belongs to when no HF config says so (a checkpoint trained here): learned
-    positions -> GPT-2; RoPE + SwiGLU with a QKV bias -> Qwen2, without -> Llama; a hybrid -> NemotronH."""
+    positions -> GPT-2; a hybrid -> NemotronH; RoPE + SwiGLU with experts -> Mixtral, with a QKV bias -> Qwen2,
+    else -> Llama."""
     if settings.hybrid_layer_pattern is not None:
         return FAMILIES["nemotron_h"]
     if settings.position_embedding_type == "learned_absolute" and settings.normalization == "LayerNorm":
         return FAMILIES["gpt2"]
     if settings.position_embedding_type == "rope" and settings.swiglu and settings.normalization == "RMSNorm":
+        if settings.num_moe_experts:
+            return FAMILIES["mixtral"]
         return FAMILIES["qwen2" if settings.add_qkv_bias else "llama"]
     raise UnsupportedHFModelError(
         f"no Hugging Face family matches this model (position_embedding_type={settings.position_embedding_type!r}, "

@@ -41,6 +41,12 @@ CONFIGS = {
                        intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, ssm_state_size=8,
                        mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=5,
                        layer_norm_epsilon=1e-5, tie_word_embeddings=False),
+    # 4 experts, top-2 (softmax over all, renormalised over the 2), GQA, untied, no sliding window
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_hidden_layers=2, hidden_size=32,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
+                    num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, sliding_window=None,
+                    router_aux_loss_coef=0.02, tie_word_embeddings=False),
 }
 
 

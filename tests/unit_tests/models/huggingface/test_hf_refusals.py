@@ -55,7 +55,6 @@ def _config_only(tmp_path, config):
 
 @pytest.mark.parametrize("architecture, match", [
     ("FooForCausalLM", "unknown architecture 'FooForCausalLM' in config.json; supported: "),
-    ("MixtralForCausalLM", "MixtralForCausalLM is not supported yet: Mixtral needs Megatron's MoE layers"),
     ("NemotronHForCausalLM", "NemotronHForCausalLM: config.json has neither 'layers_block_type' nor "
                              "'hybrid_override_pattern'"),
 ])
@@ -173,7 +172,7 @@ def _megatron_args(**changes):
 
 @pytest.mark.parametrize("changes, match", [
     ({"qk_layernorm": True}, "uses qk_layernorm=True, which no supported Hugging Face family has"),
-    ({"num_experts": 8}, "uses num_experts=8"),
+    ({"num_experts": 8, "moe_router_enable_expert_bias": True}, "uses moe_router_enable_expert_bias=True"),
     ({"rotary_percent": 0.5}, "rotary_percent=0.5 has no mapping"),
     ({"hidden_size": None}, r"the checkpoint's arguments lack \['hidden_size'\]"),
 ])
