@@ -65,3 +65,18 @@ def test_strided_view_and_gather_both_attend_over_each_requests_own_tokens():
     # Later requests sitting earlier in the pool cannot be a view (its strides would be negative): gathered.
     assert not _step(context, history, {"c": 1, "a": 1}, generator)
     assert context.request_length("a") == 9
+
+
+def test_a_batch_admitted_after_others_finished_in_any_order_still_gets_a_view():
+    generator = torch.Generator().manual_seed(1)
+    context = DynamicInferenceContext(torch.float32, 1, D, HEADS, 16, block_size_tokens=BLOCK, num_blocks=8,
+                                      max_requests=4, max_tokens=64, device=torch.device("cpu"))
+    for rid in "abcd":
+        context.add_request(rid, 8)
+    for rid in "cadb":  # the free list is kept sorted whatever the order requests finish in
+        context.release_request(rid)
+    history = {}
+    for rid in "efg":
+        context.add_request(rid, 8)
+    assert _step(context, history, {"e": 3, "f": 4, "g": 2}, generator)
+    assert _step(context, history, {"e": 1, "f": 1, "g": 1}, generator)
