@@ -116,7 +116,10 @@ class DotProductAttention(MegatronModule):
             return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias,
                                         packed_seq_params)
         groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups_repeat > 1:  # grouped-query attention: each key/value head serves a group of query heads
+        # Grouped-query attention: each key/value head serves a group of query heads. Without autograd (inference)
+        # SDPA reads the shared heads in place (enable_gqa, the same numbers); training keeps the explicit copy.
+        enable_gqa = groups_repeat > 1 and not torch.is_grad_enabled()
+        if groups_repeat > 1 and not enable_gqa:
             key = key.repeat_interleave(groups_repeat, dim=2)
             value = value.repeat_interleave(groups_repeat, dim=2)
         sq, b, heads, head_dim = query.shape
@@ -134,9 +137,9 @@ class DotProductAttention(MegatronModule):
             # Heads are split over TP ranks, so each rank draws its own masks from the tensor-parallel stream
             # (under sequence parallelism the whole block already runs inside that stream).
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal)
+                context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal, enable_gqa)
         else:
-            context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal)
+            context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal, enable_gqa)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim).to(out_dtype)
 
@@ -157,9 +160,10 @@ class DotProductAttention(MegatronModule):
                                other_sequence[None, None], mask_type, attention_bias)
         return context.squeeze(1)
 
-    def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal):
+    def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal, enable_gqa=False):
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
+            q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+            enable_gqa=enable_gqa,
         )
 
     def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):

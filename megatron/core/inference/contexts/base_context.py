@@ -4,6 +4,7 @@ attention over cached keys/values that ``Attention.forward`` hands its projected
 from abc import ABC, abstractmethod
 from typing import Dict, Tuple
 
+import torch
 from torch import Tensor
 
 
@@ -75,11 +76,20 @@ class BaseInferenceContext(ABC):
         """
 
     @staticmethod
-    def _rotate(attention, query: Tensor, key: Tensor, freqs) -> tuple:
-        if freqs is None:
-            return query, key
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
+    def _cos_sin(freqs) -> tuple:
+        """cos/sin of rotary angles, to rotate every layer's query/key of a forward with (``_rotate_cos_sin``)."""
         if isinstance(freqs, tuple):
             raise ValueError("inference with separate query/key rotary embeddings is not supported")
-        return apply_rotary_pos_emb(query, freqs, attention.config), apply_rotary_pos_emb(key, freqs, attention.config)
+        return torch.cos(freqs), torch.sin(freqs)
+
+    @staticmethod
+    def _rotate_cos_sin(attention, query: Tensor, key: Tensor, cos_sin) -> tuple:
+        """``apply_rotary_pos_emb`` of query and key, from the angles' cos/sin computed once per forward (None: no rotary embedding)."""
+        if cos_sin is None:
+            return query, key
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb_with_cos_sin
+
+        cos, sin = cos_sin
+        interleaved = attention.config.rotary_interleaved
+        return (apply_rotary_pos_emb_with_cos_sin(query, cos, sin, interleaved),
+                apply_rotary_pos_emb_with_cos_sin(key, cos, sin, interleaved))

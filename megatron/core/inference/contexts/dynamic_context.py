@@ -309,14 +309,14 @@ class DynamicInferenceContext(BaseInferenceContext):
             # with no padding to mask.
             step["kv_length"] = kv_lengths.pop()
             step["mask"] = None
-        if len(chunks) == 1:
-            # One request whose blocks are consecutive (the usual case for a lone request): attend over a view of
-            # the cache instead of gathering a copy, with exactly its keys (no padding to mask).
-            blocks = self._active[chunks[0][0]].blocks[:max_blocks]
-            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-                kv_length = starts[0] + lengths[0]
-                step["view"] = (blocks[0] * bs, kv_length)
-                step["mask"] = None if max_q == 1 else masked[:, None, :, :kv_length]
+        view = self._strided_view(chunks, starts, lengths)
+        if view is not None:
+            # Every request's blocks are consecutive and the requests sit at evenly spaced places in the pool (a
+            # lone request, or a batch admitted together into a fresh cache): attend over a strided view of the
+            # cache instead of gathering a copy, over exactly the longest request's keys.
+            step["view"] = view
+            if step["mask"] is not None:
+                step["mask"] = step["mask"][..., : view[2]]
         if max_q > 1 and len(chunks) > 1:
             offsets = [0]
             for n in lengths[:-1]:
@@ -334,6 +334,28 @@ class DynamicInferenceContext(BaseInferenceContext):
         input_ids = torch.tensor(tokens, device=device).unsqueeze(0)
         self.step_inputs = (input_ids, step["positions"].unsqueeze(0), torch.tensor(last_index, device=device))
         return self.step_inputs
+
+    def _strided_view(self, chunks, starts, lengths) -> Optional[Tuple[int, int, int]]:
+        """``(first token, token stride between requests, keys to attend over)`` when request ``i``'s keys are
+        the cache slots ``first + i * stride .. + length`` (its blocks consecutive, the requests' first blocks
+        evenly spaced), else None. Host numbers only, once per step."""
+        bs = self.block_size_tokens
+        kv_length = max(start + n for start, n in zip(starts, lengths))
+        used = self.blocks_needed(kv_length)
+        firsts = []
+        for request_id, _ in chunks:
+            blocks = self._active[request_id].blocks
+            first = blocks[0]
+            # Every request reads kv_length slots from its first: they must be its own consecutive blocks (the
+            # slots past its length are masked, or absent when all lengths are equal).
+            if blocks[:used] != list(range(first, first + used)):
+                return None
+            firsts.append(first)
+        stride = firsts[1] - firsts[0] if len(firsts) > 1 else 0
+        # A view needs non-negative strides: requests later in the step must sit later in the pool.
+        if stride < 0 or any(b - a != stride for a, b in zip(firsts, firsts[1:])):
+            return None
+        return firsts[0] * bs, stride * bs, kv_length
 
     def is_decode_only(self) -> bool:
         """Whether the prepared step is one token per request (a Mamba layer then updates its states in O(1))."""
@@ -401,17 +423,25 @@ class DynamicInferenceContext(BaseInferenceContext):
             raise ValueError("DynamicInferenceContext: call prepare_step() before the forward pass")
         if query.shape[1] != 1:
             raise ValueError(f"the dynamic context runs a flat batch of tokens [t, 1, ...], got {tuple(query.shape)}")
-        freqs = None if rotary_pos_emb is None else rotary_pos_emb[step["positions"]]
-        query, key = self._rotate(attention, query, key, freqs)
+        if rotary_pos_emb is not None and step.get("rope", (None,))[0] is not rotary_pos_emb:
+            # The step's angles are the same for every layer: take cos/sin once per step.
+            step["rope"] = (rotary_pos_emb, self._cos_sin(rotary_pos_emb[step["positions"]]))
+        query, key = self._rotate_cos_sin(attention, query, key, None if rotary_pos_emb is None else step["rope"][1])
         key_cache, value_cache = self._layer_cache(attention.layer_number, key)
         key_cache.index_copy_(0, step["slots"], key[:, 0].to(key_cache.dtype))
         value_cache.index_copy_(0, step["slots"], value[:, 0].to(value_cache.dtype))
         r, groups, d = step["num_requests"], key.shape[2], key.shape[3]
         heads = query.shape[2]
         if "view" in step:
-            first, length = step["view"]
-            keys = key_cache[first:first + length].unsqueeze(1)  # [L, 1, groups, d], no copy
-            values = value_cache[first:first + length].unsqueeze(1)
+            first, stride, length = step["view"]
+
+            def view(cache):  # [L, r, groups, d] over the pool, no copy
+                return cache.as_strided(
+                    (length, r, groups, d), (groups * d, stride * groups * d, d, 1),
+                    cache.storage_offset() + first * groups * d,
+                )
+
+            keys, values = view(key_cache), view(value_cache)
         else:
             table = step["block_table"]
 

@@ -40,7 +40,11 @@ class KVBlockAllocator:
             if not 0 <= block < self.total_count or block in free:
                 raise ValueError(f"KVBlockAllocator: block {block} released but it is not in use")
             free.add(block)
-        self._free.extend(reversed(blocks))
+        # Kept sorted (highest first, popped from the end), so a batch admitted together gets consecutive,
+        # evenly spaced blocks however the previous requests finished: the dynamic context then attends over a
+        # view of the pool instead of gathering a copy.
+        self._free.extend(blocks)
+        self._free.sort(reverse=True)
 
     def reset(self) -> None:
         self._free = list(range(self.total_count - 1, -1, -1))

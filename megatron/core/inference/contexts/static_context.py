@@ -33,6 +33,7 @@ class StaticInferenceContext(BaseInferenceContext):
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.key_value_memory_dict: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self._rope: tuple = (None, None, None, None)  # (angles, start, end, (cos, sin)) of the last window
 
     @property
     def max_sequence_length(self) -> int:
@@ -96,8 +97,13 @@ class StaticInferenceContext(BaseInferenceContext):
                 f"StaticInferenceContext: positions up to {end} / batch rows up to {rows.stop} exceed "
                 f"max_sequence_length={self._max_sequence_length} / max_batch_size={self.max_batch_size}"
             )
-        freqs = None if rotary_pos_emb is None else rotary_pos_emb[start:end]
-        query, key = self._rotate(attention, query, key, freqs)
+        cos_sin = None
+        if rotary_pos_emb is not None:
+            # The same angles for every layer of this forward: cos/sin once, reused while the window is the same.
+            if self._rope[0] is not rotary_pos_emb or self._rope[1:3] != (start, end):
+                self._rope = (rotary_pos_emb, start, end, self._cos_sin(rotary_pos_emb[start:end]))
+            cos_sin = self._rope[3]
+        query, key = self._rotate_cos_sin(attention, query, key, cos_sin)
         key_cache, value_cache = self._layer_cache(attention.layer_number, key)
         key_cache[start:end, rows] = key
         value_cache[start:end, rows] = value

@@ -242,10 +242,13 @@ class TextGenerationController:
             params = [r.sampling_params if draw else _NO_DRAW for r, draw in zip(requests, draws)]
             generators = [self._generator_for(r) if draw else None for r, draw in zip(requests, draws)]
             tokens = sample(last_logits, params, generators, self.sampling_rng, vocab)
-            log_probs = torch.log_softmax(last_logits.float()[:, :vocab], dim=-1)
-            chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
-            if top_n:
-                top_values, top_ids = log_probs.topk(top_n, dim=-1)
+            if top_n or any(r.sampling_params.return_log_probs for r in requests):
+                log_probs = torch.log_softmax(last_logits.float()[:, :vocab], dim=-1)
+                chosen = log_probs.gather(-1, tokens[:, None])[:, 0]
+                if top_n:
+                    top_values, top_ids = log_probs.topk(top_n, dim=-1)
+            else:
+                chosen.zero_()  # nobody asked for log-probs (append_token keeps them only when asked)
             if token_targets is not None:
                 targets = torch.tensor(token_targets, device=device)
                 all_lp = torch.log_softmax(token_logits.float()[:, :vocab], dim=-1)
