@@ -30,6 +30,10 @@ def _sequence_ids(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
 
 
+# SDPA's enable_gqa (torch >= 2.5; setup.py allows 2.4) lets shared key/value heads be read in place.
+_SDPA_HAS_ENABLE_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 class DotProductAttention(MegatronModule):
     """Attention over this rank's heads. Inputs ``[s, b, heads, head_dim]``; output ``[s, b, heads * head_dim]``."""
 
@@ -118,7 +122,7 @@ class DotProductAttention(MegatronModule):
         groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         # Grouped-query attention: each key/value head serves a group of query heads. Without autograd (inference)
         # SDPA reads the shared heads in place (enable_gqa, the same numbers); training keeps the explicit copy.
-        enable_gqa = groups_repeat > 1 and not torch.is_grad_enabled()
+        enable_gqa = groups_repeat > 1 and not torch.is_grad_enabled() and _SDPA_HAS_ENABLE_GQA
         if groups_repeat > 1 and not enable_gqa:
             key = key.repeat_interleave(groups_repeat, dim=2)
             value = value.repeat_interleave(groups_repeat, dim=2)
@@ -163,7 +167,7 @@ class DotProductAttention(MegatronModule):
     def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal, enable_gqa=False):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
-            enable_gqa=enable_gqa,
+            **({"enable_gqa": True} if enable_gqa else {}),
         )
 
     def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):
