@@ -12,10 +12,11 @@ setup(
     install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
         "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken", "regex",
-                 "fastapi", "uvicorn", "jinja2", "httpx", "openai"],
+                 "fastapi", "uvicorn", "jinja2", "httpx", "openai", "safetensors", "transformers"],
         "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],
         "gpu": ["triton"],
         "logging": ["tensorboard", "wandb"],
         "inference": ["fastapi", "uvicorn", "jinja2"],
+        "huggingface": ["safetensors"],
     },
 )
