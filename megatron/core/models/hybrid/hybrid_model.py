@@ -244,12 +244,7 @@ class HybridModel(LanguageModule):
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            rotary_pos_emb = self.rotary_pos_emb(
-                self.rotary_pos_emb.get_rotary_seq_len(
-                    inference_context, self.decoder, decoder_input, self.config, packed_seq_params
-                ),
-                packed_seq=packed_seq_params is not None,
-            )
+            rotary_pos_emb = self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -260,11 +255,7 @@ class HybridModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
-        return self.compute_language_model_loss(labels, logits)
+        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None

@@ -68,6 +68,22 @@ class LanguageModule(MegatronModule):
             return self.output_layer.weight
         return None
 
+    def _rotary_embedding(self, inference_context, decoder_input, packed_seq_params) -> torch.Tensor:
+        """RoPE frequencies for the sequence the decoder sees (the whole sequence, a CP rank's chunks, or the
+        inference context's length)."""
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+            inference_context, self.decoder, decoder_input, self.config, packed_seq_params
+        )
+        return self.rotary_pos_emb(seq_len, packed_seq=packed_seq_params is not None)
+
+    def _logits_or_loss(self, hidden_states, labels, runtime_gather_output) -> torch.Tensor:
+        """The last stage's head: logits ``[b, s, v/tp]`` without labels, else the per-token loss ``[b, s]``."""
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
+        return self.compute_language_model_loss(labels, logits)
+
     def sharded_state_dict(
         self,
         prefix: str = "",
