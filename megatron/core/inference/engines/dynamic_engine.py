@@ -37,7 +37,7 @@ from typing import AsyncGenerator, Deque, Dict, List, Optional, Tuple, Union
 import torch
 
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron.core.inference.engines.abstract_engine import AbstractEngine
+from megatron.core.inference.engines.abstract_engine import AbstractEngine, RequestStreams
 from megatron.core.inference.engines.lockstep import Lockstep
 from megatron.core.inference.inference_request import (
     DynamicInferenceEventType,
@@ -107,7 +107,7 @@ class DynamicInferenceEngine(AbstractEngine):
         self.requests: Dict[object, RequestEntry] = {}
         self.waiting: Deque[object] = deque()
         self.active: List[object] = []
-        self._streams: Dict[object, List[Tuple[asyncio.AbstractEventLoop, asyncio.Queue]]] = {}
+        self._streams = RequestStreams()
         self._own_loop: Optional[asyncio.AbstractEventLoop] = None
         self._next_request_id = 0
         self.state = EngineState.RUNNING
@@ -196,25 +196,11 @@ class DynamicInferenceEngine(AbstractEngine):
         it finishes. Call it (on the event loop that will consume it) right after add_request."""
         if request_id not in self.requests:
             raise ValueError(f"no request with id {request_id!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams.setdefault(request_id, []).append((asyncio.get_running_loop(), queue))
-
-        async def stream():
-            while True:
-                request, finished = await queue.get()
-                yield request
-                if finished:
-                    return
-
-        return stream()
+        return self._streams.open(request_id)
 
     def _notify(self, request: DynamicInferenceRequest, finished: bool) -> None:
-        streams = self._streams.get(request.request_id, [])
-        snapshot = request.snapshot() if streams else None  # the consumer may read it steps later
-        for loop, queue in streams:
-            loop.call_soon_threadsafe(queue.put_nowait, (snapshot, finished))
+        self._streams.push(request, finished)
         if finished:
-            self._streams.pop(request.request_id, None)
             future = self.requests[request.request_id].future
             if future.get_loop().is_running():
                 future.get_loop().call_soon_threadsafe(_resolve, future, request)

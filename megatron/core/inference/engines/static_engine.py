@@ -13,7 +13,7 @@ from typing import AsyncGenerator, Dict, List, Optional
 import torch
 
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron.core.inference.engines.abstract_engine import AbstractEngine
+from megatron.core.inference.engines.abstract_engine import AbstractEngine, RequestStreams
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class StaticInferenceEngine(AbstractEngine):
         self.buffer_size_gb = buffer_size_gb
         self.waiting: "OrderedDict[str, InferenceRequest]" = OrderedDict()
         self.completed: Dict[str, InferenceRequest] = {}
-        self._streams: Dict[str, List] = {}
+        self._streams = RequestStreams()
         self._next_id = 0
         self._dynamic_engine: Optional[DynamicInferenceEngine] = None
 
@@ -95,7 +95,7 @@ class StaticInferenceEngine(AbstractEngine):
         inference_request.status = Status.WAITING_IN_QUEUE
         self.waiting[inference_request.request_id] = inference_request
         if streaming:
-            self._streams[inference_request.request_id] = []
+            self._streams.expect(inference_request.request_id)
         return inference_request.request_id
 
     def get_stream_generator(self, request_id: int) -> Optional[AsyncGenerator[InferenceRequest, None]]:
@@ -103,35 +103,18 @@ class StaticInferenceEngine(AbstractEngine):
         None otherwise). Consume it on the loop running :meth:`run_engine_async`."""
         if request_id not in self._streams:
             return None
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id].append((asyncio.get_running_loop(), queue))
-
-        async def stream():
-            while True:
-                request, finished = await queue.get()
-                yield request
-                if finished:
-                    return
-
-        return stream()
-
-    def _push(self, request: InferenceRequest, finished: bool) -> None:
-        streams = self._streams.get(request.request_id, [])
-        snapshot = request.snapshot() if streams else None  # the consumer may read it tokens later
-        for loop, queue in streams:
-            loop.call_soon_threadsafe(queue.put_nowait, (snapshot, finished))
+        return self._streams.open(request_id)
 
     def _run_one_batch(self) -> None:
         batch = OrderedDict()
         while self.waiting and len(batch) < self.max_batch_size:
             request_id, request = self.waiting.popitem(last=False)
             batch[request_id] = request
-        callbacks = {rid: (lambda r: self._push(r, False)) for rid in batch if rid in self._streams}
+        callbacks = {rid: (lambda r: self._streams.push(r, False)) for rid in batch if rid in self._streams}
         self.controller.generate_all_output_tokens_static_batch(batch, callbacks)
         for request_id, request in batch.items():
             self.completed[request_id] = request
-            self._push(request, True)
-            self._streams.pop(request_id, None)
+            self._streams.push(request, True)
 
     def run_engine(self):
         """Run every queued request to completion, batch by batch."""
