@@ -5,6 +5,7 @@ the run's arguments); ``initialize_megatron`` then brings up everything that dep
 arguments set, it parses and validates the command line itself.
 """
 
+import atexit
 import logging
 import os
 import random
@@ -94,6 +95,14 @@ def _validated_args():
         return parse_and_validate_args()
 
 
+def _destroy_process_groups() -> None:
+    """At a normal exit, while the interpreter is still whole: a gloo group left for interpreter shutdown to tear
+    down can abort the rank ("terminate called without an active exception") after its work is done, and an NCCL
+    group should be destroyed explicitly. Error exits leave through ``exit_now`` and never get here."""
+    if dist.is_initialized():
+        dist.destroy_process_group()  # every group, the model-parallel ones included
+
+
 def _initialize_distributed(args, store, get_embedding_ranks, get_position_embedding_ranks,
                             skip_model_parallel_init) -> None:
     """torchrun's environment (or ``store``) -> process group (nccl on GPUs, gloo on CPUs) -> model-parallel
@@ -116,6 +125,8 @@ def _initialize_distributed(args, store, get_embedding_ranks, get_position_embed
             timeout=timedelta(minutes=args.distributed_timeout_minutes),
             store=store,
         )
+        atexit.unregister(_destroy_process_groups)  # once, however many runs one process starts
+        atexit.register(_destroy_process_groups)
     if skip_model_parallel_init or parallel_state.model_parallel_is_initialized():
         return
     parallel_state.initialize_model_parallel(

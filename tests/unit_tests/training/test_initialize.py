@@ -1,6 +1,9 @@
 """initialize_megatron's Megatron-0.19 parameters, each doing what it says, and the other start-up helpers."""
 
 import logging
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -56,6 +59,25 @@ def test_nccl_without_cuda_is_refused_unless_allow_no_cuda(clean_process, tmp_pa
     with pytest.warns(UserWarning, match="using the gloo backend instead of nccl"):
         initialize_megatron(allow_no_cuda=True, store=dist.FileStore(str(tmp_path / "store"), 1))
     assert dist.get_backend() == "gloo"
+
+
+def test_a_normal_exit_destroys_the_process_groups(tmp_path):
+    """Left to interpreter shutdown, a gloo group can abort a finished rank ("terminate called without an active
+    exception"). atexit handlers run last-registered first, so the probe registered before initialize_megatron
+    runs after its clean-up and must find no process group."""
+    script = textwrap.dedent(f"""
+        import atexit, torch.distributed as dist
+        atexit.register(lambda: print("groups at exit:", dist.is_initialized(), flush=True))
+        from megatron.training import global_vars
+        from megatron.training.initialize import initialize_megatron
+        from tests.unit_tests.training.test_arguments import validated
+        global_vars.set_args(validated())
+        initialize_megatron(store=dist.FileStore({str(tmp_path / "store")!r}, 1))
+        assert dist.is_initialized()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "groups at exit: False" in result.stdout
 
 
 def test_skip_random_seed_leaves_the_generators_alone(clean_process, tmp_path):
