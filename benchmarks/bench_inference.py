@@ -16,7 +16,7 @@ for our dynamic engine (paged KV cache, continuous batching), our static engine 
 compares the KV-cache bytes each holds with the formula ``2 x layers x kv_heads x head_dim x tokens x bytes``.
 
     python benchmarks/bench_inference.py [--models gpt2 llama --batches 1 8 32 --prompt 32 --new-tokens 32
-                                          --repeats 3 --threads 1 --clock cpu]
+                                          --repeats 3 --threads 1 --clock cpu --compare-layouts]
 """
 
 import argparse
@@ -191,14 +191,18 @@ def bench_family(args, family: str, rows: list) -> None:
     def greedy(n):
         return SamplingParams(top_k=1, num_tokens_to_generate=n, termination_id=-1)
 
-    def make_dynamic(batch):
+    def make_dynamic(batch, model=ours):
         block = 16
         context = DynamicInferenceContext(
             torch.float32, args.layers, d, kv_heads, args.max_seq, block_size_tokens=block,
             num_blocks=batch * math.ceil(total_tokens / block), max_requests=batch,
             max_tokens=max(batch * args.prompt, batch),
         )
-        engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(ours, context), tokenizer), context)
+        wrapper = GPTInferenceWrapper(model, context)  # stores the linear weights column-major on CPU
+        if model is not ours:  # the copy keeps the training layout, to show what the column-major weights gain
+            for weight in model.parameters():
+                weight.data = weight.data.contiguous()
+        engine = DynamicInferenceEngine(TextGenerationController(wrapper, tokenizer), context)
         batch_prompts = prompts(batch).tolist()
         return (lambda n: engine.generate(batch_prompts, greedy(n))), context.kv_cache_bytes
 
@@ -232,14 +236,18 @@ def bench_family(args, family: str, rows: list) -> None:
 
         return generate, kv_bytes
 
-    makers = (("ours dynamic", make_dynamic), ("ours static", make_static), ("HF generate", make_hf))
+    makers = [("ours dynamic", make_dynamic), ("ours static", make_static), ("HF generate", make_hf)]
+    if args.compare_layouts:
+        model_parallel_cuda_manual_seed(1234)
+        row_major = build_ours(args, family)  # the same weights again
+        makers.insert(1, ("dynamic, row-major", lambda batch: make_dynamic(batch, row_major)))
     with torch.inference_mode():
         for batch in args.batches:
             formula = 2 * args.layers * kv_heads * d * batch * total_tokens * 4
             for name, (ttft, tps, kv) in time_engines(makers, batch, args).items():
                 rows.append({"model": family, "params": params, "engine": name, "batch": batch,
                              "ttft_ms": ttft * 1e3, "decode_tok_s": tps, "kv_bytes": kv, "formula_bytes": formula})
-                print(f"{name:>13} batch {batch:>3}: TTFT {ttft * 1e3:8.1f} ms   decode {tps:8.1f} tok/s   "
+                print(f"{name:>18} batch {batch:>3}: TTFT {ttft * 1e3:8.1f} ms   decode {tps:8.1f} tok/s   "
                       f"KV {kv / 2**20:6.2f} MiB (formula {formula / 2**20:6.2f} MiB)", flush=True)
 
 
@@ -257,6 +265,9 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compare-layouts", action="store_true",
+                        help="also time the dynamic engine on a copy of the model whose linear weights keep the "
+                             "row-major training layout instead of the column-major one inference uses on CPU")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: this process's CPU time (with --threads 1 it is the compute time, and other jobs "
                              "on a shared machine disturb it far less than wall time); wall: elapsed time")

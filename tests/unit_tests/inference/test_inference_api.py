@@ -276,3 +276,53 @@ def test_half_precision_generation_keeps_its_cache_in_that_dtype(dtype_name):
     tokens, expected, cache_dtype = run_distributed(1, _half_precision, dtype_name)[0]
     assert cache_dtype == f"torch.{dtype_name}"
     assert tokens == expected
+
+
+def _weight_layout():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
+        column_major_linear_weights_on_cpu,
+    )
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from tests.unit_tests.inference.inference_test_helpers import build_model
+
+    out = {}
+    for variant in ("llama", "gpt2"):  # llama ties the output layer to the word embedding, gpt2 does not
+        model = build_model(variant)
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        positions = torch.arange(ids.shape[1])[None]
+        with torch.no_grad():
+            before_logits = model(ids, positions, None)
+        before_state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                   and m.weight is not None]
+        GPTInferenceWrapper(model)
+        embedding = model.embedding.word_embeddings.weight
+        with torch.no_grad():
+            after_logits = model(ids, positions, None)
+        after_state = model.state_dict()
+        out[variant] = {
+            "linears_column_major": all(w.stride() == (1, w.shape[0]) for w in linears),
+            "embedding_column_major": embedding.stride() == (1, embedding.shape[0]),
+            "logits_error": (after_logits - before_logits).abs().max().item(),
+            "same_state": before_state.keys() == {k for k, v in after_state.items() if isinstance(v, torch.Tensor)}
+            and all(torch.equal(before_state[k], after_state[k]) for k in before_state),
+            "again": column_major_linear_weights_on_cpu(model),
+        }
+    ddp = DistributedDataParallel(build_model("gpt2").config, DistributedDataParallelConfig(), build_model("gpt2"))
+    out["ddp_changed"] = column_major_linear_weights_on_cpu(ddp)
+    out["ddp_contiguous"] = all(p.is_contiguous() for p in ddp.parameters())
+    return out
+
+
+def test_cpu_inference_stores_linear_weights_column_major_without_changing_values():
+    out = run_distributed(1, _weight_layout)[0]
+    for variant in ("llama", "gpt2"):
+        assert out[variant]["linears_column_major"], variant
+        assert out[variant]["logits_error"] < 1e-5, variant
+        assert out[variant]["same_state"], variant
+        assert out[variant]["again"] == 0, variant  # already column-major: nothing to do
+    assert out["llama"]["embedding_column_major"]  # the tied output layer's weight
+    assert not out["gpt2"]["embedding_column_major"]  # only looked up: row-major stays faster
+    assert out["ddp_changed"] == 0 and out["ddp_contiguous"]  # DDP's parameters are views of its buffers
