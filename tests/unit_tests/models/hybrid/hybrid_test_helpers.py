@@ -53,14 +53,17 @@ def build_config(tp: int = 1, sp: bool = False, pp: int = 1, num_layers: int = 5
     return TransformerConfig(**settings)
 
 
-def build_model(tp: int = 1, sp: bool = False, pp: int = 1, pattern: str = PATTERN, seed: int = SEED,
-                **model_kwargs) -> HybridModel:
-    """This rank's stage of the model (model parallel state initialised here for tp x pp)."""
+def build_model(tp: int = 1, sp: bool = False, pp: int = 1, pattern: str = PATTERN, seed: int = SEED, ep: int = 1,
+                config_overrides: Optional[dict] = None, **model_kwargs) -> HybridModel:
+    """This rank's stage of the model (model parallel state initialised here for tp x pp x ep);
+    ``config_overrides`` go to :func:`build_config` (the MoE fields of a pattern with 'E' layers, say)."""
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(seed)
     num_layers = len(pattern.replace("|", ""))
-    config = build_config(tp, sp, pp, num_layers=num_layers)
+    config = build_config(tp, sp, pp, num_layers=num_layers, expert_model_parallel_size=ep,
+                          **(config_overrides or {}))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return HybridModel(
         config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
@@ -68,12 +71,13 @@ def build_model(tp: int = 1, sp: bool = False, pp: int = 1, pattern: str = PATTE
     )
 
 
-def build_chunks(pp: int, vp: int, pattern: str, seed: int = SEED):
+def build_chunks(pp: int, vp: int, pattern: str, seed: int = SEED, config_overrides: Optional[dict] = None):
     """This rank's ``vp`` model chunks (virtual stages) of a ``pattern`` with ``pp * vp`` '|' segments."""
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     model_parallel_cuda_manual_seed(seed)
-    config = build_config(pp=pp, num_layers=len(pattern.replace("|", "")), virtual_pipeline_model_parallel_size=vp)
+    config = build_config(pp=pp, num_layers=len(pattern.replace("|", "")), virtual_pipeline_model_parallel_size=vp,
+                          **(config_overrides or {}))
     return [
         HybridModel(
             config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
@@ -154,3 +158,54 @@ def assert_close_dicts(actual: dict, expected: dict, tolerance: float, what: str
         assert actual[key].shape == expected[key].shape, f"{what} {key}: shape {actual[key].shape}"
         error = relative_error(actual[key].float(), expected[key].float())
         assert error <= tolerance, f"{what} {key}: relative error {error:.2e} > {tolerance}"
+
+
+def _microbatches():
+    generator = torch.Generator().manual_seed(11)
+    return [
+        {
+            "tokens": torch.randint(0, VOCAB, (2, SEQ), generator=generator),
+            "labels": torch.randint(0, VOCAB, (2, SEQ), generator=generator),
+            "loss_mask": (torch.rand(2, SEQ, generator=generator) > 0.2).float(),
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(2, SEQ),
+        }
+        for _ in range(4)
+    ]
+
+
+def _forward_step(data_iterator, model):
+    data = next(data_iterator)
+    output = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
+
+    def loss_func(output_tensor):
+        loss = (output_tensor.float() * data["loss_mask"]).sum()
+        num_tokens = data["loss_mask"].sum().to(torch.int64)
+        return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+    return output, loss_func
+
+
+def run_pipeline(pp: int, pattern: str, vp=None, config_overrides: Optional[dict] = None):
+    """Four micro-batches through Megatron's schedule (1F1B, or interleaved with ``vp``) at PP=``pp``: the summed
+    loss and token count on the last stage, this rank's layers, and weights and gradients in checkpoint space."""
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    chunks = ([build_model(pp=pp, pattern=pattern, config_overrides=config_overrides)] if vp is None
+              else build_chunks(pp, vp, pattern, config_overrides=config_overrides))
+    microbatches = _microbatches()
+    reduced = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=[iter(microbatches) for _ in chunks], model=chunks,
+        num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=2,
+    )
+    loss = torch.stack([item["lm loss"] for item in reduced]).sum(0) if reduced else None
+    weights, grads = {}, {}
+    for chunk in chunks:
+        weights.update(checkpoint_space(chunk))
+        grads.update(checkpoint_space(chunk, gradients=True))
+    return {
+        "loss": loss,
+        "layers": "|".join("".join(chunk.decoder.layer_type_list) for chunk in chunks),
+        "numbers": [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers],
+        "weights": weights,
+        "grads": grads,
+    }

@@ -3,7 +3,6 @@ parallelism, and at PP=2 split by '|', computes what the single-process model co
 gradient, compared in checkpoint space (see hybrid_test_helpers)."""
 
 import pytest
-import torch
 
 from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
     PATTERN,
@@ -14,6 +13,7 @@ from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
     checkpoint_space,
     gather_logits,
     relative_error,
+    run_pipeline,
 )
 from tests.unit_tests.test_utilities import run_distributed
 
@@ -58,58 +58,9 @@ def test_tensor_parallel_matches_single_process(reference, tp, sp):
         assert_close_dicts(result["grads"], reference["grads"], 1e-5, f"tp={tp} sp={sp} rank {rank} grads")
 
 
-def _microbatches():
-    generator = torch.Generator().manual_seed(11)
-    return [
-        {
-            "tokens": torch.randint(0, 64, (2, SEQ), generator=generator),
-            "labels": torch.randint(0, 64, (2, SEQ), generator=generator),
-            "loss_mask": (torch.rand(2, SEQ, generator=generator) > 0.2).float(),
-            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(2, SEQ),
-        }
-        for _ in range(4)
-    ]
-
-
-def _forward_step(data_iterator, model):
-    data = next(data_iterator)
-    output = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
-
-    def loss_func(output_tensor):
-        loss = (output_tensor.float() * data["loss_mask"]).sum()
-        num_tokens = data["loss_mask"].sum().to(torch.int64)
-        return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-
-    return output, loss_func
-
-
-def _run_pipeline(pp: int, pattern: str, vp=None):
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-    from tests.unit_tests.models.hybrid.hybrid_test_helpers import build_chunks
-
-    chunks = [build_model(pp=pp, pattern=pattern)] if vp is None else build_chunks(pp, vp, pattern)
-    microbatches = _microbatches()
-    reduced = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(microbatches) for _ in chunks], model=chunks,
-        num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=2,
-    )
-    loss = torch.stack([item["lm loss"] for item in reduced]).sum(0) if reduced else None
-    weights, grads = {}, {}
-    for chunk in chunks:
-        weights.update(checkpoint_space(chunk))
-        grads.update(checkpoint_space(chunk, gradients=True))
-    return {
-        "loss": loss,
-        "layers": "|".join("".join(chunk.decoder.layer_type_list) for chunk in chunks),
-        "numbers": [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers],
-        "weights": weights,
-        "grads": grads,
-    }
-
-
 def test_pipeline_split_by_pipes_matches_single_stage():
-    expected = run_distributed(1, _run_pipeline, 1, PATTERN)[0]
-    first, last = run_distributed(2, _run_pipeline, 2, "M*-|M-")
+    expected = run_distributed(1, run_pipeline, 1, PATTERN)[0]
+    first, last = run_distributed(2, run_pipeline, 2, "M*-|M-")
     assert (first["layers"], first["numbers"], last["layers"], last["numbers"]) == ("M*-", [1, 2, 3], "M-", [4, 5])
     assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6
     for result in (first, last):
@@ -120,8 +71,8 @@ def test_pipeline_split_by_pipes_matches_single_stage():
 def test_virtual_pipeline_stages_from_pipes_match_single_stage():
     """Four '|' segments on PP=2 are two virtual stages per rank (segment vp_stage * pp + pp_rank), run by the
     interleaved schedule."""
-    expected = run_distributed(1, _run_pipeline, 1, "M*-M-M-")[0]
-    first, last = run_distributed(2, _run_pipeline, 2, "M*|-M|-M|-", 2)
+    expected = run_distributed(1, run_pipeline, 1, "M*-M-M-")[0]
+    first, last = run_distributed(2, run_pipeline, 2, "M*|-M|-M|-", 2)
     assert (first["layers"], first["numbers"]) == ("M*|-M", [1, 2, 5, 6])
     assert (last["layers"], last["numbers"]) == ("-M|-", [3, 4, 7])
     assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6

@@ -1,19 +1,20 @@
 """Hybrid models with MoE layers ('E'): the layer is a pre-norm MoELayer built from the config's MoE fields, its
 checkpoint keys are Megatron's (``pre_mlp_layernorm.weight``, grouped experts by global index), and the model at
 EP=2 and at TP2 x EP2 with sequence parallelism equals one process over the same global batch (loss, every
-gradient, the logged aux losses)."""
+gradient, the logged aux losses), as it does split over two pipeline stages by '|'; a checkpoint saved at PP=2
+loads at one rank and at EP=2."""
 
 import pytest
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
-    BATCH, SEQ, VOCAB, build_config, checkpoint_space, relative_error,
+    BATCH, SEQ, VOCAB, assert_close_dicts, build_config, build_model, checkpoint_space, relative_error, run_pipeline,
 )
 from tests.unit_tests.test_utilities import Utils, run_distributed
 from tests.unit_tests.transformer.moe.moe_test_helpers import fresh_moe_state, reduced_tracker
@@ -87,6 +88,52 @@ def test_hybrid_moe_matches_single_process(tp, ep, world):
             assert relative_error(parallel_grads[name], grad) <= 1e-5, name
         for name, values in tracker.items():
             assert relative_error(parallel_tracker[name], values) <= 1e-5, name
+
+
+def _pipeline(pp, pattern):
+    fresh_moe_state()
+    return run_pipeline(pp, pattern, config_overrides=MOE_FIELDS)
+
+
+def test_moe_layers_on_both_pipeline_stages_match_one_stage():
+    """'|' puts an 'E' layer on each of two stages; 1F1B over four micro-batches (the aux losses' gradient
+    scaled by the schedule on both) equals the single-stage model: loss, weights and every gradient."""
+    expected = run_distributed(1, _pipeline, 1, "M*E-E")[0]
+    first, last = run_distributed(2, _pipeline, 2, "M*E|-E")
+    assert (first["layers"], last["layers"]) == ("M*E", "-E")
+    assert first["loss"] is None and relative_error(last["loss"], expected["loss"]) <= 1e-6
+    for result in (first, last):
+        assert_close_dicts(result["weights"], expected["weights"], 0.0, "pp=2 weights")
+        assert_close_dicts(result["grads"], expected["grads"], 1e-5, "pp=2 grads")
+
+
+def _save(directory, pp, pattern):
+    model = build_model(pp=pp, pattern=pattern, seed=1, config_overrides=MOE_FIELDS)
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, directory)
+    return checkpoint_space(model)
+
+
+def _load(directory, pp, ep, pattern):
+    model = build_model(pp=pp, ep=ep, pattern=pattern, seed=2, config_overrides=MOE_FIELDS)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(loaded["model"])
+    return checkpoint_space(model)
+
+
+def test_a_checkpoint_with_moe_layers_saved_at_pp2_loads_at_one_rank_and_at_ep2(tmp_path):
+    directory = str(tmp_path)
+    saved = run_distributed(2, _save, directory, 2, "M*E|-E")[0]
+    assert any(".mlp.experts." in key for key in saved)
+    at_one_rank = run_distributed(1, _load, directory, 1, 1, "M*E-E")[0]
+    assert any(not at_one_rank[key].equal(value) for key, value in
+               run_distributed(1, _load_nothing, "M*E-E")[0].items())  # a fresh model differs: the load did work
+    assert_close_dicts(at_one_rank, saved, 0.0, "pp=1 load")
+    for rank, at_ep2 in enumerate(run_distributed(2, _load, directory, 1, 2, "M*E-E")):
+        assert_close_dicts(at_ep2, saved, 0.0, f"ep=2 load, rank {rank}")
+
+
+def _load_nothing(pattern):
+    return checkpoint_space(build_model(pattern=pattern, seed=2, config_overrides=MOE_FIELDS))
 
 
 def _keys_and_flags():
