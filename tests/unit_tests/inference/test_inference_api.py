@@ -278,7 +278,8 @@ def test_half_precision_generation_keeps_its_cache_in_that_dtype(dtype_name):
     assert tokens == expected
 
 
-def _weight_layout():
+def _weight_layout(directory):
+    from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
         column_major_linear_weights_on_cpu,
@@ -310,19 +311,29 @@ def _weight_layout():
             and all(torch.equal(before_state[k], after_state[k]) for k in before_state),
             "again": column_major_linear_weights_on_cpu(model),
         }
+        # A checkpoint saved from the re-laid-out model loads into a fresh one exactly.
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, f"{directory}/{variant}")
+        fresh = build_model(variant, seed=99)
+        fresh.load_state_dict(dist_checkpointing.load({"model": fresh.sharded_state_dict()},
+                                                      f"{directory}/{variant}")["model"])
+        out[variant]["checkpoint_exact"] = all(
+            torch.equal(before_state[k], v) for k, v in fresh.state_dict().items() if k in before_state)
     ddp = DistributedDataParallel(build_model("gpt2").config, DistributedDataParallelConfig(), build_model("gpt2"))
     out["ddp_changed"] = column_major_linear_weights_on_cpu(ddp)
     out["ddp_contiguous"] = all(p.is_contiguous() for p in ddp.parameters())
     return out
 
 
-def test_cpu_inference_stores_linear_weights_column_major_without_changing_values():
-    out = run_distributed(1, _weight_layout)[0]
+def test_cpu_inference_stores_linear_weights_column_major_without_changing_values(tmp_path):
+    for variant in ("llama", "gpt2"):
+        (tmp_path / variant).mkdir()
+    out = run_distributed(1, _weight_layout, str(tmp_path))[0]
     for variant in ("llama", "gpt2"):
         assert out[variant]["linears_column_major"], variant
         assert out[variant]["logits_error"] < 1e-5, variant
         assert out[variant]["same_state"], variant
         assert out[variant]["again"] == 0, variant  # already column-major: nothing to do
+        assert out[variant]["checkpoint_exact"], variant
     assert out["llama"]["embedding_column_major"]  # the tied output layer's weight
     assert not out["gpt2"]["embedding_column_major"]  # only looked up: row-major stays faster
     assert out["ddp_changed"] == 0 and out["ddp_contiguous"]  # DDP's parameters are views of its buffers
