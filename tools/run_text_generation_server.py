@@ -38,7 +38,9 @@ from megatron.training.initialize import initialize_megatron  # noqa: E402
 def add_text_generate_args(parser):
     """The server's own flags (Megatron's tools/run_text_generation_server.py names)."""
     group = parser.add_argument_group(title="text generation")
-    group.add_argument("--port", type=int, default=5000, help="Port the text generation server listens on.")
+    group.add_argument("--port", type=int, default=5000,
+                       help="Port the text generation server listens on (0: any free port; the start-up line "
+                            "names it).")
     group.add_argument("--host", type=str, default="0.0.0.0", help="Address the server binds (0.0.0.0: all).")
     group.add_argument("--temperature", type=float, default=1.0,
                        help="Sampling temperature of requests that do not give one (0: greedy).")
@@ -83,8 +85,8 @@ def _check_serving_args(args) -> None:
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
             f"{args.data_parallel_size}; launch TP x PP processes (or start one server per replica)"
         )
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port {args.port}: not a TCP port (1-65535)")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port {args.port}: not a TCP port (1-65535, or 0 for any free one)")
     if args.temperature < 0 or args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
         raise ValueError(f"--temperature {args.temperature} / --top_k {args.top_k} / --top_p {args.top_p}: need "
                          "temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
@@ -138,10 +140,17 @@ def build_engine(args, model, tokenizer):
 
 
 def main() -> None:
+    from megatron.core.inference.text_generation_server.server import (
+        TextGenerationServer,
+        control_group,
+        listen_socket,
+    )
+
     with exit_on_error():  # a bad flag is reported once for the job, not once per rank
         args = parse_server_args()
         _check_serving_args(args)
-    from megatron.core.inference.text_generation_server.server import TextGenerationServer, control_group
+        # Rank 0 takes its port before anything slow (a port in use fails now, not after the checkpoint loads).
+        listener = listen_socket(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     from megatron.core.inference.text_generation_server.validation import ServingDefaults
     # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
     # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.
@@ -164,9 +173,10 @@ def main() -> None:
         defaults=ServingDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
         chat_template_file=args.chat_template, group=control_group(), vocab_size=tokenizer.vocab_size,
     )
+    port = listener.getsockname()[1] if listener is not None else args.port  # the real one for --port 0
     print_rank_0(f"serving '{name}' from {args.load} at TP={parallel_state.get_tensor_model_parallel_world_size()} "
-                 f"PP={parallel_state.get_pipeline_model_parallel_world_size()} on http://{args.host}:{args.port}")
-    server.run(host=args.host, port=args.port)
+                 f"PP={parallel_state.get_pipeline_model_parallel_world_size()} on http://{args.host}:{port}")
+    server.run(host=args.host, port=args.port, sock=listener)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.functional_tests.configs import GOLDEN_FLAGS
-from tests.functional_tests.harness import REPO_ROOT, PretrainProcess, free_port
+from tests.functional_tests.harness import REPO_ROOT, PretrainProcess
 
 SERVER = REPO_ROOT / "tools" / "run_text_generation_server.py"
 CLI = REPO_ROOT / "tools" / "text_generation_cli.py"
@@ -32,24 +32,25 @@ def _model_flags():
 
 class _Server:
     def __init__(self, checkpoint_dir, cpu_data_flags, nproc, model_flags, extra=()):
-        self.port = free_port()
         tokenizer_flags = cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
         cpu_flags = [f for f in cpu_data_flags[: cpu_data_flags.index("--data-path")]]
         args = list(model_flags) + cpu_flags + tokenizer_flags + [
-            "--load", checkpoint_dir, "--port", str(self.port), "--host", "127.0.0.1", "--top_k", "1",
+            "--load", checkpoint_dir, "--port", "0", "--host", "127.0.0.1", "--top_k", "1",
             "--inference-max-requests", "4", *extra,
         ]
         self.process = PretrainProcess(args, nproc, entry_point=SERVER)
         self.banner = self.process.wait_for_line(lambda line: line.startswith("serving '"), timeout=240)
-        self.url = f"http://127.0.0.1:{self.port}"
+        # --port 0: rank 0 listens on a free port, bound before the job starts, and the banner names it.
+        self.url = re.search(r"on (http://127\.0\.0\.1:\d+)$", self.banner.strip()).group(1)
         deadline = time.monotonic() + 60
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    self.process.kill()
+                    raise AssertionError(f"the server never answered /health:\n{self.process.output[-4000:]}") from exc
             time.sleep(0.2)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
@@ -79,7 +80,7 @@ def test_tp2_server_answers_like_the_single_rank_server(golden_run, cpu_data_fla
                                                      messages=[{"role": "user", "content": "Speak."}])
         assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
         # The CLI talks to PUT /api; with the server's --top_k 1 default it is greedy too.
-        cli = subprocess.run([sys.executable, str(CLI), f"127.0.0.1:{server.port}", "--prompt", PROMPT,
+        cli = subprocess.run([sys.executable, str(CLI), server.url.removeprefix("http://"), "--prompt", PROMPT,
                               "--tokens-to-generate", "6"], capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout == text_tp2 + "\n"

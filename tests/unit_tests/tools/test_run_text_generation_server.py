@@ -60,3 +60,33 @@ def test_missing_checkpoint_directory_and_data_parallel_replicas_are_refused(par
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="runs one model replica.*DP 2"):
         _check_serving_args(parse())
+
+
+def test_the_listening_socket_names_a_port_in_use_and_port_0_gets_a_free_one():
+    from megatron.core.inference.text_generation_server.server import listen_socket
+
+    with listen_socket("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        assert port > 0
+        with pytest.raises(OSError, match=rf"--host 127.0.0.1 --port {port}: cannot listen there .*pick another "
+                                          r"--port \(0: any free port\)"):
+            listen_socket("127.0.0.1", port)
+
+
+def test_a_port_in_use_stops_the_server_before_it_loads_anything(tmp_path):
+    """The tool binds its port right after the flags: it exits with the message before any process group or
+    checkpoint, on a directory that holds no checkpoint at all."""
+    import subprocess
+
+    from megatron.core.inference.text_generation_server.server import listen_socket
+    from tests.functional_tests.harness import REPO_ROOT
+
+    with listen_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "tools" / "run_text_generation_server.py"), *MODEL,
+             "--load", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in result.stderr + result.stdout
+    assert "checkpoint" not in (result.stderr + result.stdout).lower()

@@ -54,6 +54,22 @@ class _signals_deferred_to_rank_0:
         return False
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (``port`` 0: a free one, see ``getsockname()``), for uvicorn to serve on.
+
+    The server tool binds it before the model loads: a port in use is reported at once instead of after minutes of
+    loading, and no port is released between choosing it and serving on it (where another socket, say one of gloo's,
+    could take it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(
+            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); pick another --port "
+            "(0: any free port), or stop what is using it"
+        ) from exc
+
+
 class TextGenerationServer:
     """The OpenAI-compatible server around one engine (see the module docstring)."""
 
@@ -70,22 +86,25 @@ class TextGenerationServer:
         self._uvicorn = None
         self._thread: Optional[threading.Thread] = None
 
-    def run(self, host: str = "0.0.0.0", port: int = 5000) -> None:
+    def run(self, host: str = "0.0.0.0", port: int = 5000, sock: Optional[socket.socket] = None) -> None:
         """Serve until SIGINT / SIGTERM (rank 0), or follow rank 0's engine steps until it stops (other ranks).
 
-        A job is stopped through rank 0: Ctrl-C (or the launcher's SIGTERM) reaches every rank, but the other ranks
-        only note it and keep following, so rank 0 can finish its step and tell them to stop; every rank then
-        returns normally."""
+        Rank 0 serves on ``sock`` when given (a :func:`listen_socket` bound before the model loaded), else on a
+        socket it binds to ``host:port`` now. A job is stopped through rank 0: Ctrl-C (or the launcher's SIGTERM)
+        reaches every rank, but the other ranks only note it and keep following, so rank 0 can finish its step and
+        tell them to stop; every rank then returns normally."""
         if self.rank != 0:
             with _signals_deferred_to_rank_0():
                 self.serving_loop.follow()
             return
         import uvicorn
 
+        sock = sock or listen_socket(host, port)
         self.serving_loop.start()
         try:
-            logger.info("text generation server listening on http://%s:%d", host, port)
-            uvicorn.run(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+            logger.info("text generation server listening on http://%s:%d", *sock.getsockname()[:2])
+            config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+            uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on, once it has stopped
             pass
         finally:
@@ -95,14 +114,13 @@ class TextGenerationServer:
         """Rank 0 only: serve from a background thread; returns the base URL (``port=0``: a free port)."""
         import uvicorn
 
-        if port == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
+        sock = listen_socket(host, port)
+        port = sock.getsockname()[1]
         self.serving_loop.start()
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, name="uvicorn", daemon=True)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="uvicorn",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._uvicorn.started:

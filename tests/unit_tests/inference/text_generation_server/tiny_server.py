@@ -23,7 +23,10 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
     GPTInferenceWrapper,
 )
 from megatron.core.inference.text_generation_controllers import TextGenerationController  # noqa: E402
-from megatron.core.inference.text_generation_server.server import TextGenerationServer  # noqa: E402
+from megatron.core.inference.text_generation_server.server import (  # noqa: E402
+    TextGenerationServer,
+    listen_socket,
+)
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
@@ -43,6 +46,7 @@ def _free_port() -> int:
 
 
 def main(port: int) -> None:
+    listener = listen_socket("127.0.0.1", port)  # first, so the process group's ports cannot take it
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -61,7 +65,7 @@ def main(port: int) -> None:
     )
     engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), tokenizer), context)
     server = TextGenerationServer(engine, tokenizer, model_name=MODEL_NAME, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    server.run(host="127.0.0.1", port=port)
+    server.run(sock=listener)
 
 
 if __name__ == "__main__":
