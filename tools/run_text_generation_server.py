@@ -150,7 +150,7 @@ def main() -> None:
         args = parse_server_args()
         _check_serving_args(args)
         # Rank 0 takes its port before anything slow (a port in use fails now, not after the checkpoint loads).
-        listener = listen_socket(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
+        listener = listen_socket(args.host, args.port) if args.rank == 0 else None
     from megatron.core.inference.text_generation_server.validation import ServingDefaults
     # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
     # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.

@@ -318,7 +318,8 @@ def _weight_layout(directory):
                                                       f"{directory}/{variant}")["model"])
         out[variant]["checkpoint_exact"] = all(
             torch.equal(before_state[k], v) for k, v in fresh.state_dict().items() if k in before_state)
-    ddp = DistributedDataParallel(build_model("gpt2").config, DistributedDataParallelConfig(), build_model("gpt2"))
+    plain = build_model("gpt2")
+    ddp = DistributedDataParallel(plain.config, DistributedDataParallelConfig(), plain)
     out["ddp_changed"] = column_major_linear_weights_on_cpu(ddp)
     out["ddp_contiguous"] = all(p.is_contiguous() for p in ddp.parameters())
     return out

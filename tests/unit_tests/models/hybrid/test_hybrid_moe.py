@@ -10,13 +10,11 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-from megatron.core.models.hybrid.hybrid_model import HybridModel
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
     BATCH, SEQ, VOCAB, assert_close_dicts, build_config, build_model, checkpoint_space, relative_error, run_pipeline,
 )
-from tests.unit_tests.test_utilities import Utils, run_distributed
+from tests.unit_tests.test_utilities import run_distributed
 from tests.unit_tests.transformer.moe.moe_test_helpers import fresh_moe_state, reduced_tracker
 
 PATTERN = "M*E-"
@@ -27,14 +25,9 @@ MOE_FIELDS = dict(
 
 
 def _model(tp=1, ep=1, pattern=PATTERN, **overrides):
-    Utils.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     fresh_moe_state()
-    model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    fields = {**MOE_FIELDS, **overrides}
-    config = build_config(tp, sp=tp > 1, num_layers=len(pattern), expert_model_parallel_size=ep, **fields)
-    return HybridModel(config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                       hybrid_layer_pattern=pattern)
+    return build_model(tp, sp=tp > 1, ep=ep, pattern=pattern, seed=1234, config_overrides={**MOE_FIELDS, **overrides})
 
 
 def _batches(count):
