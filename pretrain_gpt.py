@@ -28,8 +28,9 @@ from megatron.training.error_handling import exit_on_error
 from megatron.training.utils import get_batch_on_this_tp_rank
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
-                   pg_collection=None) -> GPTModel:
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None, pg_collection=None
+) -> GPTModel:
     """A GPTModel for this pipeline stage from the local (pure PyTorch) layer spec, or with ``--num-experts`` the
     decoder block spec of dense and MoE layers; ``config`` (a TransformerConfig) defaults to the flags',
     ``pg_collection`` to parallel_state's groups."""
@@ -121,8 +122,13 @@ def main(forward_step_func=forward_step, model_provider_func=model_provider, ext
     (pretrain_hybrid.py) or extra flags / flag defaults (``extra_args_provider(parser)``)."""
     with exit_on_error():  # a bad flag or input is reported once for the job, not once per rank
         args = parse_and_validate_args(extra_args_provider=extra_args_provider)
-    pretrain(args, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step_func,
-             model_provider=model_provider_func)
+    pretrain(
+        args,
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step_func,
+        model_provider=model_provider_func,
+    )
 
 
 if __name__ == "__main__":

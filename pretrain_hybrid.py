@@ -28,8 +28,16 @@ def stack_spec_from_args(args, default):
     return import_module(tuple(args.spec))
 
 
-def build_hybrid_model(model_class, spec_keyword: str, default_spec, pre_process: bool, post_process: bool,
-                       vp_stage=None, config=None, pg_collection=None):
+def build_hybrid_model(
+    model_class,
+    spec_keyword: str,
+    default_spec,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage=None,
+    config=None,
+    pg_collection=None,
+):
     """``model_class(config, <spec_keyword>=stack spec, ...)`` for this pipeline stage from the flags."""
     args = get_args()
     if config is None:
@@ -56,11 +64,13 @@ def build_hybrid_model(model_class, spec_keyword: str, default_spec, pre_process
     )
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
-                   pg_collection=None) -> HybridModel:
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None, pg_collection=None
+) -> HybridModel:
     """A HybridModel for this pipeline stage from ``hybrid_stack_spec`` (or ``--spec``)."""
-    return build_hybrid_model(HybridModel, "hybrid_stack_spec", hybrid_stack_spec, pre_process, post_process,
-                              vp_stage, config, pg_collection)
+    return build_hybrid_model(
+        HybridModel, "hybrid_stack_spec", hybrid_stack_spec, pre_process, post_process, vp_stage, config, pg_collection
+    )
 
 
 def hybrid_model_flags(parser):

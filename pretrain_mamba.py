@@ -7,11 +7,13 @@ from megatron.core.models.mamba.mamba_model import MambaModel
 from pretrain_hybrid import build_hybrid_model, hybrid_model_flags
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
-                   pg_collection=None) -> MambaModel:
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None, pg_collection=None
+) -> MambaModel:
     """A MambaModel for this pipeline stage."""
-    return build_hybrid_model(MambaModel, "mamba_stack_spec", mamba_stack_spec, pre_process, post_process,
-                              vp_stage, config, pg_collection)
+    return build_hybrid_model(
+        MambaModel, "mamba_stack_spec", mamba_stack_spec, pre_process, post_process, vp_stage, config, pg_collection
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-lite",
     version="0.1.0",
-    description="Megatron-Core and Megatron-LM's public API, rebuilt to run and be tested on CPU (gloo) and GPU (nccl).",
+    description=(
+        "Megatron-Core and Megatron-LM's public API, rebuilt to run and be tested on CPU (gloo) and GPU (nccl)."
+    ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -11,8 +13,20 @@ setup(
     package_data={"megatron.training.builtin_data": ["*.json", "*.txt", "*.gz", "*.bin", "*.idx", "*.md"]},
     install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
-        "test": ["pytest>=7", "tokenizers", "sentencepiece", "tiktoken", "regex",
-                 "fastapi", "uvicorn", "jinja2", "httpx", "openai", "safetensors", "transformers"],
+        "test": [
+            "pytest>=7",
+            "tokenizers",
+            "sentencepiece",
+            "tiktoken",
+            "regex",
+            "fastapi",
+            "uvicorn",
+            "jinja2",
+            "httpx",
+            "openai",
+            "safetensors",
+            "transformers",
+        ],
         "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],
         "gpu": ["triton"],
         "logging": ["tensorboard", "wandb"],

@@ -93,11 +93,17 @@ def _throughput(args, root: Path) -> list:
             save_times.append(_timed(lambda: save(state, checkpoint_dir, sharded_strategy=strategy)))
             load_times.append(_timed(lambda: load(target, checkpoint_dir, validate_access_integrity=False)))
         assert all(torch.equal(target[k].data, state[k].data) for k in state), "loaded state differs"
-        rows.append({
-            "dp": dp, "fully_parallel": fully_parallel, "state_mb": megabytes,
-            "save_s": min(save_times), "save_mb_s": megabytes / min(save_times),
-            "load_s": min(load_times), "load_mb_s_per_rank": megabytes / min(load_times),
-        })
+        rows.append(
+            {
+                "dp": dp,
+                "fully_parallel": fully_parallel,
+                "state_mb": megabytes,
+                "save_s": min(save_times),
+                "save_mb_s": megabytes / min(save_times),
+                "load_s": min(load_times),
+                "load_mb_s_per_rank": megabytes / min(load_times),
+            }
+        )
     return rows
 
 
@@ -134,8 +140,11 @@ def _stall(args, root: Path) -> dict:
             finalize += time.perf_counter() - start
         slowdown = max(0.0, sum(overlapped) - baseline * len(overlapped))
         result[f"async_{worker}"] = {
-            "staging_s": staging, "overlapped_steps": len(overlapped), "slowdown_s": slowdown,
-            "finalize_s": finalize, "stall_s": staging + slowdown + finalize,
+            "staging_s": staging,
+            "overlapped_steps": len(overlapped),
+            "slowdown_s": slowdown,
+            "finalize_s": finalize,
+            "stall_s": staging + slowdown + finalize,
         }
     return result
 
@@ -143,7 +152,10 @@ def _stall(args, root: Path) -> dict:
 def _worker(rank: int, world_size: int, port: int, args, root: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(minutes=20),
     )
     result = {"throughput": _throughput(args, Path(root))}

@@ -107,8 +107,9 @@ def _time_sdpa(seq: int, repeats: int) -> float:
 
 def _worker(rank, cp, port, seqs, repeats, max_tokens, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp,
-                            timeout=timedelta(minutes=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp, timeout=timedelta(minutes=30)
+    )
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
     group = parallel_state.get_context_parallel_group()
     attention = ContextParallelAttention("p2p", group, AttnMaskType.causal, 1 / math.sqrt(HEAD_DIM), HEADS, KV_HEADS)
@@ -133,9 +134,13 @@ def _worker(rank, cp, port, seqs, repeats, max_tokens, queue):
                 times.append(elapsed.item())
         block = 2 * (seq // cp) * BATCH * KV_HEADS * HEAD_DIM * BYTES_PER_ELEMENT
         row = {
-            "cp": cp, "seq": seq, "seconds": statistics.median(times),
-            "sent_forward": sent_forward, "formula_forward": (cp - 1) * block,
-            "sent_backward": sent_backward, "formula_backward": (2 * cp - 1) * block if cp > 1 else 0,
+            "cp": cp,
+            "seq": seq,
+            "seconds": statistics.median(times),
+            "sent_forward": sent_forward,
+            "formula_forward": (cp - 1) * block,
+            "sent_backward": sent_backward,
+            "formula_backward": (2 * cp - 1) * block if cp > 1 else 0,
             "saved_bytes": saved,
             "formula_saved": (seq // cp) * BATCH * (HEAD_DIM * (2 * HEADS + 2 * KV_HEADS) + HEADS) * BYTES_PER_ELEMENT,
         }
@@ -152,8 +157,9 @@ def run(cp, seqs, repeats, max_tokens):
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, cp, port, seqs, repeats, max_tokens, queue))
-                 for rank in range(cp)]
+    processes = [
+        context.Process(target=_worker, args=(rank, cp, port, seqs, repeats, max_tokens, queue)) for rank in range(cp)
+    ]
     for process in processes:
         process.start()
     rows = queue.get()
@@ -177,16 +183,20 @@ def main():
     rows = []
     for cp in args.cps:
         rows += run(cp, args.seqs, args.repeats, args.max_tokens_per_rank)
-    header = ("| CP | seq | fwd+bwd s (ring) | SDPA s | sent fwd MiB (formula) | sent bwd MiB (formula) | "
-              "saved for bwd MiB (formula) |")
+    header = (
+        "| CP | seq | fwd+bwd s (ring) | SDPA s | sent fwd MiB (formula) | sent bwd MiB (formula) | "
+        "saved for bwd MiB (formula) |"
+    )
     print(header)
     print("|---" * 7 + "|")
     for row in sorted(rows, key=lambda r: (r["seq"], r["cp"])):
         sdpa = f"{row['sdpa_seconds']:.3f}" if "sdpa_seconds" in row else "-"
-        print(f"| {row['cp']} | {row['seq']} | {row['seconds']:.3f} | {sdpa} | "
-              f"{_mib(row['sent_forward'])} ({_mib(row['formula_forward'])}) | "
-              f"{_mib(row['sent_backward'])} ({_mib(row['formula_backward'])}) | "
-              f"{_mib(row['saved_bytes'])} ({_mib(row['formula_saved'])}) |")
+        print(
+            f"| {row['cp']} | {row['seq']} | {row['seconds']:.3f} | {sdpa} | "
+            f"{_mib(row['sent_forward'])} ({_mib(row['formula_forward'])}) | "
+            f"{_mib(row['sent_backward'])} ({_mib(row['formula_backward'])}) | "
+            f"{_mib(row['saved_bytes'])} ({_mib(row['formula_saved'])}) |"
+        )
     out = Path(__file__).parent / "results" / "context_parallel.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

@@ -210,18 +210,26 @@ def main():
         ]
 
     print(f"\nGPTDataset index build (synthetic lengths, mean document {args.mean_document_length} tokens)")
-    print(f"{'case':<28}{'docs':>10}{'samples':>11}{'doc idx s':>11}{'sample idx s':>14}{'shuffle s':>11}"
-          f"{'total s':>9}{'peak MB':>9}{'index MB':>10}")
+    print(
+        f"{'case':<28}{'docs':>10}{'samples':>11}{'doc idx s':>11}{'sample idx s':>14}{'shuffle s':>11}"
+        f"{'total s':>9}{'peak MB':>9}{'index MB':>10}"
+    )
     for row in builds:
-        print(f"{row['case']:<28}{row['documents']:>10}{row['samples']:>11}{row['document_index_s']:>11.2f}"
-              f"{row['sample_index_s']:>14.2f}{row['shuffle_index_s']:>11.2f}{row['gpt_dataset_build_s']:>9.2f}"
-              f"{row['peak_traced_mb']:>9.0f}{row['index_mb']:>10.0f}")
-    print(f"\nspec's Python loop on {reference['tokens']:.0e} tokens: {reference['python_loop_s']:.2f} s; "
-          f"numpy GPTDataset build: {reference['numpy_s']:.3f} s")
+        print(
+            f"{row['case']:<28}{row['documents']:>10}{row['samples']:>11}{row['document_index_s']:>11.2f}"
+            f"{row['sample_index_s']:>14.2f}{row['shuffle_index_s']:>11.2f}{row['gpt_dataset_build_s']:>9.2f}"
+            f"{row['peak_traced_mb']:>9.0f}{row['index_mb']:>10.0f}"
+        )
+    print(
+        f"\nspec's Python loop on {reference['tokens']:.0e} tokens: {reference['python_loop_s']:.2f} s; "
+        f"numpy GPTDataset build: {reference['numpy_s']:.3f} s"
+    )
     print("\nblending greedy (Python loop)")
     for row in blends:
-        print(f"  {row['datasets']} datasets, {row['samples']} samples: {row['seconds']:.2f} s "
-              f"({row['us_per_sample']:.2f} us/sample)")
+        print(
+            f"  {row['datasets']} datasets, {row['samples']} samples: {row['seconds']:.2f} s "
+            f"({row['us_per_sample']:.2f} us/sample)"
+        )
     print(f"\nGPTDataset random reads on {prefix}")
     for row in reads:
         print(f"  {row['options']:<40} S={row['sequence_length']}: {row['reads_per_s']:>8.0f} samples/s")
@@ -231,14 +239,23 @@ def main():
     results_dir = REPO_ROOT / "benchmarks" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     output = results_dir / "bench_dataset_index.json"
-    output.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "index_build": builds,
-        "reference_loop": reference,
-        "blending": blends,
-        "reads": reads,
-        "peak_rss_mb": peak_rss_mb,
-    }, indent=2))
+    output.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "index_build": builds,
+                "reference_loop": reference,
+                "blending": blends,
+                "reads": reads,
+                "peak_rss_mb": peak_rss_mb,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {output}")
 
 

@@ -24,7 +24,8 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-_SAMPLER = r"""
+_SAMPLER = (
+    r"""
 import json, os, runpy, sys, threading, time
 peak = {"VmRSS": 0, "RssAnon": 0}
 def sample():
@@ -52,11 +53,14 @@ elapsed = time.perf_counter() - start
 time.sleep(0.05)
 with open(out, "w") as f:
     json.dump({"seconds": elapsed, "peak_rss_mb": peak["VmRSS"] / 1024, "peak_anon_mb": peak["RssAnon"] / 1024}, f)
-""" % REPO_ROOT
+"""
+    % REPO_ROOT
+)
 
 
-def write_random_hf_model(directory: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
-                          dtype: torch.dtype):
+def write_random_hf_model(
+    directory: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int, dtype: torch.dtype
+):
     """A random LlamaForCausalLM checkpoint written one tensor at a time; returns (its bytes, the largest
     tensor's bytes, its parameter count)."""
     from megatron.core.models.huggingface.families import FAMILIES
@@ -64,25 +68,44 @@ def write_random_hf_model(directory: str, layers: int, hidden: int, ffn: int, he
     from megatron.core.models.huggingface.weights import write_safetensors_streamed
 
     head_dim = hidden // heads
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
-              "hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "hidden_act": "silu",
-              "dtype": str(dtype).replace("torch.", "")}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "hidden_act": "silu",
+        "dtype": str(dtype).replace("torch.", ""),
+    }
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump(config, file)
     family = FAMILIES["llama"]
     settings = family.settings_from_hf(config)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-              "model.norm.weight": (hidden,)}
-    per_layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-                 "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                 "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                 "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                 "self_attn.o_proj.weight": (hidden, heads * head_dim), "mlp.gate_proj.weight": (ffn, hidden),
-                 "mlp.up_proj.weight": (ffn, hidden), "mlp.down_proj.weight": (hidden, ffn)}
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    per_layer = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+    }
     for layer in range(layers):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
     names = _hf_names_expected(expand_rules(family, settings), settings)
@@ -113,8 +136,9 @@ def _weight_map(directory: str) -> dict:
 def measure(mode: str, arguments, workdir: str) -> dict:
     out = os.path.join(workdir, f"{mode}.json")
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", _SAMPLER, mode, out, *arguments], env=env, capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _SAMPLER, mode, out, *arguments], env=env, capture_output=True, text=True
+    )
     if result.returncode:
         raise RuntimeError(f"{mode} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     with open(out) as file:
@@ -138,43 +162,93 @@ def main() -> None:
     try:
         start = time.perf_counter()
         model_bytes, largest_bytes, params = write_random_hf_model(
-            hf_dir, args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab,
-            getattr(torch, args.dtype))
-        print(f"random HF model: {params / 1e9:.2f}B parameters, {model_bytes / 2**20:.0f} MiB ({args.dtype}), "
-              f"largest tensor {largest_bytes / 2**20:.0f} MiB, written in {time.perf_counter() - start:.1f} s")
+            hf_dir,
+            args.layers,
+            args.hidden,
+            args.ffn,
+            args.heads,
+            args.kv_heads,
+            args.vocab,
+            getattr(torch, args.dtype),
+        )
+        print(
+            f"random HF model: {params / 1e9:.2f}B parameters, {model_bytes / 2**20:.0f} MiB ({args.dtype}), "
+            f"largest tensor {largest_bytes / 2**20:.0f} MiB, written in {time.perf_counter() - start:.1f} s"
+        )
         # The same conversions of a tiny model measure the fixed cost (interpreter, torch, process group, DCP).
         tiny = os.path.join(workdir, "tiny")
         write_random_hf_model(tiny, 2, 64, 128, 4, 2, 256, getattr(torch, args.dtype))
         rows = {"baseline (imports only)": measure("baseline", [], workdir)}
-        for label, (source, megatron, back) in {"tiny model": (tiny, tiny + "_megatron", tiny + "_back"),
-                                                "model": (hf_dir, megatron_dir, back_dir)}.items():
-            rows[f"HF -> Megatron (torch_dist), {label}"] = measure("convert", [
-                "--model-type", "GPT", "--loader", "hf", "--saver", "core", "--load-dir", source,
-                "--save-dir", megatron], workdir)
-            rows[f"Megatron -> HF (safetensors), {label}"] = measure("convert", [
-                "--model-type", "GPT", "--loader", "core", "--saver", "hf", "--load-dir", megatron,
-                "--save-dir", back, "--max-shard-size", "1GB"], workdir)
+        for label, (source, megatron, back) in {
+            "tiny model": (tiny, tiny + "_megatron", tiny + "_back"),
+            "model": (hf_dir, megatron_dir, back_dir),
+        }.items():
+            rows[f"HF -> Megatron (torch_dist), {label}"] = measure(
+                "convert",
+                [
+                    "--model-type",
+                    "GPT",
+                    "--loader",
+                    "hf",
+                    "--saver",
+                    "core",
+                    "--load-dir",
+                    source,
+                    "--save-dir",
+                    megatron,
+                ],
+                workdir,
+            )
+            rows[f"Megatron -> HF (safetensors), {label}"] = measure(
+                "convert",
+                [
+                    "--model-type",
+                    "GPT",
+                    "--loader",
+                    "core",
+                    "--saver",
+                    "hf",
+                    "--load-dir",
+                    megatron,
+                    "--save-dir",
+                    back,
+                    "--max-shard-size",
+                    "1GB",
+                ],
+                workdir,
+            )
         from safetensors import safe_open
 
         identical = True
         back_map, source_map = _weight_map(back_dir), _weight_map(hf_dir)
         for name in source_map:
-            with safe_open(os.path.join(hf_dir, source_map[name]), "pt") as a, \
-                    safe_open(os.path.join(back_dir, back_map[name]), "pt") as b:
+            with (
+                safe_open(os.path.join(hf_dir, source_map[name]), "pt") as a,
+                safe_open(os.path.join(back_dir, back_map[name]), "pt") as b,
+            ):
                 identical &= torch.equal(a.get_tensor(name), b.get_tensor(name))
         print("\n| run | time (s) | peak RSS (MiB) | peak anon (MiB) | RSS above the tiny-model run (MiB) |")
         print("|---|---|---|---|---|")
         for name, row in rows.items():
             tiny_row = rows.get(name.replace(", model", ", tiny model"))
             above = f"{row['peak_rss_mb'] - tiny_row['peak_rss_mb']:.0f}" if name.endswith(", model") else ""
-            print(f"| {name} | {row['seconds']:.1f} | {row['peak_rss_mb']:.0f} | {row['peak_anon_mb']:.0f} | "
-                  f"{above} |")
+            print(f"| {name} | {row['seconds']:.1f} | {row['peak_rss_mb']:.0f} | {row['peak_anon_mb']:.0f} | {above} |")
         print(f"\nmodel {model_bytes / 2**20:.0f} MiB")
         print(f"\nround trip bit-identical: {identical}; largest tensor {largest_bytes / 2**20:.0f} MiB")
         os.makedirs(os.path.join(REPO_ROOT, "benchmarks", "results"), exist_ok=True)
         with open(os.path.join(REPO_ROOT, "benchmarks", "results", "hf_conversion.json"), "w") as file:
-            json.dump({"parameters": params, "model_bytes": model_bytes, "largest_tensor_bytes": largest_bytes,
-                       "dtype": args.dtype, "rows": rows, "round_trip_identical": identical}, file, indent=2)
+            json.dump(
+                {
+                    "parameters": params,
+                    "model_bytes": model_bytes,
+                    "largest_tensor_bytes": largest_bytes,
+                    "dtype": args.dtype,
+                    "rows": rows,
+                    "round_trip_identical": identical,
+                },
+                file,
+                indent=2,
+            )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

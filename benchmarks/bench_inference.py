@@ -44,18 +44,36 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def build_ours(args, family: str) -> GPTModel:
-    common = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                  hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
+    common = dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     if family == "gpt2":
         config = TransformerConfig(ffn_hidden_size=4 * args.hidden, **common)
         position = "learned_absolute"
     else:
-        config = TransformerConfig(ffn_hidden_size=3 * args.hidden, num_query_groups=args.kv_heads,
-                                   normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                                   add_bias_linear=False, **common)
+        config = TransformerConfig(
+            ffn_hidden_size=3 * args.hidden,
+            num_query_groups=args.kv_heads,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            **common,
+        )
         position = "rope"
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.max_seq,
-                    share_embeddings_and_output_weights=True, position_embedding_type=position).eval()
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=args.vocab,
+        max_sequence_length=args.max_seq,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type=position,
+    ).eval()
 
 
 def build_hf(args, ours: GPTModel, family: str):
@@ -65,20 +83,39 @@ def build_hf(args, ours: GPTModel, family: str):
     src = {name: p.detach() for name, p in ours.named_parameters()}
     h, heads = args.hidden, args.heads
     d = h // heads
-    common = dict(vocab_size=args.vocab, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1,
-                  tie_word_embeddings=True)
+    common = dict(
+        vocab_size=args.vocab, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1, tie_word_embeddings=True
+    )
     if family == "gpt2":
         config = transformers.GPT2Config(
-            n_positions=args.max_seq, n_embd=h, n_layer=args.layers, n_head=heads, activation_function="gelu",
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, **common)
+            n_positions=args.max_seq,
+            n_embd=h,
+            n_layer=args.layers,
+            n_head=heads,
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=1e-5,
+            **common,
+        )
         config._attn_implementation = "sdpa"
         hf = transformers.GPT2LMHeadModel(config).eval()
         copy_gpt2(hf, src, args.layers, heads, d, h)
     else:
         config = transformers.LlamaConfig(
-            hidden_size=h, intermediate_size=3 * h, num_hidden_layers=args.layers, num_attention_heads=heads,
-            num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_seq, rms_norm_eps=1e-5,
-            rope_theta=10000.0, attention_bias=False, mlp_bias=False, **common)
+            hidden_size=h,
+            intermediate_size=3 * h,
+            num_hidden_layers=args.layers,
+            num_attention_heads=heads,
+            num_key_value_heads=args.kv_heads,
+            max_position_embeddings=args.max_seq,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            attention_bias=False,
+            mlp_bias=False,
+            **common,
+        )
         config._attn_implementation = "sdpa"
         hf = transformers.LlamaForCausalLM(config).eval()
         copy_llama(hf, src, args.layers, heads, args.kv_heads, d, h)
@@ -166,8 +203,7 @@ def time_engines(makers, batch, args):
                 generate(n)
                 best[name][slot] = min(best[name][slot], clock() - start)
     return {
-        name: (t1, batch * (args.new_tokens - 1) / (tn - t1), engines[name][1]())
-        for name, (t1, tn) in best.items()
+        name: (t1, batch * (args.new_tokens - 1) / (tn - t1), engines[name][1]()) for name, (t1, tn) in best.items()
     }
 
 
@@ -181,8 +217,11 @@ def bench_family(args, family: str, rows: list) -> None:
     total_tokens = args.prompt + args.new_tokens
     d = args.hidden // args.heads
     kv_heads = args.heads if family == "gpt2" else args.kv_heads
-    print(f"\n{family}: {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-          f"{kv_heads} KV heads, vocab {args.vocab}); HF logits match ours to {error:.1e}", flush=True)
+    print(
+        f"\n{family}: {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+        f"{kv_heads} KV heads, vocab {args.vocab}); HF logits match ours to {error:.1e}",
+        flush=True,
+    )
 
     def prompts(batch):
         g = torch.Generator().manual_seed(batch)
@@ -194,8 +233,14 @@ def bench_family(args, family: str, rows: list) -> None:
     def make_dynamic(batch, model=ours):
         block = 16
         context = DynamicInferenceContext(
-            torch.float32, args.layers, d, kv_heads, args.max_seq, block_size_tokens=block,
-            num_blocks=batch * math.ceil(total_tokens / block), max_requests=batch,
+            torch.float32,
+            args.layers,
+            d,
+            kv_heads,
+            args.max_seq,
+            block_size_tokens=block,
+            num_blocks=batch * math.ceil(total_tokens / block),
+            max_requests=batch,
             max_tokens=max(batch * args.prompt, batch),
         )
         wrapper = GPTInferenceWrapper(model, context)  # stores the linear weights column-major on CPU
@@ -221,8 +266,17 @@ def bench_family(args, family: str, rows: list) -> None:
         state = {}
 
         def generate(n):
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, use_cache=True)
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                return_dict_in_generate=True,
+                use_cache=True,
+            )
             state["cache"] = out.past_key_values
 
         def kv_bytes():
@@ -245,10 +299,23 @@ def bench_family(args, family: str, rows: list) -> None:
         for batch in args.batches:
             formula = 2 * args.layers * kv_heads * d * batch * total_tokens * 4
             for name, (ttft, tps, kv) in time_engines(makers, batch, args).items():
-                rows.append({"model": family, "params": params, "engine": name, "batch": batch,
-                             "ttft_ms": ttft * 1e3, "decode_tok_s": tps, "kv_bytes": kv, "formula_bytes": formula})
-                print(f"{name:>18} batch {batch:>3}: TTFT {ttft * 1e3:8.1f} ms   decode {tps:8.1f} tok/s   "
-                      f"KV {kv / 2**20:6.2f} MiB (formula {formula / 2**20:6.2f} MiB)", flush=True)
+                rows.append(
+                    {
+                        "model": family,
+                        "params": params,
+                        "engine": name,
+                        "batch": batch,
+                        "ttft_ms": ttft * 1e3,
+                        "decode_tok_s": tps,
+                        "kv_bytes": kv,
+                        "formula_bytes": formula,
+                    }
+                )
+                print(
+                    f"{name:>18} batch {batch:>3}: TTFT {ttft * 1e3:8.1f} ms   decode {tps:8.1f} tok/s   "
+                    f"KV {kv / 2**20:6.2f} MiB (formula {formula / 2**20:6.2f} MiB)",
+                    flush=True,
+                )
 
 
 def main():
@@ -265,14 +332,25 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compare-layouts", action="store_true",
-                        help="also time the dynamic engine on a copy of the model whose linear weights keep the "
-                             "row-major training layout instead of the column-major one inference uses on CPU")
-    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                        help="cpu: this process's CPU time (with --threads 1 it is the compute time, and other jobs "
-                             "on a shared machine disturb it far less than wall time); wall: elapsed time")
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "inference.json",
-                        help="where the results go as JSON (default benchmarks/results/inference.json)")
+    parser.add_argument(
+        "--compare-layouts",
+        action="store_true",
+        help="also time the dynamic engine on a copy of the model whose linear weights keep the "
+        "row-major training layout instead of the column-major one inference uses on CPU",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: this process's CPU time (with --threads 1 it is the compute time, and other jobs "
+        "on a shared machine disturb it far less than wall time); wall: elapsed time",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).parent / "results" / "inference.json",
+        help="where the results go as JSON (default benchmarks/results/inference.json)",
+    )
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu sums the time of every thread; use it with --threads 1 (or --clock wall)")
@@ -284,13 +362,17 @@ def main():
     rows = []
     for family in args.models:
         bench_family(args, family, rows)
-    print(f"\nprompt {args.prompt} + {args.new_tokens} new tokens, greedy, fp32, {args.threads} thread(s), "
-          f"{args.clock} clock, best of {args.repeats}")
+    print(
+        f"\nprompt {args.prompt} + {args.new_tokens} new tokens, greedy, fp32, {args.threads} thread(s), "
+        f"{args.clock} clock, best of {args.repeats}"
+    )
     print("| model | engine | batch | TTFT (ms) | decode tokens/s | KV cache (MiB) | formula (MiB) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
-              f"{r['kv_bytes'] / 2**20:.2f} | {r['formula_bytes'] / 2**20:.2f} |")
+        print(
+            f"| {r['model']} | {r['engine']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
+            f"{r['kv_bytes'] / 2**20:.2f} | {r['formula_bytes'] / 2**20:.2f} |"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2))
 

@@ -60,8 +60,14 @@ def sequential_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt
 
 def build(kind, args):
     config = TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=args.hidden // 64, hidden_dropout=0.0,
-        attention_dropout=0.0, mamba_state_dim=args.state, mamba_head_dim=64, mamba_num_groups=args.groups,
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mamba_state_dim=args.state,
+        mamba_head_dim=64,
+        mamba_num_groups=args.groups,
     )
     if kind == "attention":
         return build_module(get_gpt_layer_local_submodules().self_attention, config=config, layer_number=1)
@@ -155,13 +161,16 @@ def main():
             seconds = min(t for t, _ in timings)
             if seconds > args.max_seconds:
                 too_slow.add(kind)
-            results.append(dict(kind=kind, seq=seq, tokens_per_s=args.batch * seq / seconds,
-                                memory_mib=timings[0][1] / 2**20))
+            results.append(
+                dict(kind=kind, seq=seq, tokens_per_s=args.batch * seq / seconds, memory_mib=timings[0][1] / 2**20)
+            )
 
     memory_name = "peak MiB" if device.type == "cuda" else "saved MiB"
-    print(f"\nMamba-2 mixer vs attention, fwd+bwd, one layer: hidden={args.hidden} d_state={args.state} "
-          f"groups={args.groups} headdim=64 chunk={args.chunk} batch={args.batch} device={device.type} "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"\nMamba-2 mixer vs attention, fwd+bwd, one layer: hidden={args.hidden} d_state={args.state} "
+        f"groups={args.groups} headdim=64 chunk={args.chunk} batch={args.batch} device={device.type} "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"{'seq':>6s} " + " ".join(f"{kind + ' tok/s':>28s} {memory_name:>10s}" for kind in kinds))
     for seq in sorted({r["seq"] for r in results}):
         cells = []

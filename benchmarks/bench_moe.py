@@ -85,14 +85,25 @@ class _Traffic:
 
 def _config(args, ep: int, dispatcher: str, moe: bool) -> TransformerConfig:
     common = dict(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=4, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, use_cpu_initialization=True,
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
     )
     if not moe:
         return TransformerConfig(**common, ffn_hidden_size=args.topk * args.moe_ffn)
     return TransformerConfig(
-        **common, ffn_hidden_size=args.moe_ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.moe_ffn, moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher,
+        **common,
+        ffn_hidden_size=args.moe_ffn,
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.moe_ffn,
+        moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=ep,
     )
 
@@ -147,10 +158,15 @@ def _worker(rank, world, port, args, out_path):
                 summed = torch.tensor([float(value)])
                 dist.all_reduce(summed)
                 totals[f"{phase} {name}"] = int(summed.item())
-        results.append({
-            "ep": world, "layer": "dense MLP" if kind == "dense" else f"MoE {dispatcher}",
-            "step_s": slowest.item(), "tokens_per_s": world * args.tokens / slowest.item(), "bytes": totals,
-        })
+        results.append(
+            {
+                "ep": world,
+                "layer": "dense MLP" if kind == "dense" else f"MoE {dispatcher}",
+                "step_s": slowest.item(),
+                "tokens_per_s": world * args.tokens / slowest.item(),
+                "bytes": totals,
+            }
+        )
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     parallel_state.destroy_model_parallel()
@@ -186,10 +202,14 @@ def main():
         out_path.unlink()
 
     element = 4  # fp32 hidden states
-    print(f"hidden {args.hidden}, {args.experts} experts of FFN {args.moe_ffn}, top-{args.topk}, {args.tokens} "
-          f"tokens per rank; dense MLP FFN {args.topk * args.moe_ffn}; fp32, one thread per rank")
-    header = (f"{'EP':>3} {'layer':<14} {'step (ms)':>10} {'tokens/s':>10} {'a2a fwd (MB)':>13} "
-              f"{'formula (MB)':>13} {'a2a bwd (MB)':>13} {'other comm fwd+bwd (MB)':>24}")
+    print(
+        f"hidden {args.hidden}, {args.experts} experts of FFN {args.moe_ffn}, top-{args.topk}, {args.tokens} "
+        f"tokens per rank; dense MLP FFN {args.topk * args.moe_ffn}; fp32, one thread per rank"
+    )
+    header = (
+        f"{'EP':>3} {'layer':<14} {'step (ms)':>10} {'tokens/s':>10} {'a2a fwd (MB)':>13} "
+        f"{'formula (MB)':>13} {'a2a bwd (MB)':>13} {'other comm fwd+bwd (MB)':>24}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -203,8 +223,10 @@ def main():
         applies = row["layer"] == "MoE alltoall" and row["ep"] > 1
         row.update(formula_forward_bytes=formula if applies else None)
         shown_formula = f"{formula / 1e6:13.3f}" if applies else f"{'-':>13}"
-        print(f"{row['ep']:>3} {row['layer']:<14} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} "
-              f"{forward_a2a / 1e6:13.3f} {shown_formula} {backward_a2a / 1e6:13.3f} {other / 1e6:24.3f}")
+        print(
+            f"{row['ep']:>3} {row['layer']:<14} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10.0f} "
+            f"{forward_a2a / 1e6:13.3f} {shown_formula} {backward_a2a / 1e6:13.3f} {other / 1e6:24.3f}"
+        )
     (results_dir / "moe.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 

@@ -113,15 +113,24 @@ def _measure(args, distributed: bool, overlap: bool) -> dict:
 def _worker(rank: int, world_size: int, port: int, args, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(minutes=10),
     )
     parallel_state.initialize_model_parallel()
     rows = []
     for distributed in (False, True):
         for overlap in (False, True):
-            rows.append({"dp": world_size, "distributed_optimizer": distributed, "overlap_grad_reduce": overlap,
-                         **_measure(args, distributed, overlap)})
+            rows.append(
+                {
+                    "dp": world_size,
+                    "distributed_optimizer": distributed,
+                    "overlap_grad_reduce": overlap,
+                    **_measure(args, distributed, overlap),
+                }
+            )
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -173,8 +182,10 @@ def main() -> None:
         rows += json.loads(out_path.read_text())
         out_path.unlink()
     params = rows[0]["params"]
-    print(f"bf16 model, fp32 grads, Adam: {params:,} parameters; torch {torch.__version__}; "
-          f"{args.microbatches} micro-batches of {args.micro_batch}")
+    print(
+        f"bf16 model, fp32 grads, Adam: {params:,} parameters; torch {torch.__version__}; "
+        f"{args.microbatches} micro-batches of {args.micro_batch}"
+    )
     print(_table(rows))
     (results_dir / "optimizer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

@@ -63,8 +63,12 @@ def train_tokenizer(corpus: Path, directory: Path, vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(sample, trainer=trainer)
     directory.mkdir(exist_ok=True)
     return tokenizer.model.save(str(directory))
@@ -81,7 +85,7 @@ def _children_of():
                 stat = file.read()
         except OSError:
             continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
         children.setdefault(parent, []).append(int(entry))
     return children
 
@@ -105,9 +109,25 @@ def _tree_memory_kb(root: int):
 
 
 def run_preprocess(corpus: Path, prefix: Path, vocab_file, merge_file, workers: int):
-    command = [sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"), "--input", str(corpus),
-               "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
-               "--merge-file", merge_file, "--append-eod", "--workers", str(workers), "--log-interval", "100000"]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "tools" / "preprocess_data.py"),
+        "--input",
+        str(corpus),
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab_file,
+        "--merge-file",
+        merge_file,
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--log-interval",
+        "100000",
+    ]
     peak = {"rss": 0, "pss": 0}
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -154,8 +174,14 @@ def main():
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "bench_preprocess.json")
     args = parser.parse_args()
 
-    results = {"size_mb": args.size_mb, "vocab_size": args.vocab_size, "cpus": os.cpu_count(),
-               "python": platform.python_version(), "preprocess": [], "random_reads": []}
+    results = {
+        "size_mb": args.size_mb,
+        "vocab_size": args.vocab_size,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "preprocess": [],
+        "random_reads": [],
+    }
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as tmp:
         tmp = Path(tmp)
         corpus = tmp / "corpus.jsonl"
@@ -169,20 +195,32 @@ def main():
             prefix = tmp / f"out_w{workers}"
             elapsed, peak_rss, peak_pss = run_preprocess(corpus, prefix, vocab_file, merge_file, workers)
             tokens = int(IndexedDataset(f"{prefix}_text_document").sequence_lengths.sum(dtype=np.int64))
-            results["preprocess"].append({
-                "workers": workers, "seconds": elapsed, "mb_per_s": input_mb / elapsed, "tokens": tokens,
-                "tokens_per_s": tokens / elapsed, "peak_rss_mb": peak_rss, "peak_pss_mb": peak_pss,
-            })
+            results["preprocess"].append(
+                {
+                    "workers": workers,
+                    "seconds": elapsed,
+                    "mb_per_s": input_mb / elapsed,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / elapsed,
+                    "peak_rss_mb": peak_rss,
+                    "peak_pss_mb": peak_pss,
+                }
+            )
         for use_mmap in (True, False):
             whole, samples = time_random_reads(f"{prefix}_text_document", args.reads, use_mmap)
-            results["random_reads"].append({"mmap": use_mmap, "sequence_reads_per_s": whole,
-                                            "sample_reads_per_s": samples})
+            results["random_reads"].append(
+                {"mmap": use_mmap, "sequence_reads_per_s": whole, "sample_reads_per_s": samples}
+            )
 
-    print(f"\n{'workers':>7} | {'seconds':>8} | {'MB/s':>6} | {'tokens':>11} | {'tokens/s':>9} | "
-          f"{'peak RSS MB':>11} | {'peak PSS MB':>11}")
+    print(
+        f"\n{'workers':>7} | {'seconds':>8} | {'MB/s':>6} | {'tokens':>11} | {'tokens/s':>9} | "
+        f"{'peak RSS MB':>11} | {'peak PSS MB':>11}"
+    )
     for row in results["preprocess"]:
-        print(f"{row['workers']:>7} | {row['seconds']:>8.1f} | {row['mb_per_s']:>6.2f} | {row['tokens']:>11,} | "
-              f"{row['tokens_per_s']:>9,.0f} | {row['peak_rss_mb']:>11.0f} | {row['peak_pss_mb']:>11.0f}")
+        print(
+            f"{row['workers']:>7} | {row['seconds']:>8.1f} | {row['mb_per_s']:>6.2f} | {row['tokens']:>11,} | "
+            f"{row['tokens_per_s']:>9,.0f} | {row['peak_rss_mb']:>11.0f} | {row['peak_pss_mb']:>11.0f}"
+        )
     print(f"\n{'mmap':>5} | {'ds[i] reads/s':>13} | {'get(i, offset, 2049) reads/s':>28}")
     for row in results["random_reads"]:
         print(f"{str(row['mmap']):>5} | {row['sequence_reads_per_s']:>13,.0f} | {row['sample_reads_per_s']:>28,.0f}")

@@ -52,12 +52,38 @@ MICRO_BATCH, GLOBAL_BATCH = 4, 16
 LR, MIN_LR, WARMUP_ITERS, WEIGHT_DECAY, CLIP = 3e-4, 3e-5, 2, 0.01, 1.0
 
 MODEL_FLAGS = [
-    "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
-    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-    "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
-    "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(WARMUP_ITERS),
-    "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP), "--eval-iters", "0",
+    "--num-layers",
+    str(LAYERS),
+    "--hidden-size",
+    str(HIDDEN),
+    "--num-attention-heads",
+    str(HEADS),
+    "--seq-length",
+    str(SEQ),
+    "--max-position-embeddings",
+    str(SEQ),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--micro-batch-size",
+    str(MICRO_BATCH),
+    "--global-batch-size",
+    str(GLOBAL_BATCH),
+    "--lr",
+    str(LR),
+    "--min-lr",
+    str(MIN_LR),
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    str(WARMUP_ITERS),
+    "--weight-decay",
+    str(WEIGHT_DECAY),
+    "--clip-grad",
+    str(CLIP),
+    "--eval-iters",
+    "0",
 ]
 LAYOUTS = {
     "tp1pp1": (1, []),
@@ -140,7 +166,7 @@ def plain_training_step_times(iters: int, log_interval: int) -> list:
     for step in range(iters):
         for _ in range(micro_batches):
             starts = np.random.randint(0, len(corpus) - SEQ - 1, size=MICRO_BATCH)
-            window = torch.from_numpy(np.stack([corpus[s:s + SEQ + 1] for s in starts]).astype(np.int64))
+            window = torch.from_numpy(np.stack([corpus[s : s + SEQ + 1] for s in starts]).astype(np.int64))
             loss = model(window[:, :-1], window[:, 1:]) / micro_batches
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -158,9 +184,18 @@ def plain_training_step_times(iters: int, log_interval: int) -> list:
 
 
 def pretrain_step_times(layout_flags, nproc, threads_per_rank, iters, log_interval, cache_dir) -> list:
-    flags = MODEL_FLAGS + layout_flags + CPU_FLAGS + builtin_data_flags(cache_dir) + [
-        "--train-iters", str(iters), "--log-interval", str(log_interval),
-    ]
+    flags = (
+        MODEL_FLAGS
+        + layout_flags
+        + CPU_FLAGS
+        + builtin_data_flags(cache_dir)
+        + [
+            "--train-iters",
+            str(iters),
+            "--log-interval",
+            str(log_interval),
+        ]
+    )
     result = run_pretrain(flags, nproc, timeout=1800, threads_per_rank=threads_per_rank)
     return [ms / 1000.0 for ms in result.curve("elapsed time per iteration (ms)").values()]
 
@@ -221,10 +256,16 @@ def main():
     for run, (nproc, threads) in runs.items():
         median, best = statistics.median(blocks[run]), min(blocks[run])
         table[run] = {
-            "ranks": nproc, "threads_per_rank": threads, "median_step_s": median, "best_step_s": best,
-            "block_step_s": blocks[run], "tokens_per_s": tokens_per_iteration / median,
-            "tflops": flops / median / 1e12, "mfu": flops / median / peak,
-            "vs_plain_median": median / statistics.median(blocks[plain]), "vs_plain_best": best / min(blocks[plain]),
+            "ranks": nproc,
+            "threads_per_rank": threads,
+            "median_step_s": median,
+            "best_step_s": best,
+            "block_step_s": blocks[run],
+            "tokens_per_s": tokens_per_iteration / median,
+            "tflops": flops / median / 1e12,
+            "mfu": flops / median / peak,
+            "vs_plain_median": median / statistics.median(blocks[plain]),
+            "vs_plain_best": best / min(blocks[plain]),
         }
         row = table[run]
         print(
@@ -241,10 +282,12 @@ def main():
         )
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    (results / "bench_pretrain_cpu.json").write_text(json.dumps(
-        {"options": vars(options), "flops_per_iteration": flops, "cpu_matmul_peak_flops": peak, "runs": table},
-        indent=2,
-    ))
+    (results / "bench_pretrain_cpu.json").write_text(
+        json.dumps(
+            {"options": vars(options), "flops_per_iteration": flops, "cpu_matmul_peak_flops": peak, "runs": table},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

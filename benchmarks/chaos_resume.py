@@ -63,10 +63,24 @@ def loss_bits(tensorboard_dir: Path) -> Dict[int, str]:
 def job_flags(args, work: Path, tensorboard_dir: Path) -> list:
     """The job of every run: same model, data and schedule; checkpoints and events under `work`."""
     flags = with_flag(GOLDEN_FLAGS, "--train-iters", str(args.train_iters))
-    return flags + CPU_FLAGS + builtin_data_flags(work.parent / "cache") + LAYOUT + [
-        "--save", work / "ckpt", "--load", work / "ckpt", "--save-interval", str(args.save_interval),
-        "--tensorboard-dir", tensorboard_dir, "--tensorboard-log-interval", "1",
-    ]
+    return (
+        flags
+        + CPU_FLAGS
+        + builtin_data_flags(work.parent / "cache")
+        + LAYOUT
+        + [
+            "--save",
+            work / "ckpt",
+            "--load",
+            work / "ckpt",
+            "--save-interval",
+            str(args.save_interval),
+            "--tensorboard-dir",
+            tensorboard_dir,
+            "--tensorboard-log-interval",
+            "1",
+        ]
+    )
 
 
 def _watch_tree(job: PretrainProcess, seen: Set[int], stop: threading.Event) -> None:
@@ -82,12 +96,18 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
     saves = list(range(args.save_interval, args.train_iters, args.save_interval))
     iteration = rng.choice(saves) if phase == "save" else rng.randint(2, args.train_iters - 1)
     env = {
-        "CHAOS_TARGET": target, "CHAOS_PHASE": phase, "CHAOS_ITERATION": str(iteration),
-        "CHAOS_RANK": str(rng.randrange(NPROC)), "CHAOS_DELAY_S": f"{rng.uniform(0.0, 0.3):.3f}",
+        "CHAOS_TARGET": target,
+        "CHAOS_PHASE": phase,
+        "CHAOS_ITERATION": str(iteration),
+        "CHAOS_RANK": str(rng.randrange(NPROC)),
+        "CHAOS_DELAY_S": f"{rng.uniform(0.0, 0.3):.3f}",
         "CHAOS_LOG": str(work / "killed_at"),
     }
-    row = {"trial": trial, "target": f"{target} (rank {env['CHAOS_RANK']})" if target == "rank" else target,
-           "moment": f"{phase} @ {iteration}" + (f" +{env['CHAOS_DELAY_S']}s" if phase == "save" else "")}
+    row = {
+        "trial": trial,
+        "target": f"{target} (rank {env['CHAOS_RANK']})" if target == "rank" else target,
+        "moment": f"{phase} @ {iteration}" + (f" +{env['CHAOS_DELAY_S']}s" if phase == "save" else ""),
+    }
 
     job = PretrainProcess(job_flags(args, work, work / "tb_killed"), NPROC, entry_point=CHAOS_ENTRY, env=env)
     seen: Set[int] = set()
@@ -117,8 +137,9 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
     except CheckpointingException as error:
         resumed_from, intact = None, False
         row["error"] = str(error)
-    resumed = run_pretrain(job_flags(args, work, work / "tb_resumed"), NPROC, expect_success=False,
-                           timeout=args.timeout_s)
+    resumed = run_pretrain(
+        job_flags(args, work, work / "tb_resumed"), NPROC, expect_success=False, timeout=args.timeout_s
+    )
     intact = intact and resumed.returncode == 0
     row["intact"] = "yes" if intact else "NO"
     row["resumed_from"] = resumed_from
@@ -167,7 +188,8 @@ def main(argv: Optional[list] = None) -> None:
     print_table(rows)
     killed = [r for r in rows if r["gone"] != "no kill"]
     totals = {
-        "trials": len(rows), "killed": len(killed),
+        "trials": len(rows),
+        "killed": len(killed),
         "all gone within bound": sum(r["gone"].startswith("yes") for r in killed),
         "checkpoints intact": sum(r["intact"] == "yes" for r in killed),
         "resumed loss bitwise equal": sum(r["bitwise"].startswith("yes") for r in killed),

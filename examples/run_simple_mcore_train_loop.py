@@ -83,8 +83,10 @@ def get_batch(dataset, step: int, micro_batch_size: int):
     first = (step * dp_size + dp_rank) * micro_batch_size
     samples = [dataset[i] for i in range(first, first + micro_batch_size)]
     device = get_current_device()
-    return {key: torch.stack([s[key] for s in samples]).to(device) for key in ("tokens", "labels", "loss_mask",
-                                                                               "position_ids")}
+    return {
+        key: torch.stack([s[key] for s in samples]).to(device)
+        for key in ("tokens", "labels", "loss_mask", "position_ids")
+    }
 
 
 def average_gradients_over_data_parallel(model: torch.nn.Module) -> None:
@@ -100,8 +102,10 @@ def main():
     args = parse_args()
     initialize(args.tp, args.seed)
     tokenizer = builtin_data.build_tokenizer()
-    padded_vocab = vocab_size_with_padding(tokenizer.vocab_size, argparse.Namespace(
-        make_vocab_size_divisible_by=128, tensor_model_parallel_size=args.tp, rank=dist.get_rank()))
+    padded_vocab = vocab_size_with_padding(
+        tokenizer.vocab_size,
+        argparse.Namespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=args.tp, rank=dist.get_rank()),
+    )
     config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

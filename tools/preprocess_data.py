@@ -120,8 +120,9 @@ def choose_sentence_splitter(lang: str) -> str:
         reason = "nltk is not installed (pip install nltk)"
     except LookupError:
         reason = f"nltk's punkt data for {lang!r} is not installed (python -m nltk.downloader punkt_tab)"
-    print(f"WARNING: {reason}; splitting sentences with a simple regex that does not know abbreviations",
-          file=sys.stderr)
+    print(
+        f"WARNING: {reason}; splitting sentences with a simple regex that does not know abbreviations", file=sys.stderr
+    )
     return "regex"
 
 
@@ -360,17 +361,18 @@ def run(args):
     token_dtype = DType.optimal_dtype(tokenizer.vocab_size)
     splitter_kind = choose_sentence_splitter(args.lang) if args.split_sentences else None
     level = "sentence" if args.split_sentences else "document"
-    print(f"Tokenizing {len(paths)} file(s) with {args.tokenizer_type} (vocab size {tokenizer.vocab_size}, "
-          f"{np.dtype(token_dtype).name} tokens), {args.workers} worker(s), {args.partitions} partition(s)",
-          file=sys.stderr)
+    print(
+        f"Tokenizing {len(paths)} file(s) with {args.tokenizer_type} (vocab size {tokenizer.vocab_size}, "
+        f"{np.dtype(token_dtype).name} tokens), {args.workers} worker(s), {args.partitions} partition(s)",
+        file=sys.stderr,
+    )
 
     if args.partitions == 1:
         total = encode_partition(args, paths, 0, None, args.output_prefix, splitter_kind, token_dtype)
     else:
         total = _run_partitions(args, paths, level, splitter_kind, token_dtype)
     total.label = "done: "
-    print(total.line() + (f"; skipped {total.malformed} malformed lines" if total.malformed else ""),
-          file=sys.stderr)
+    print(total.line() + (f"; skipped {total.malformed} malformed lines" if total.malformed else ""), file=sys.stderr)
     for key in args.json_keys:
         print(f"wrote {output_prefix_for(args.output_prefix, key, level)}.bin/.idx", file=sys.stderr)
     return total
@@ -416,8 +418,10 @@ def _run_partitions(args, paths, level, splitter_kind, token_dtype):
             process.join()
         for prefix in prefixes:
             for key in args.json_keys:
-                for path in (get_bin_path(output_prefix_for(prefix, key, level)),
-                             get_idx_path(output_prefix_for(prefix, key, level))):
+                for path in (
+                    get_bin_path(output_prefix_for(prefix, key, level)),
+                    get_idx_path(output_prefix_for(prefix, key, level)),
+                ):
                     if os.path.exists(path):
                         os.remove(path)
 
@@ -441,54 +445,95 @@ def _collect_results(result_queue, processes):
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, required=True,
-                       help="JSON-lines file (.gz allowed), a directory of them, or a glob")
+    group.add_argument(
+        "--input", type=str, required=True, help="JSON-lines file (.gz allowed), a directory of them, or a glob"
+    )
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON object")
     group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
-    group.add_argument("--keep-newlines", action="store_true",
-                       help="keep the newlines between sentences when splitting")
+    group.add_argument(
+        "--keep-newlines", action="store_true", help="keep the newlines between sentences when splitting"
+    )
     group.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping")
-    group.add_argument("--max-documents", type=int, default=None,
-                       help="process only the first N documents (non-blank lines) of the input")
+    group.add_argument(
+        "--max-documents",
+        type=int,
+        default=None,
+        help="process only the first N documents (non-blank lines) of the input",
+    )
 
     group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES,
-                       help="what type of tokenizer to use")
-    group.add_argument("--tokenizer-model", type=str, default=None,
-                       help="SentencePiece .model, HuggingFace directory/tokenizer.json, or TikTokenizer vocabulary")
+    group.add_argument(
+        "--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES, help="what type of tokenizer to use"
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        type=str,
+        default=None,
+        help="SentencePiece .model, HuggingFace directory/tokenizer.json, or TikTokenizer vocabulary",
+    )
     group.add_argument("--vocab-file", type=str, default=None, help="path to the vocab file")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help=f"NullTokenizer: ids 0..N-1 (default {NULL_TOKENIZER_DEFAULT_VOCAB_SIZE}, as "
-                            f"Megatron-LM); TikTokenizer: the whole vocabulary (default 2**17)")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"NullTokenizer: ids 0..N-1 (default {NULL_TOKENIZER_DEFAULT_VOCAB_SIZE}, as "
+        f"Megatron-LM); TikTokenizer: the whole vocabulary (default 2**17)",
+    )
     group.add_argument("--merge-file", type=str, default=None, help="path to the BPE merge file")
     group.add_argument("--append-eod", action="store_true", help="append an end-of-document token to each document")
     group.add_argument("--lang", type=str, default="english", help="language of nltk's punkt sentence splitter")
-    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
-                       help="TikTokenizer pre-tokenization pattern (default v2)")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
-                       help="number of special token ids TikTokenizer reserves")
-    group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
-                       help="TikTokenizer special tokens (must include <unk>, <s>, </s>)")
+    group.add_argument(
+        "--tiktoken-pattern",
+        type=str,
+        default=None,
+        choices=["v1", "v2"],
+        help="TikTokenizer pre-tokenization pattern (default v2)",
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="number of special token ids TikTokenizer reserves",
+    )
+    group.add_argument(
+        "--tiktoken-special-tokens",
+        type=str,
+        nargs="+",
+        default=None,
+        help="TikTokenizer special tokens (must include <unk>, <s>, </s>)",
+    )
 
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True,
-                       help="path prefix of the output files, without the _{key}_{level}.bin/.idx suffix")
+    group.add_argument(
+        "--output-prefix",
+        type=str,
+        required=True,
+        help="path prefix of the output files, without the _{key}_{level}.bin/.idx suffix",
+    )
 
     group = parser.add_argument_group(title="runtime")
     group.add_argument("--workers", type=int, required=True, help="number of worker processes to tokenize with")
     group.add_argument("--partitions", type=int, default=1, help="number of partitions to split the input into")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
-    group.add_argument("--keep-sequential-samples", action="store_true",
-                       help="partition the documents in contiguous blocks so their order is kept")
+    group.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="partition the documents in contiguous blocks so their order is kept",
+    )
     args = parser.parse_args(argv)
 
-    for flag, value in (("--workers", args.workers), ("--partitions", args.partitions),
-                        ("--log-interval", args.log_interval)):
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--partitions", args.partitions),
+        ("--log-interval", args.log_interval),
+    ):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if args.workers % args.partitions != 0:
-        parser.error(f"--workers {args.workers} must be a multiple of --partitions {args.partitions} "
-                     f"(each partition gets workers / partitions processes)")
+        parser.error(
+            f"--workers {args.workers} must be a multiple of --partitions {args.partitions} "
+            f"(each partition gets workers / partitions processes)"
+        )
     if args.max_documents is not None and args.max_documents < 1:
         parser.error(f"--max-documents must be at least 1, got {args.max_documents}")
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))

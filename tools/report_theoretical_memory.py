@@ -26,10 +26,18 @@ from megatron.training.theoretical_memory_usage import report_theoretical_memory
 def add_report_args(parser):
     group = parser.add_argument_group("theoretical memory report")
     # Not "world_size": parse_args sets that from $WORLD_SIZE, and this flag overrides it.
-    group.add_argument("--world-size", type=int, default=None, dest="report_world_size",
-                       help="Number of ranks of the run (default: $WORLD_SIZE, else 1).")
-    group.add_argument("--show-layout", action="store_true",
-                       help="Also print the rank groups and each pipeline stage's layers and parameters.")
+    group.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        dest="report_world_size",
+        help="Number of ranks of the run (default: $WORLD_SIZE, else 1).",
+    )
+    group.add_argument(
+        "--show-layout",
+        action="store_true",
+        help="Also print the rank groups and each pipeline stage's layers and parameters.",
+    )
     return parser
 
 

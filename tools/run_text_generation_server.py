@@ -38,18 +38,31 @@ from megatron.training.initialize import initialize_megatron  # noqa: E402
 def add_text_generate_args(parser):
     """The server's own flags (Megatron's tools/run_text_generation_server.py names)."""
     group = parser.add_argument_group(title="text generation")
-    group.add_argument("--port", type=int, default=5000,
-                       help="Port the text generation server listens on (0: any free port; the start-up line "
-                            "names it).")
+    group.add_argument(
+        "--port",
+        type=int,
+        default=5000,
+        help="Port the text generation server listens on (0: any free port; the start-up line names it).",
+    )
     group.add_argument("--host", type=str, default="0.0.0.0", help="Address the server binds (0.0.0.0: all).")
-    group.add_argument("--temperature", type=float, default=1.0,
-                       help="Sampling temperature of requests that do not give one (0: greedy).")
-    group.add_argument("--top_k", type=int, default=0,
-                       help="Top-k sampling of requests that do not give one (0: off, 1: greedy).")
-    group.add_argument("--top_p", type=float, default=0.0,
-                       help="Top-p (nucleus) sampling of requests that do not give one (0: off).")
-    group.add_argument("--served-model-name", type=str, default=None,
-                       help="The model id clients send as 'model' (default: the name of the --load directory).")
+    group.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature of requests that do not give one (0: greedy).",
+    )
+    group.add_argument(
+        "--top_k", type=int, default=0, help="Top-k sampling of requests that do not give one (0: off, 1: greedy)."
+    )
+    group.add_argument(
+        "--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling of requests that do not give one (0: off)."
+    )
+    group.add_argument(
+        "--served-model-name",
+        type=str,
+        default=None,
+        help="The model id clients send as 'model' (default: the name of the --load directory).",
+    )
     # Serving never trains: no training length, no optimizer or RNG state to load, and a missing checkpoint is
     # an error rather than a random model.
     parser.set_defaults(skip_train=True, no_load_optim=True, no_load_rng=True, exit_on_missing_checkpoint=True)
@@ -64,8 +77,14 @@ def parse_server_args():
         # The model's shape comes from the checkpoint; the layout to serve at is the command line's (the checkpoint
         # is resharded on load) unless --use-mp-args-from-checkpoint-args asks for the saved one.
         load_args_from_checkpoint(args)
-    data_flags = (args.data_path, args.data_args_path, args.train_data_path, args.valid_data_path,
-                  args.test_data_path, args.per_split_data_args_path)
+    data_flags = (
+        args.data_path,
+        args.data_args_path,
+        args.train_data_path,
+        args.valid_data_path,
+        args.test_data_path,
+        args.per_split_data_args_path,
+    )
     if all(flag is None for flag in data_flags):
         args.mock_data = True  # the server reads no dataset; the training checks want a data source named
     validate_args(args, {"micro_batch_size": 1})
@@ -88,11 +107,15 @@ def _check_serving_args(args) -> None:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port {args.port}: not a TCP port (1-65535, or 0 for any free one)")
     if args.temperature < 0 or args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
-        raise ValueError(f"--temperature {args.temperature} / --top_k {args.top_k} / --top_p {args.top_p}: need "
-                         "temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
+        raise ValueError(
+            f"--temperature {args.temperature} / --top_k {args.top_k} / --top_p {args.top_p}: need "
+            "temperature >= 0, top_k >= 0 and 0 <= top_p <= 1"
+        )
     if args.inference_max_requests < 1 or args.inference_max_seq_length < 2:
-        raise ValueError(f"--inference-max-requests {args.inference_max_requests} / --inference-max-seq-length "
-                         f"{args.inference_max_seq_length}: need at least 1 request and 2 tokens")
+        raise ValueError(
+            f"--inference-max-requests {args.inference_max_requests} / --inference-max-seq-length "
+            f"{args.inference_max_seq_length}: need at least 1 request and 2 tokens"
+        )
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template {args.chat_template}: no such file (give a Jinja chat template file)")
 
@@ -152,6 +175,7 @@ def main() -> None:
         # Rank 0 takes its port before anything slow (a port in use fails now, not after the checkpoint loads).
         listener = listen_socket(args.host, args.port) if args.rank == 0 else None
     from megatron.core.inference.text_generation_server.validation import ServingDefaults
+
     # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
     # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.
     if args.hybrid_layer_pattern or args.is_hybrid_model:
@@ -169,13 +193,20 @@ def main() -> None:
     engine = build_engine(args, model, tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
     server = TextGenerationServer(
-        engine, tokenizer, model_name=name, max_sequence_length=max_sequence_length(args),
+        engine,
+        tokenizer,
+        model_name=name,
+        max_sequence_length=max_sequence_length(args),
         defaults=ServingDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-        chat_template_file=args.chat_template, group=control_group(), vocab_size=tokenizer.vocab_size,
+        chat_template_file=args.chat_template,
+        group=control_group(),
+        vocab_size=tokenizer.vocab_size,
     )
     port = listener.getsockname()[1] if listener is not None else args.port  # the real one for --port 0
-    print_rank_0(f"serving '{name}' from {args.load} at TP={parallel_state.get_tensor_model_parallel_world_size()} "
-                 f"PP={parallel_state.get_pipeline_model_parallel_world_size()} on http://{args.host}:{port}")
+    print_rank_0(
+        f"serving '{name}' from {args.load} at TP={parallel_state.get_tensor_model_parallel_world_size()} "
+        f"PP={parallel_state.get_pipeline_model_parallel_world_size()} on http://{args.host}:{port}"
+    )
     server.run(host=args.host, port=args.port, sock=listener)
 
 

@@ -19,8 +19,9 @@ def generate(url: str, prompt: str, tokens_to_generate: int, timeout: float = 60
     """The text the server at ``url`` (``host:port`` or ``http://host:port``) returns for one prompt."""
     base = url if url.startswith(("http://", "https://")) else f"http://{url}"
     body = json.dumps({"prompts": [prompt], "tokens_to_generate": tokens_to_generate}).encode("utf-8")
-    request = urllib.request.Request(f"{base.rstrip('/')}/api", data=body, method="PUT",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base.rstrip('/')}/api", data=body, method="PUT", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())["text"][0]

@@ -39,13 +39,16 @@ def iter_texts(input_path, json_keys):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{input_path}:{line_number}: not valid JSON ({error.msg}); "
-                                 f"each line must be one JSON object") from None
+                raise ValueError(
+                    f"{input_path}:{line_number}: not valid JSON ({error.msg}); each line must be one JSON object"
+                ) from None
             for key in json_keys:
                 value = record.get(key) if isinstance(record, dict) else None
                 if not isinstance(value, str):
-                    raise ValueError(f"{input_path}:{line_number}: key {key!r} is missing or not a string; "
-                                     f"pass the right field with --json-keys")
+                    raise ValueError(
+                        f"{input_path}:{line_number}: key {key!r} is missing or not a string; "
+                        f"pass the right field with --json-keys"
+                    )
                 yield value
 
 
@@ -56,8 +59,10 @@ def train_byte_level_bpe(texts, vocab_size, special_tokens):
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     smallest = len(special_tokens) + len(alphabet)
     if vocab_size <= smallest:
-        raise ValueError(f"--vocab-size {vocab_size} is too small: the {len(special_tokens)} special tokens "
-                         f"and {len(alphabet)} byte symbols need {smallest}; pass a larger value")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small: the {len(special_tokens)} special tokens "
+            f"and {len(alphabet)} byte symbols need {smallest}; pass a larger value"
+        )
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -85,11 +90,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="JSON-lines file (.jsonl or .jsonl.gz)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields holding the text (default: text)")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                        help=f"total vocabulary size, special tokens included (default: {DEFAULT_VOCAB_SIZE})")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"total vocabulary size, special tokens included (default: {DEFAULT_VOCAB_SIZE})",
+    )
     parser.add_argument("--output-dir", required=True, help="directory for vocab.json and merges.txt")
-    parser.add_argument("--special-tokens", nargs="*", default=DEFAULT_SPECIAL_TOKENS,
-                        help="special tokens, given the first ids (default: <|endoftext|>)")
+    parser.add_argument(
+        "--special-tokens",
+        nargs="*",
+        default=DEFAULT_SPECIAL_TOKENS,
+        help="special tokens, given the first ids (default: <|endoftext|>)",
+    )
     args = parser.parse_args(argv)
 
     if not os.path.isfile(args.input):

@@ -32,8 +32,12 @@ from megatron.training.error_handling import exit_on_error  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 
 # Generation needs no optimizer state, training length or RNG state from the checkpoint.
-GENERATE_ARGS_DEFAULTS = {"micro_batch_size": 1, "no_load_rng": True, "no_load_optim": True,
-                          "exit_on_missing_checkpoint": True}
+GENERATE_ARGS_DEFAULTS = {
+    "micro_batch_size": 1,
+    "no_load_rng": True,
+    "no_load_optim": True,
+    "exit_on_missing_checkpoint": True,
+}
 
 
 def add_generate_args(parser):
@@ -58,9 +62,14 @@ def main() -> None:
         if args.num_tokens_to_generate < 0:
             raise ValueError(f"--num-tokens-to-generate {args.num_tokens_to_generate}: must be >= 0")
         sampling_params = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            num_tokens_to_generate=args.num_tokens_to_generate, return_log_probs=args.return_log_probs,
-            skip_prompt_log_probs=True, stop_words=args.stop_words or None, seed=args.seed,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            num_tokens_to_generate=args.num_tokens_to_generate,
+            return_log_probs=args.return_log_probs,
+            skip_prompt_log_probs=True,
+            stop_words=args.stop_words or None,
+            seed=args.seed,
         )
     # A pretrain_hybrid.py checkpoint (--hybrid-layer-pattern / --is-hybrid-model, given or read with
     # --use-checkpoint-args) is a HybridModel; its Mamba layers keep their states in the same engine's context.
@@ -88,8 +97,11 @@ def main() -> None:
         requests = llm.generate(args.prompts, sampling_params)
     if torch.distributed.get_rank() == 0:
         for request in requests:
-            record = {"prompt": request.prompt, "generated_text": request.generated_text,
-                      "generated_tokens": request.generated_tokens}
+            record = {
+                "prompt": request.prompt,
+                "generated_text": request.generated_text,
+                "generated_tokens": request.generated_tokens,
+            }
             if args.return_log_probs:
                 record["generated_log_probs"] = request.generated_log_probs
             print(json.dumps(record), flush=True)

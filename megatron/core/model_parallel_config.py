@@ -222,4 +222,3 @@ def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
 def _validate_precision(config: ModelParallelConfig) -> None:
     if config.fp16 and config.bf16:
         raise ValueError("fp16 and bf16 are both set; choose one")
-

@@ -74,8 +74,14 @@ def init_num_microbatches_calculator(
     thresholds count tokens instead of samples).
     """
     _configure_global_num_microbatches_calculator(
-        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, init=True, step_batch_size_schedule=step_batch_size_schedule,
+        rank,
+        rampup_batch_size,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        init=True,
+        step_batch_size_schedule=step_batch_size_schedule,
         seq_length=seq_length,
     )
 
@@ -92,15 +98,28 @@ def reconfigure_num_microbatches_calculator(
 ) -> None:
     """Replace the process-wide calculator (e.g. for evaluation with another batch size)."""
     _configure_global_num_microbatches_calculator(
-        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, init=False, step_batch_size_schedule=step_batch_size_schedule,
+        rank,
+        rampup_batch_size,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        init=False,
+        step_batch_size_schedule=step_batch_size_schedule,
         seq_length=seq_length,
     )
 
 
 def _configure_global_num_microbatches_calculator(
-    rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-    decrease_batch_size_if_needed=False, init=False, step_batch_size_schedule=None, seq_length=None,
+    rank,
+    rampup_batch_size,
+    global_batch_size,
+    micro_batch_size,
+    data_parallel_size,
+    decrease_batch_size_if_needed=False,
+    init=False,
+    step_batch_size_schedule=None,
+    seq_length=None,
 ) -> None:
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     if init and _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
@@ -109,14 +128,26 @@ def _configure_global_num_microbatches_calculator(
             "or destroy_num_microbatches_calculator() first"
         )
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
-        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length,
+        rank,
+        rampup_batch_size,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        step_batch_size_schedule,
+        seq_length,
     )
 
 
 def _build_num_microbatches_calculator(
-    rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed,
-    step_batch_size_schedule=None, seq_length=None,
+    rank,
+    rampup_batch_size,
+    global_batch_size,
+    micro_batch_size,
+    data_parallel_size,
+    decrease_batch_size_if_needed,
+    step_batch_size_schedule=None,
+    seq_length=None,
 ) -> "NumMicroBatchesCalculator":
     if step_batch_size_schedule is not None:
         if rampup_batch_size is not None:
@@ -125,12 +156,17 @@ def _build_num_microbatches_calculator(
                 "are both set; give one batch-size schedule"
             )
         calculator = StepBatchsizeNumMicroBatchesCalculator(
-            micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank, step_batch_size_schedule,
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed,
+            rank,
+            step_batch_size_schedule,
             seq_length,
         )
         if global_batch_size is not None and rank == 0:
-            logger.info("step batch size schedule %r replaces global batch size %d", step_batch_size_schedule,
-                        global_batch_size)
+            logger.info(
+                "step batch size schedule %r replaces global batch size %d", step_batch_size_schedule, global_batch_size
+            )
         return calculator
     if global_batch_size is None:
         raise ValueError("global_batch_size is None; set it (or give step_batch_size_schedule)")
@@ -150,11 +186,21 @@ def _build_num_microbatches_calculator(
     if rank == 0:
         logger.info(
             "will use batch size rampup starting from global batch size %d to global batch size %d with batch "
-            "size increments %d over %d samples.", start, global_batch_size, increment, samples,
+            "size increments %d over %d samples.",
+            start,
+            global_batch_size,
+            increment,
+            samples,
         )
     return RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank,
-        start, increment, samples,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        rank,
+        start,
+        increment,
+        samples,
     )
 
 
@@ -195,8 +241,9 @@ def _check_positive(**values) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _running_batch_size(global_batch_size: int, slice_size: int, decrease: bool, micro_batch_size: int,
-                        data_parallel_size: int) -> int:
+def _running_batch_size(
+    global_batch_size: int, slice_size: int, decrease: bool, micro_batch_size: int, data_parallel_size: int
+) -> int:
     """The global batch size to run: rounded down to whole slices, or rejected when it is not whole."""
     if decrease:
         return _round(global_batch_size, slice_size)
@@ -212,11 +259,20 @@ def _running_batch_size(global_batch_size: int, slice_size: int, decrease: bool,
 class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """A fixed global batch size."""
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool, rank: int):
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+    ):
         super().__init__()
-        _check_positive(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        data_parallel_size=data_parallel_size)
+        _check_positive(
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            data_parallel_size=data_parallel_size,
+        )
         slice_size = micro_batch_size * data_parallel_size
         running = _running_batch_size(
             global_batch_size, slice_size, decrease_batch_size_if_needed, micro_batch_size, data_parallel_size
@@ -229,7 +285,11 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         if running != global_batch_size and rank == 0:
             logger.info(
                 "decreasing batch size from %d to %d to keep divisibility by micro batch size (%d) times data "
-                "parallel size (%d)", global_batch_size, running, micro_batch_size, data_parallel_size,
+                "parallel size (%d)",
+                global_batch_size,
+                running,
+                micro_batch_size,
+                data_parallel_size,
             )
         self.num_micro_batches = running // slice_size
         self.current_global_batch_size = global_batch_size
@@ -244,13 +304,25 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """A global batch size that grows from ``start_global_batch_size`` by ``batch_size_increment`` evenly over the
     first ``ramup_samples`` samples (Megatron's spelling of the argument)."""
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool, rank: int, start_global_batch_size: int,
-                 batch_size_increment: int, ramup_samples: int):
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+        start_global_batch_size: int,
+        batch_size_increment: int,
+        ramup_samples: int,
+    ):
         super().__init__()
-        _check_positive(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        data_parallel_size=data_parallel_size, start_global_batch_size=start_global_batch_size,
-                        batch_size_increment=batch_size_increment)
+        _check_positive(
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            data_parallel_size=data_parallel_size,
+            start_global_batch_size=start_global_batch_size,
+            batch_size_increment=batch_size_increment,
+        )
         if ramup_samples < 0:
             raise ValueError(f"ramp-up samples must be >= 0, got {ramup_samples}")
         difference = global_batch_size - start_global_batch_size
@@ -294,7 +366,10 @@ def _set_current_batch_size(calculator, current: int, consistency_check: bool, v
     slice_size = calculator.micro_batch_times_data_parallel_size
     if calculator.decrease_batch_size_if_needed or consistency_check:
         running = _running_batch_size(
-            current, slice_size, calculator.decrease_batch_size_if_needed, calculator.micro_batch_size,
+            current,
+            slice_size,
+            calculator.decrease_batch_size_if_needed,
+            calculator.micro_batch_size,
             calculator.data_parallel_size,
         )
     else:
@@ -358,8 +433,15 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     resumed job may run on more ranks than an early entry fits).
     """
 
-    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool,
-                 rank: int, schedule: str, seq_length: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+        schedule: str,
+        seq_length: Optional[int] = None,
+    ) -> None:
         super().__init__()
         _check_positive(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size)
         if seq_length is not None:

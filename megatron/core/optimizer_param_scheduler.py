@@ -81,6 +81,7 @@ def get_canonical_lr_for_logging(param_groups: List[dict]) -> Optional[float]:
             return group.get("lr")
     return None
 
+
 # Attributes counted in steps (samples in Megatron-LM), reported in iterations for iteration-based runs.
 _STEP_COUNTS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")

@@ -86,7 +86,9 @@ def generate_masked_orthogonal_rank_groups(
     masked axis fastest; groups are ordered the same way by the unmasked coordinates.
     """
     if prod(parallel_size) != world_size:
-        raise ValueError(f"parallel sizes {parallel_size} multiply to {prod(parallel_size)}, not world size {world_size}")
+        raise ValueError(
+            f"parallel sizes {parallel_size} multiply to {prod(parallel_size)}, not world size {world_size}"
+        )
     if len(mask) != len(parallel_size):
         raise ValueError(f"mask {mask} needs one entry per parallel size {parallel_size}")
     # Reversed shape puts the first (fastest) axis last in a C-ordered array.
@@ -268,7 +270,8 @@ def initialize_model_parallel(
     ``pipeline_model_parallel_comm_backend`` are NCCL tuning knobs, accepted and ignored (they do not change what the
     groups compute). ``hierarchical_context_parallel_sizes`` (product = ``context_parallel_size``) builds the
     per-level CP groups that ``cp_comm_type='a2a+p2p'`` uses. Hybrid context parallelism, several
-    distributed-optimizer instances, GTP weight rematerialisation and layouts over part of the world (``rank_offset``, ``local_world_size``) are not supported
+    distributed-optimizer instances, GTP weight rematerialisation and layouts over part of the world (``rank_offset``,
+    ``local_world_size``) are not supported
     yet and are refused with a ValueError before any group is created.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
@@ -439,9 +442,7 @@ def _refuse_unsupported_layouts(**requested) -> None:
         if name == "local_world_size" and value == dist.get_world_size():
             continue
         if value != defaults[name]:
-            raise ValueError(
-                f"not supported yet: {features[name]} ({name}={value!r}); leave it at {defaults[name]!r}"
-            )
+            raise ValueError(f"not supported yet: {features[name]} ({name}={value!r}); leave it at {defaults[name]!r}")
 
 
 def _read_nccl_comm_cfgs(path: Optional[str]) -> dict:

@@ -73,8 +73,9 @@ class RerunErrorInjector:
     """Megatron's fault injector for testing the re-run logic; only its checkpointed state exists here, and a
     non-zero ``error_injection_rate`` (which needs the re-running modes) is refused."""
 
-    def __init__(self, error_injection_rate: int = 0,
-                 error_injection_type: RerunDiagnostic = RerunDiagnostic.TRANSIENT_ERROR) -> None:
+    def __init__(
+        self, error_injection_rate: int = 0, error_injection_type: RerunDiagnostic = RerunDiagnostic.TRANSIENT_ERROR
+    ) -> None:
         if not isinstance(error_injection_type, RerunDiagnostic):
             raise ValueError(f"error_injection_type must be a RerunDiagnostic, got {error_injection_type!r}")
         if error_injection_rate:
@@ -158,9 +159,14 @@ class RerunStateMachine:
         should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
     """
 
-    def __init__(self, state_save_func: Optional[Callable] = None, state_restore_func: Optional[Callable] = None,
-                 mode: RerunMode = RerunMode.DISABLED, error_injector: Optional[RerunErrorInjector] = None,
-                 result_rejected_tracker_filename: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        state_save_func: Optional[Callable] = None,
+        state_restore_func: Optional[Callable] = None,
+        mode: RerunMode = RerunMode.DISABLED,
+        error_injector: Optional[RerunErrorInjector] = None,
+        result_rejected_tracker_filename: Optional[str] = None,
+    ) -> None:
         self.set_mode(mode)
         self.state = RerunState.NOT_RUNNING_YET
         self.current_iteration = -1
@@ -202,8 +208,15 @@ class RerunStateMachine:
         """(save a checkpoint now, exit now, exit code): never, without re-runs."""
         return False, False, 0
 
-    def validate_result(self, result: Any, rejection_func: Callable[[Any], bool], message: str = "unexpected result",
-                        comparison_func: Optional[Callable] = None, tolerance: float = 0.0, fatal: bool = True) -> None:
+    def validate_result(
+        self,
+        result: Any,
+        rejection_func: Callable[[Any], bool],
+        message: str = "unexpected result",
+        comparison_func: Optional[Callable] = None,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None:
         """Check ``result`` (e.g. the loss) with ``rejection_func``: a rejected result raises when ``fatal``, else
         is logged. Without re-runs there is nothing to compare, so ``comparison_func`` and ``tolerance`` are not
         used."""
@@ -212,8 +225,10 @@ class RerunStateMachine:
         text = f"Rank {_rank()}, iteration {self.current_iteration}: {message} (result: {result})"
         if self.result_rejected_tracker_filename is not None:
             with open(self.result_rejected_tracker_filename, "a") as tracker:
-                tracker.write(f"rank={_rank()} iteration={self.current_iteration} status=rerun_disabled "
-                              f"result={result} message='{message}'\n")
+                tracker.write(
+                    f"rank={_rank()} iteration={self.current_iteration} status=rerun_disabled "
+                    f"result={result} message='{message}'\n"
+                )
         if fatal:
             raise RuntimeError(text)
         logger.warning(text)
@@ -244,8 +259,10 @@ class RerunStateMachine:
             sharded = ShardedObject(
                 "rerun_state_machine_state",
                 sharded,
-                (parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_tensor_model_parallel_world_size()),
+                (
+                    parallel_state.get_pipeline_model_parallel_world_size(),
+                    parallel_state.get_tensor_model_parallel_world_size(),
+                ),
                 (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
                 replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
             )

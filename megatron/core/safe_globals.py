@@ -34,7 +34,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 def _enums_of(module) -> List[type]:
     return [
-        v for v in vars(module).values()
+        v
+        for v in vars(module).values()
         if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__
     ]
 
@@ -87,11 +88,21 @@ def _dcp_metadata_globals() -> Dict[str, Any]:
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
     records = [
-        metadata.Metadata, metadata.MetadataIndex, metadata.StorageMeta, metadata.TensorProperties,
-        metadata.TensorStorageMetadata, metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
-        metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo,
+        metadata.Metadata,
+        metadata.MetadataIndex,
+        metadata.StorageMeta,
+        metadata.TensorProperties,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        metadata._MEM_FORMAT_ENCODING,
+        filesystem._StorageInfo,
         # Megatron-Core 0.19 also stores every rank's save plan (Metadata.all_local_plans).
-        planner.SavePlan, planner.WriteItem, planner.WriteItemType, planner.TensorWriteData, planner.BytesIOWriteData,
+        planner.SavePlan,
+        planner.WriteItem,
+        planner.WriteItemType,
+        planner.TensorWriteData,
+        planner.BytesIOWriteData,
     ]
     found = {f"{r.__module__}.{r.__qualname__}": r for r in records}
     found["torch.Size"] = torch.Size

@@ -146,7 +146,8 @@ def round_up_to_nearest_multiple(value: int, multiple: int) -> int:
 
 
 def get_attr_wrapped_model(model, attr, allow_none=True, return_model_obj=False):
-    """Get ``attr`` from ``model``, looking through wrappers (DDP, Float16Module) that keep the real model in ``.module``.
+    """Get ``attr`` from ``model``, looking through wrappers (DDP, Float16Module) that keep the real model
+    in ``.module``.
 
     With ``allow_none=False`` a wrapper whose ``attr`` is None does not count as having it. With ``return_model_obj``
     the (possibly inner) module that has ``attr`` is returned instead of the attribute.
@@ -364,7 +365,8 @@ def safely_set_viewless_tensor_data(tensor, new_data_tensor):
     """``tensor.data = new_data_tensor`` after checking that ``tensor`` is not a view."""
     assert_viewless_tensor(
         tensor,
-        extra_msg=f"FYI, tensor._base has shape {'--' if tensor._base is None else tensor._base.shape}, and new_data_tensor "
+        extra_msg=f"FYI, tensor._base has shape {'--' if tensor._base is None else tensor._base.shape}, "
+        f"and new_data_tensor "
         f"has shape {new_data_tensor.shape}.",
     )
     tensor.data = new_data_tensor
@@ -623,7 +625,8 @@ def deprecate_inference_params(inference_context, inference_params):
 
 
 def null_decorator(*args, **kwargs):
-    """A decorator that changes nothing, usable bare (``@null_decorator``) or with arguments (``@null_decorator(x)``)."""
+    """A decorator that changes nothing, usable bare (``@null_decorator``) or with arguments
+    (``@null_decorator(x)``)."""
     if len(args) == 1 and not kwargs and callable(args[0]):
         return args[0]
     return lambda func: func
@@ -782,7 +785,8 @@ def get_batch_on_this_cp_rank(
     use_per_sequence_balancing: bool = False,
 ):
     """This context-parallel rank's part of ``batch`` (Megatron's load-balanced "zigzag" split,
-    :func:`chunks_of_cp_rank`). Tensors are split along the sequence dimension (1, or 2 for ``attention_mask``); ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
+    :func:`chunks_of_cp_rank`). Tensors are split along the sequence dimension (1, or 2 for ``attention_mask``);
+    ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
     left alone. ``cp_group`` defaults to parallel_state's context-parallel group.
     """
     if is_hybrid_cp:
@@ -908,7 +912,9 @@ def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_outp
         activation = embedding_activation_buffer.pop(0)
         grad_output = grad_output_buffer.pop(0)
         if config.sequence_parallel:
-            activation = gather_from_sequence_parallel_region(activation, tensor_parallel_output_grad=False, group=tp_group)
+            activation = gather_from_sequence_parallel_region(
+                activation, tensor_parallel_output_grad=False, group=tp_group
+            )
         grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
         grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
         if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
@@ -1031,7 +1037,8 @@ def trace_async_exceptions(func: Optional[Callable] = None, *, verbose: bool = F
 
 
 class StragglerDetector:
-    """Finds slow ranks: times each rank's compute (``with detector:``) and data loading (``with detector(bdata=True):``)
+    """Finds slow ranks: times each rank's compute (``with detector:``) and data loading
+    (``with detector(bdata=True):``)
     and, at ``report()``, gathers the times of all ranks and logs the fastest and slowest on rank 0.
 
     Disabled (every timing a no-op) until ``configure(..., enabled=True)``. Times are wall-clock around a device
@@ -1169,7 +1176,14 @@ class StragglerDetector:
         logger.info(
             "straggler report: compute ms/iter fastest (rank, ms) %s slowest %s | data-loading ms/iter max %.2f | "
             "TFLOP/s per rank min %s max %s | stragglers (> %.1fx median %.2f ms) %s",
-            fastest, slowest, float(table[:, 1].max()), min(tflops), max(tflops), self.amp, median, stragglers,
+            fastest,
+            slowest,
+            float(table[:, 1].max()),
+            min(tflops),
+            max(tflops),
+            self.amp,
+            median,
+            stragglers,
         )
         self.last_report = {"fastest": fastest, "slowest": slowest, "stragglers": stragglers, "tflops": tflops}
         return True

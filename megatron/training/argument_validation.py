@@ -35,19 +35,52 @@ LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 
 # Arguments that must be integers >= 1 (when set) and >= 0.
 _POSITIVE_INTS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-    "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers", "hidden_size", "ffn_hidden_size",
-    "num_attention_heads", "kv_channels", "num_query_groups", "seq_length", "max_position_embeddings",
-    "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "log_interval", "eval_interval",
-    "save_interval", "exit_interval", "exit_duration_in_mins", "tensorboard_log_interval",
-    "num_dataset_builder_threads", "make_vocab_size_divisible_by", "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank", "microbatch_group_size_per_vp_stage", "recompute_num_layers",
-    "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
-    "distributed_timeout_minutes", "vocab_size", "ddp_bucket_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "micro_batch_size",
+    "global_batch_size",
+    "train_iters",
+    "train_samples",
+    "log_interval",
+    "eval_interval",
+    "save_interval",
+    "exit_interval",
+    "exit_duration_in_mins",
+    "tensorboard_log_interval",
+    "num_dataset_builder_threads",
+    "make_vocab_size_divisible_by",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "microbatch_group_size_per_vp_stage",
+    "recompute_num_layers",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples",
+    "distributed_timeout_minutes",
+    "vocab_size",
+    "ddp_bucket_size",
 )
 _NON_NEGATIVE_INTS = (
-    "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers", "manual_gc_interval", "vocab_extra_ids",
+    "eval_iters",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "num_workers",
+    "manual_gc_interval",
+    "vocab_extra_ids",
 )
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
@@ -73,12 +106,16 @@ DEPRECATED_FLAGS = {
 # Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
 # with the implemented ones in arguments.py; these rows only carry their defaults).
 _NOT_BUILT_SETTINGS = (
-    FlagTable("distributed", (value("--num-distributed-optimizer-instances", int, 1),),
-              not_supported="several distributed-optimizer instances"),
+    FlagTable(
+        "distributed",
+        (value("--num-distributed-optimizer-instances", int, 1),),
+        not_supported="several distributed-optimizer instances",
+    ),
 )
 _UNSUPPORTED_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
 _UNSUPPORTED_POSITION_EMBEDDINGS = {
-    "yarn": "YaRN rotary embeddings", "mrope": "multimodal rotary embeddings (mrope)",
+    "yarn": "YaRN rotary embeddings",
+    "mrope": "multimodal rotary embeddings (mrope)",
     "relative": "relative position embeddings (T5)",
 }
 
@@ -171,9 +208,7 @@ def _check_flag_support(args) -> None:
         "position_embedding_type": _UNSUPPORTED_POSITION_EMBEDDINGS,
         "transformer_impl": {"inference_optimized": "inference-optimized layers"},
         "moe_token_dispatcher_type": {"flex": "the flex token dispatcher (DeepEP / HybridEP kernels)"},
-        "tokenizer_type": {
-            name: f"the {name}" for name in TOKENIZER_TYPES if name not in BUILT_TOKENIZER_TYPES
-        },
+        "tokenizer_type": {name: f"the {name}" for name in TOKENIZER_TYPES if name not in BUILT_TOKENIZER_TYPES},
     }
     refuse_features_not_built(args, FLAG_TABLES + _NOT_BUILT_SETTINGS, unsupported_values)
     ignore_flags_without_effect(args, FLAG_TABLES)
@@ -498,8 +533,7 @@ def _validate_recompute(args) -> None:
     if args.distribute_saved_activations:
         if args.tensor_model_parallel_size == 1 or granularity != "full":
             raise ValueError(
-                "--distribute-saved-activations needs --tensor-model-parallel-size > 1 and "
-                "--recompute-granularity full"
+                "--distribute-saved-activations needs --tensor-model-parallel-size > 1 and --recompute-granularity full"
             )
         if args.sequence_parallel:
             raise ValueError(
@@ -595,16 +629,19 @@ def _validate_data(args) -> None:
     if args.data_path is not None and args.split is None:
         if _is_rank_0(args):
             print(
-                f'WARNING: Please specify --split when using --data-path. Using legacy default value of '
-                f'"{LEGACY_DEFAULT_SPLIT}"', flush=True,
+                f"WARNING: Please specify --split when using --data-path. Using legacy default value of "
+                f'"{LEGACY_DEFAULT_SPLIT}"',
+                flush=True,
             )
         args.split = LEGACY_DEFAULT_SPLIT
     if args.split is not None and "--train/valid/test-data-path" in sources:
         raise ValueError(
             "--split does not apply to --train/valid/test-data-path (each split has its own data); drop it"
         )
-    for path_flag, path in (("--data-args-path", args.data_args_path),
-                            ("--per-split-data-args-path", args.per_split_data_args_path)):
+    for path_flag, path in (
+        ("--data-args-path", args.data_args_path),
+        ("--per-split-data-args-path", args.per_split_data_args_path),
+    ):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{path_flag} {path}: file not found")
     _check_dataset_prefixes("--data-path", args.data_path)

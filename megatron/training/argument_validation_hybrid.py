@@ -80,15 +80,18 @@ def _resolve_deprecated_flags(args) -> None:
             "--hybrid-layer-pattern cannot be used together with --hybrid-attention-ratio or --hybrid-mlp-ratio; "
             "the ratios are deprecated, so give the pattern alone"
         )
-    _warn(args, "--hybrid-attention-ratio and --hybrid-mlp-ratio have been deprecated. Use --hybrid-layer-pattern "
-                "instead.")
+    _warn(
+        args,
+        "--hybrid-attention-ratio and --hybrid-mlp-ratio have been deprecated. Use --hybrid-layer-pattern instead.",
+    )
     if args.num_layers is None:
         raise ValueError("--hybrid-attention-ratio / --hybrid-mlp-ratio need --num-layers (the layers they divide)")
     try:
         args.hybrid_layer_pattern = pattern_from_ratios(args.num_layers, attention_ratio, mlp_ratio)
     except ValueError as error:
-        message = str(error).replace("attention_ratio", "--hybrid-attention-ratio").replace("mlp_ratio",
-                                                                                           "--hybrid-mlp-ratio")
+        message = (
+            str(error).replace("attention_ratio", "--hybrid-attention-ratio").replace("mlp_ratio", "--hybrid-mlp-ratio")
+        )
         raise ValueError(message) from None
     args.hybrid_attention_ratio = args.hybrid_mlp_ratio = 0.0
     args.is_hybrid_model = True

@@ -59,8 +59,15 @@ def bool_optional(option: str, dest: Optional[str] = None, default=False, help: 
     return Flag(names, {"action": argparse.BooleanOptionalAction, "dest": dest, "default": default, "help": help})
 
 
-def value(options: str, type, default, dest: Optional[str] = None, choices: Optional[Sequence] = None,
-          nargs=None, help: Optional[str] = None) -> Flag:
+def value(
+    options: str,
+    type,
+    default,
+    dest: Optional[str] = None,
+    choices: Optional[Sequence] = None,
+    nargs=None,
+    help: Optional[str] = None,
+) -> Flag:
     """An option taking a value (``type`` None: the string as given)."""
     names, dest = _options_and_dest(options, dest)
     kwargs = {"type": type, "dest": dest, "default": default, "help": help}
@@ -102,8 +109,9 @@ def argument_group(parser: argparse.ArgumentParser, title: str):
     return parser.add_argument_group(title=title)
 
 
-def add_flag_tables(parser: argparse.ArgumentParser, tables: Iterable[FlagTable],
-                    named_types: Dict[str, Any]) -> argparse.ArgumentParser:
+def add_flag_tables(
+    parser: argparse.ArgumentParser, tables: Iterable[FlagTable], named_types: Dict[str, Any]
+) -> argparse.ArgumentParser:
     """Add every flag of ``tables`` to its Megatron-LM argument group of ``parser``; a row's type given by name
     (``"moe_freq_type"``) is looked up in ``named_types``."""
     for table in tables:
@@ -147,8 +155,7 @@ def _as_typed(flag: Flag, current) -> str:
     return f"{flag.options[0]} {shown}"
 
 
-def refuse_features_not_built(args, tables: Iterable[FlagTable],
-                              unsupported_values: Dict[str, Dict[Any, str]]) -> None:
+def refuse_features_not_built(args, tables: Iterable[FlagTable], unsupported_values: Dict[str, Dict[Any, str]]) -> None:
     """Raise one ValueError naming every flag that asks for a feature this project has not built yet, grouped by
     feature: "not supported yet: <feature> (--flag value, --other-flag); <feature> (...)".
 

@@ -86,9 +86,18 @@ def _parallel_rank(explicit, getter):
     return getter() if parallel_state.model_parallel_is_initialized() else 0
 
 
-def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None, tensor_rank=None,
-                        pipeline_rank=None, expert_parallel=None, expert_rank=None, return_base_dir=False,
-                        basename="model_optim_rng.pt"):
+def get_checkpoint_name(
+    checkpoints_path,
+    iteration,
+    release=False,
+    pipeline_parallel=None,
+    tensor_rank=None,
+    pipeline_rank=None,
+    expert_parallel=None,
+    expert_rank=None,
+    return_base_dir=False,
+    basename="model_optim_rng.pt",
+):
     """The checkpoint of ``iteration``: with ``return_base_dir`` its directory ``<checkpoints_path>/iter_<7 digits>``
     (or ``/release``); else this rank's file of the legacy per-rank format,
     ``<dir>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/<basename>``. Ranks (and whether pipeline / expert parallelism
@@ -143,9 +152,7 @@ def read_metadata(tracker_filename) -> Tuple[int, bool]:
             "write the iteration of the checkpoint to resume from into it"
         ) from None
     if iteration < 0:
-        raise CheckpointingException(
-            f"checkpoint tracker {tracker_filename} holds the negative iteration {iteration}"
-        )
+        raise CheckpointingException(f"checkpoint tracker {tracker_filename} holds the negative iteration {iteration}")
     return iteration, False
 
 
@@ -238,7 +245,7 @@ def cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1, do_async=F
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    iterations = sorted(Path(save_dir).glob("iter_*"), key=lambda path: int(path.name[len("iter_"):]))
+    iterations = sorted(Path(save_dir).glob("iter_*"), key=lambda path: int(path.name[len("iter_") :]))
     old = iterations[:-leave_ckpt_num] if leave_ckpt_num > 0 else iterations
 
     def remove():
@@ -262,8 +269,9 @@ def finalize_deletion_processes(blocking=False):
             _DELETIONS.remove(thread)
 
 
-def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path, *, tp_group=None, pp_group=None,
-                                dp_group=None):
+def maybe_save_dataloader_state(
+    train_iterator, iteration, dataloader_save_path, *, tp_group=None, pp_group=None, dp_group=None
+):
     """Save the data loader's own state, for loaders that keep one (``train_iterator.iterable.save_state()``; the
     built-in loaders resume from the consumed-sample count instead), to
     ``<dataloader_save_path>/iter_<iteration>/train_dataloader_dprank<dp:03d>.pt`` as
@@ -283,8 +291,10 @@ def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path,
     if dist.get_rank(tp_group) != 0 or dist.get_rank(pp_group) != 0:
         return
     dp_rank = dist.get_rank(dp_group)
-    path = os.path.join(get_checkpoint_name(dataloader_save_path, iteration, return_base_dir=True),
-                        f"train_dataloader_dprank{dp_rank:03d}.pt")
+    path = os.path.join(
+        get_checkpoint_name(dataloader_save_path, iteration, return_base_dir=True),
+        f"train_dataloader_dprank{dp_rank:03d}.pt",
+    )
     ensure_directory_exists(path)
     torch.save({"dataloader_state_dict": train_iterator.iterable.save_state()}, path)
 
@@ -294,28 +304,72 @@ def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path,
 # Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists;
 # the padded vocabulary size follows from vocab_size and make_vocab_size_divisible_by when the tokenizer is built).
 _CHECKPOINT_MODEL_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
-    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "rotary_percent", "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor", "swiglu", "squared_relu",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "seq_length",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "swiglu",
+    "squared_relu",
     "openai_gelu",
-    "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "apply_query_key_layer_scaling", "hidden_dropout", "attention_dropout", "tokenizer_type",
-    "vocab_size", "make_vocab_size_divisible_by",
-    "is_hybrid_model", "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+    "untie_embeddings_and_output_weights",
+    "normalization",
+    "layernorm_epsilon",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "apply_query_key_layer_scaling",
+    "hidden_dropout",
+    "attention_dropout",
+    "tokenizer_type",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "is_hybrid_model",
+    "hybrid_layer_pattern",
+    "mamba_state_dim",
+    "mamba_head_dim",
+    "mamba_num_groups",
     "mamba_num_heads",
-    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_grouped_gemm",
 )
 # The layout, taken as well only with --use-mp-args-from-checkpoint-args (as in Megatron-LM): otherwise the command
 # line's layout holds and the checkpoint is resharded on load.
 _CHECKPOINT_PARALLEL_ARGS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
-    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank",
+    "num_layers_per_virtual_pipeline_stage",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
 )
 # What a checkpoint's model must share with this run's to load at all (the layout may differ: it reshards).
-_CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type",
-                 "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size")
+_CHECKED_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "position_embedding_type",
+    "max_position_embeddings",
+    "make_vocab_size_divisible_by",
+    "padded_vocab_size",
+)
 
 
 def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
@@ -328,7 +382,9 @@ def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
     differing = [
         f"{name}: checkpoint {getattr(checkpoint_args, name)!r}, this run {getattr(args, name)!r}"
         for name in _CHECKED_ARGS
-        if name not in skip_args and hasattr(checkpoint_args, name) and hasattr(args, name)
+        if name not in skip_args
+        and hasattr(checkpoint_args, name)
+        and hasattr(args, name)
         and getattr(checkpoint_args, name) != getattr(args, name)
     ]
     if differing:
@@ -459,9 +515,14 @@ def _groups(tp_group, pp_group, dp_cp_group, dp_group):
     )
 
 
-def get_rng_state(ckpt_format: str, tp_group: ProcessGroup, pp_group: ProcessGroup,
-                  dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
-                  key_prefix: str = "") -> Union[List[Dict[str, Any]], ShardedObject]:
+def get_rng_state(
+    ckpt_format: str,
+    tp_group: ProcessGroup,
+    pp_group: ProcessGroup,
+    dp_cp_group: Optional[ProcessGroup] = None,
+    dp_group: Optional[ProcessGroup] = None,
+    key_prefix: str = "",
+) -> Union[List[Dict[str, Any]], ShardedObject]:
     """This rank's random states (Python, NumPy, torch, the accelerator's, the model-parallel tracker's) as a
     list: one entry, or with --data-parallel-random-init one per data-parallel rank. For ``torch_dist`` it is a
     ShardedObject ``<key_prefix>rng_state`` over (pipeline, tensor) ranks, replicated over data x context ranks."""
@@ -533,8 +594,17 @@ def _content_metadata(args) -> dict:
     return metadata
 
 
-def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
-                        optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None):
+def generate_state_dict(
+    args,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    rng_state,
+    iteration=None,
+    optim_sd_kwargs=None,
+    model_sd_kwargs=None,
+    rerun_state=None,
+):
     """The checkpoint's content: arguments and version, the model chunk(s), unless --no-save-optim the optimizer
     and scheduler, the rerun state machine's entry and unless --no-save-rng the RNG state.
 
@@ -563,13 +633,29 @@ def _drop_rank_specific_args(common_state_dict):
     return {key: value for key, value in common_state_dict.items() if key != "args"}
 
 
-def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
-                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
-                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
-                    tp_group: Optional[ProcessGroup] = None, pp_group: Optional[ProcessGroup] = None,
-                    dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
-                    expt_dp_group: Optional[ProcessGroup] = None, rng_state_key_prefix: str = ""):
+def save_checkpoint(
+    iteration,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    num_floating_point_operations_so_far,
+    checkpointing_context=None,
+    pipeline_rank=None,
+    expert_rank=None,
+    tensor_rank=None,
+    pipeline_parallel=None,
+    expert_parallel=None,
+    non_persistent_ckpt=False,
+    train_data_iterator=None,
+    preprocess_common_state_dict_fn=None,
+    release=False,
+    tp_group: Optional[ProcessGroup] = None,
+    pp_group: Optional[ProcessGroup] = None,
+    dp_cp_group: Optional[ProcessGroup] = None,
+    dp_group: Optional[ProcessGroup] = None,
+    expt_dp_group: Optional[ProcessGroup] = None,
+    rng_state_key_prefix: str = "",
+):
     """Save to ``<save>/iter_<iteration>`` (``release/`` with ``release``) and, once every rank's data is durable,
     point the tracker at it.
 
@@ -592,6 +678,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
+
     # Progress is printed by the rank that prints the training and validation lines, so events stay in order.
     from megatron.training.utils import print_rank_last
 
@@ -600,18 +687,28 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_dir = args.save
     if non_persistent_ckpt:
         if getattr(args, "non_persistent_ckpt_type", "global") not in (None, "global"):
-            raise ValueError(f"not supported yet: --non-persistent-ckpt-type {args.non_persistent_ckpt_type} "
-                             "(only 'global' non-persistent checkpoints)")
+            raise ValueError(
+                f"not supported yet: --non-persistent-ckpt-type {args.non_persistent_ckpt_type} "
+                "(only 'global' non-persistent checkpoints)"
+            )
         save_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
     checkpoint_dir = get_checkpoint_name(save_dir, iteration, release, return_base_dir=True)
     print_rank_last(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
     content_metadata = _content_metadata(args)
-    rng_state = None if args.no_save_rng else get_rng_state(
-        "torch_dist", tp_group, pp_group, dp_cp_group, dp_group, key_prefix=rng_state_key_prefix
+    rng_state = (
+        None
+        if args.no_save_rng
+        else get_rng_state("torch_dist", tp_group, pp_group, dp_cp_group, dp_group, key_prefix=rng_state_key_prefix)
     )
     state_dict = generate_state_dict(
-        args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration,
-        optim_sd_kwargs={"metadata": content_metadata}, model_sd_kwargs={"metadata": content_metadata},
+        args,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        rng_state,
+        iteration=iteration,
+        optim_sd_kwargs={"metadata": content_metadata},
+        model_sd_kwargs={"metadata": content_metadata},
         rerun_state=get_rerun_state_machine().state_dict(train_data_iterator, "torch_dist"),
     )
     state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
@@ -637,7 +734,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         dist.barrier()
 
     request = dist_checkpointing.save(
-        state_dict, checkpoint_dir, strategy, async_sharded_save=args.async_save,
+        state_dict,
+        checkpoint_dir,
+        strategy,
+        async_sharded_save=args.async_save,
         preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or _drop_rank_specific_args,
         content_metadata=content_metadata,
     )
@@ -650,11 +750,21 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
 
 
-def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
-                    checkpointing_context=None, skip_load_to_model_and_opt=False,
-                    tp_group: Optional[ProcessGroup] = None, pp_group: Optional[ProcessGroup] = None,
-                    dp_cp_group: Optional[ProcessGroup] = None, dp_group: Optional[ProcessGroup] = None,
-                    expt_dp_group: Optional[ProcessGroup] = None, rng_state_key_prefix: str = ""):
+def load_checkpoint(
+    ddp_model,
+    optimizer,
+    opt_param_scheduler,
+    load_arg="load",
+    strict=True,
+    checkpointing_context=None,
+    skip_load_to_model_and_opt=False,
+    tp_group: Optional[ProcessGroup] = None,
+    pp_group: Optional[ProcessGroup] = None,
+    dp_cp_group: Optional[ProcessGroup] = None,
+    dp_group: Optional[ProcessGroup] = None,
+    expt_dp_group: Optional[ProcessGroup] = None,
+    rng_state_key_prefix: str = "",
+):
     """Resume the model chunks ``ddp_model`` (and unless told otherwise the optimizer, scheduler, RNG and rerun
     state) from ``args.<load_arg>`` (or ``--pretrained-checkpoint``); returns (iteration, floating-point
     operations so far). A missing checkpoint starts fresh, or exits with ``--exit-on-missing-checkpoint``; an
@@ -716,12 +826,19 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     # Its per-rank entries exist only for the saving (pipeline, tensor) layout, as for the RNG state.
     load_rerun_state = isinstance(common.get("rerun_state_machine"), dict) and same_layout and not (finetune or release)
     print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    rng_template = get_rng_state("torch_dist", tp_group, pp_group, dp_cp_group, dp_group,
-                                 key_prefix=rng_state_key_prefix) if load_rng else None
+    rng_template = (
+        get_rng_state("torch_dist", tp_group, pp_group, dp_cp_group, dp_group, key_prefix=rng_state_key_prefix)
+        if load_rng
+        else None
+    )
     # What to load is decided above, whatever the --no-save-* flags say.
     template_args = argparse.Namespace(**{**vars(args), "no_save_optim": False, "no_save_rng": False})
     sharded = generate_state_dict(
-        template_args, ddp_model, optimizer if load_optimizer else None, None, rng_template,
+        template_args,
+        ddp_model,
+        optimizer if load_optimizer else None,
+        None,
+        rng_template,
         optim_sd_kwargs={"is_loading": True, "metadata": content_metadata},
         model_sd_kwargs={"metadata": content_metadata},
         rerun_state=get_rerun_state_machine().state_dict(None, "torch_dist") if load_rerun_state else None,
@@ -729,8 +846,9 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     context = checkpointing_context if checkpointing_context is not None else {}
     strategy = context.get("load_strategy") or get_default_load_sharded_strategy(checkpoint_dir)
     context["load_strategy"] = strategy
-    state_dict = dist_checkpointing.load(sharded, checkpoint_dir, strategy,
-                                         strict="assume_ok_unexpected" if strict else "log_all")
+    state_dict = dist_checkpointing.load(
+        sharded, checkpoint_dir, strategy, strict="assume_ok_unexpected" if strict else "log_all"
+    )
     if not skip_load_to_model_and_opt:
         for i, chunk in enumerate(ddp_model):
             chunk.load_state_dict(state_dict[_model_key(i, len(ddp_model))], strict=strict)
@@ -758,4 +876,3 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
-

@@ -44,8 +44,14 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 VERBOSE_ERRORS_ENV = "MEGATRON_LITE_VERBOSE_ERRORS"
 
 # Errors raised on purpose for bad input: their message is the whole story.
-INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-                CheckpointingException)
+INPUT_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    CheckpointingException,
+)
 
 # What a collective raises on a rank whose peer went away (gloo and NCCL wording).
 _LOST_PEER = re.compile(
@@ -85,8 +91,13 @@ def format_crash(exc: BaseException) -> str:
 def _job_report_dir() -> str:
     """One directory per job on this machine: ranks of one torchrun share its pid and rendezvous port."""
     job = "|".join(
-        [socket.gethostname(), str(os.getppid()), os.environ.get("MASTER_ADDR", ""),
-         os.environ.get("MASTER_PORT", ""), os.environ.get("TORCHELASTIC_RUN_ID", "")]
+        [
+            socket.gethostname(),
+            str(os.getppid()),
+            os.environ.get("MASTER_ADDR", ""),
+            os.environ.get("MASTER_PORT", ""),
+            os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        ]
     )
     digest = hashlib.sha1(job.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"megatron-lite-errors-{digest}")
@@ -190,8 +201,9 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
     parent-death signal where there is one, otherwise a thread that watches the parent. Nothing is written after."""
     parent_pid = os.getppid() if parent_pid is None else parent_pid
     if not _set_parent_death_signal(signal.SIGKILL):
-        threading.Thread(target=_exit_when_parent_changes, args=(parent_pid,), daemon=True,
-                         name="megatron-parent-watch").start()
+        threading.Thread(
+            target=_exit_when_parent_changes, args=(parent_pid,), daemon=True, name="megatron-parent-watch"
+        ).start()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
 

@@ -28,11 +28,24 @@ from megatron.training.dist_signal_handler import DistributedSignalHandler
 from megatron.training.timers import Timers
 
 __all__ = [
-    "get_args", "get_tokenizer", "get_tensorboard_writer", "get_wandb_writer", "get_timers", "set_args",
-    "set_global_variables", "unset_global_variables", "destroy_global_vars", "rebuild_tokenizer",
-    "get_signal_handler", "get_adlr_autoresume", "get_one_logger", "get_energy_monitor",
+    "get_args",
+    "get_tokenizer",
+    "get_tensorboard_writer",
+    "get_wandb_writer",
+    "get_timers",
+    "set_args",
+    "set_global_variables",
+    "unset_global_variables",
+    "destroy_global_vars",
+    "rebuild_tokenizer",
+    "get_signal_handler",
+    "get_adlr_autoresume",
+    "get_one_logger",
+    "get_energy_monitor",
     # Megatron-LM's training code imports the micro-batch getters from here too.
-    "get_num_microbatches", "get_current_global_batch_size", "update_num_microbatches",
+    "get_num_microbatches",
+    "get_current_global_batch_size",
+    "update_num_microbatches",
 ]
 
 _GLOBAL_ARGS = None
@@ -209,8 +222,9 @@ def _set_adlr_autoresume(args) -> None:
     try:
         from userlib.auto_resume import AutoResume
     except ImportError:
-        warnings.warn("--adlr-autoresume: userlib.auto_resume (NVIDIA's cluster library) is not installed; "
-                      "the flag has no effect")
+        warnings.warn(
+            "--adlr-autoresume: userlib.auto_resume (NVIDIA's cluster library) is not installed; the flag has no effect"
+        )
         return
     _GLOBAL_ADLR_AUTORESUME = AutoResume
 

@@ -14,8 +14,11 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 def is_hugging_face_directory(path) -> bool:
     """A directory with an HF ``config.json`` and safetensors weights (one file, or shards with their index)."""
-    return (path is not None and os.path.isfile(os.path.join(path, "config.json"))
-            and any(os.path.isfile(os.path.join(path, name)) for name in _WEIGHT_FILES))
+    return (
+        path is not None
+        and os.path.isfile(os.path.join(path, "config.json"))
+        and any(os.path.isfile(os.path.join(path, name)) for name in _WEIGHT_FILES)
+    )
 
 
 def hugging_face_load_dir(args, load_arg: str = "load") -> Optional[str]:
@@ -44,7 +47,8 @@ def hf_checkpoint_args(args, hf_dir: str):
 
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     return checkpoint_args_from_settings(
-        _settings(hf_dir), getattr(args, "tensor_model_parallel_size", 1) or 1,
+        _settings(hf_dir),
+        getattr(args, "tensor_model_parallel_size", 1) or 1,
         getattr(args, "pipeline_model_parallel_size", 1) or 1,
         getattr(args, "make_vocab_size_divisible_by", None) or 128,
         tokenizer_model=os.path.abspath(hf_dir) if has_tokenizer else None,
@@ -64,10 +68,26 @@ def take_hf_model_args(args, hf_dir: str, names) -> None:
 
 # The model flags the HF model fixes (dropout, sequence length and tokenizer are the run's choice).
 _MATCHED_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "max_position_embeddings", "position_embedding_type", "rotary_base", "use_rope_scaling", "swiglu",
-    "squared_relu", "openai_gelu", "untie_embeddings_and_output_weights", "normalization", "layernorm_epsilon",
-    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "is_hybrid_model",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "swiglu",
+    "squared_relu",
+    "openai_gelu",
+    "untie_embeddings_and_output_weights",
+    "normalization",
+    "layernorm_epsilon",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "is_hybrid_model",
 )
 _HYBRID_ARGS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
@@ -84,8 +104,16 @@ def _run_value(args, name: str):
         return args.hidden_size // args.num_attention_heads
     if name == "ffn_hidden_size" and value is None and args.hidden_size:
         return 4 * args.hidden_size
-    if name in ("is_hybrid_model", "use_rope_scaling", "swiglu", "squared_relu", "openai_gelu",
-                "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
+    if name in (
+        "is_hybrid_model",
+        "use_rope_scaling",
+        "swiglu",
+        "squared_relu",
+        "openai_gelu",
+        "untie_embeddings_and_output_weights",
+        "add_qkv_bias",
+        "qk_layernorm",
+    ):
         return bool(value)
     return value
 
@@ -105,7 +133,8 @@ def check_args_match_hf(args, hf_dir: str) -> None:
             differing.append(f"{_flag(name)} is {have!r}, the HF config gives {want!r}")
     if differing:
         raise CheckpointingException(
-            f"--load {hf_dir}: this run's model is not the Hugging Face model: " + "; ".join(differing)
+            f"--load {hf_dir}: this run's model is not the Hugging Face model: "
+            + "; ".join(differing)
             + " (pass --use-checkpoint-args to take the model flags from its config.json)"
         )
 
@@ -121,15 +150,19 @@ def load_hf_checkpoint(ddp_model, optimizer, hf_dir: str) -> None:
 
     args = get_args()
     check_args_match_hf(args, hf_dir)
-    print_rank_0(f" loading the Hugging Face model {hf_dir} in memory (no conversion): fine-tuning from iteration 0 "
-                 "with a fresh optimizer and scheduler; --save writes Megatron checkpoints, resume from those")
+    print_rank_0(
+        f" loading the Hugging Face model {hf_dir} in memory (no conversion): fine-tuning from iteration 0 "
+        "with a fresh optimizer and scheduler; --save writes Megatron checkpoints, resume from those"
+    )
     chunks = unwrap_model(list(ddp_model))
     hybrid = _settings(hf_dir).hybrid_layer_pattern is not None
     built = {type(chunk).__name__ for chunk in chunks}
     if hybrid != (built == {"HybridModel"}):
         entry = "pretrain_hybrid.py" if hybrid else "pretrain_gpt.py"
-        raise CheckpointingException(f"--load {hf_dir}: a {'hybrid' if hybrid else 'GPT'} model, this run built "
-                                     f"{', '.join(sorted(built))}; train it with {entry}")
+        raise CheckpointingException(
+            f"--load {hf_dir}: a {'hybrid' if hybrid else 'GPT'} model, this run built "
+            f"{', '.join(sorted(built))}; train it with {entry}"
+        )
     try:
         load_hf_weights(chunks, hf_dir)
     except UnsupportedHFModelError as error:

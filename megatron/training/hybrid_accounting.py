@@ -27,8 +27,9 @@ def mamba_sizes(args) -> MambaSizes:
     head dim), else d_inner = 2 h and heads = d_inner / ``--mamba-head-dim``."""
     head_dim = args.mamba_head_dim
     if args.mamba_num_heads is not None:
-        return MambaSizes(args.mamba_num_heads * head_dim, args.mamba_num_heads, args.mamba_num_groups,
-                          args.mamba_state_dim)
+        return MambaSizes(
+            args.mamba_num_heads * head_dim, args.mamba_num_heads, args.mamba_num_groups, args.mamba_state_dim
+        )
     d_inner = MAMBA_EXPAND * args.hidden_size
     return MambaSizes(d_inner, d_inner // head_dim, args.mamba_num_groups, args.mamba_state_dim)
 
@@ -112,7 +113,8 @@ def moe_layer_forward_flops(args, batch_size: int) -> float:
 
 def hybrid_floating_point_operations(args, batch_size: int, causal_attention: bool = True) -> float:
     """Megatron-LM's ``hybrid_flops``: three times (forward + both backward GEMMs) the forward FLOPs of each layer
-    kind times its count, plus the logits; MoE layers as :func:`moe_layer_forward_flops`. Attention ``4 B s h p (h + h g/n + s/2)`` (p = kv_channels n / h; the
+    kind times its count, plus the logits; MoE layers as :func:`moe_layer_forward_flops`. Attention ``4 B s h p (h + h
+    g/n + s/2)`` (p = kv_channels n / h; the
     causal half of the scores, ``s`` instead of ``s/2`` with ``causal_attention=False``), MLP ``4 B s h f x``
     (x = 3/2 with SwiGLU), logits ``2 B s h V``."""
     counts = hybrid_layer_counts(args)
@@ -123,8 +125,8 @@ def hybrid_floating_point_operations(args, batch_size: int, causal_attention: bo
     ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
     query_fraction = kv_channels * heads / hidden
     visible_positions = args.seq_length / 2 if causal_attention else args.seq_length
-    attention = 4 * tokens * hidden * query_fraction * (
-        hidden + hidden * num_query_groups(args) / heads + visible_positions
+    attention = (
+        4 * tokens * hidden * query_fraction * (hidden + hidden * num_query_groups(args) / heads + visible_positions)
     )
     mlp = 4 * tokens * hidden * ffn * gated_linear_multiplier(args)
     logits = 2 * tokens * hidden * vocab
@@ -159,6 +161,8 @@ def layer_activation_bytes(args, symbol: str) -> float:
     sizes = mamba_sizes(args)
     group_width = 2 * sizes.groups * sizes.state
     return tokens * (
-        5 * hidden + 2 * (2 * sizes.d_inner + group_width + sizes.heads) + 2 * (sizes.d_inner + group_width)
+        5 * hidden
+        + 2 * (2 * sizes.d_inner + group_width + sizes.heads)
+        + 2 * (sizes.d_inner + group_width)
         + 4 * sizes.d_inner
     )

@@ -73,13 +73,16 @@ def initialize_megatron(
     setup_logging()
     if skip_mpu_initialization:
         return args
-    _initialize_distributed(args, store, get_embedding_ranks, get_position_embedding_ranks,
-                            skip_model_parallel_init)
+    _initialize_distributed(args, store, get_embedding_ranks, get_position_embedding_ranks, skip_model_parallel_init)
     if not skip_random_seed:
         _set_random_seed(
-            args.seed, args.data_parallel_random_init,
-            pp_group=seed_pp_group, dp_group=seed_dp_group, tp_group=seed_tp_group,
-            ep_group=seed_ep_group, etp_group=seed_etp_group,
+            args.seed,
+            args.data_parallel_random_init,
+            pp_group=seed_pp_group,
+            dp_group=seed_dp_group,
+            tp_group=seed_tp_group,
+            ep_group=seed_ep_group,
+            etp_group=seed_etp_group,
         )
     _init_autoresume()
     _print_args("arguments", args)  # once start-up has succeeded
@@ -103,8 +106,9 @@ def _destroy_process_groups() -> None:
         dist.destroy_process_group()  # every group, the model-parallel ones included
 
 
-def _initialize_distributed(args, store, get_embedding_ranks, get_position_embedding_ranks,
-                            skip_model_parallel_init) -> None:
+def _initialize_distributed(
+    args, store, get_embedding_ranks, get_position_embedding_ranks, skip_model_parallel_init
+) -> None:
     """torchrun's environment (or ``store``) -> process group (nccl on GPUs, gloo on CPUs) -> model-parallel
     groups."""
     exit_with_launcher()  # before anything that can block: a rank must not outlive a killed torchrun
@@ -158,8 +162,16 @@ def _group_rank(group, fallback) -> int:
     return fallback() if parallel_state.model_parallel_is_initialized() else 0
 
 
-def _set_random_seed(seed: int, data_parallel_random_init: bool = False, *, pp_group=None, dp_group=None,
-                     tp_group=None, ep_group=None, etp_group=None) -> None:
+def _set_random_seed(
+    seed: int,
+    data_parallel_random_init: bool = False,
+    *,
+    pp_group=None,
+    dp_group=None,
+    tp_group=None,
+    ep_group=None,
+    etp_group=None,
+) -> None:
     """Megatron's seeding: a different stream per pipeline stage, optionally per DP rank, then the TP tracker."""
     seed = seed + 100 * _group_rank(pp_group, parallel_state.get_pipeline_model_parallel_rank)
     if data_parallel_random_init:

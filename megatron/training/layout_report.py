@@ -161,8 +161,13 @@ def parallel_layout(
             )
     else:
         per_virtual_stage = layers_per_virtual_stage(
-            num_layers, pp, vpp, first_stage_layers, last_stage_layers,
-            account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+            num_layers,
+            pp,
+            vpp,
+            first_stage_layers,
+            last_stage_layers,
+            account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split,
         )
     return ParallelLayout(world_size, sizes, order, groups, pipeline_chunks(per_virtual_stage, pp))
 
@@ -177,8 +182,11 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     hybrid_pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
     layer_kinds = hybrid_pattern.replace(Symbols.PIPE, "")
     dense_layer = _layer_parameters(model_args) + (0, 0) if not layer_kinds else None
-    moe_layer = (_moe_layer_parameters(model_args, ep, etp)
-                 if getattr(model_args, "num_experts", None) and not layer_kinds else None)
+    moe_layer = (
+        _moe_layer_parameters(model_args, ep, etp)
+        if getattr(model_args, "num_experts", None) and not layer_kinds
+        else None
+    )
     pattern = moe_layer_pattern(model_args) if moe_layer is not None else None
 
     def layer_counts(layer: int) -> Tuple[int, int, int, int]:
@@ -283,8 +291,20 @@ def describe_parallel_layout(
     for a hybrid), and with ``model_args`` (Megatron-LM's args) the parameters per stage."""
     pattern = getattr(model_args, "hybrid_layer_pattern", None)
     layout = parallel_layout(
-        world_size, tp, pp, cp, ep, etp, order, num_layers, vpp, first_stage_layers, last_stage_layers,
-        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split, hybrid_layer_pattern=pattern,
+        world_size,
+        tp,
+        pp,
+        cp,
+        ep,
+        etp,
+        order,
+        num_layers,
+        vpp,
+        first_stage_layers,
+        last_stage_layers,
+        account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split,
+        hybrid_layer_pattern=pattern,
     )
     layer_kinds = (pattern or "").split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
     sizes = layout.sizes
@@ -343,8 +363,10 @@ def _describe_context_parallel(cp: int, model_args) -> str:
     tokens = f"{seq // cp} of {seq} tokens: " if seq else ""
     comm_type = getattr(model_args, "cp_comm_type", None) or ["p2p"]
     comm = " ".join(comm_type) if isinstance(comm_type, list) else comm_type
-    return (f"Context parallelism: every sequence is cut into {2 * cp} chunks and CP rank r holds chunks r and "
-            f"{2 * cp - 1}-r ({tokens}load-balanced for causal attention); attention communicates by {comm}")
+    return (
+        f"Context parallelism: every sequence is cut into {2 * cp} chunks and CP rank r holds chunks r and "
+        f"{2 * cp - 1}-r ({tokens}load-balanced for causal attention); attention communicates by {comm}"
+    )
 
 
 def _describe_chunk(chunk: PipelineChunk, layer_kinds: str = "") -> str:

@@ -58,9 +58,11 @@ class ParameterCounts:
     @property
     def tensor_parallel_in_block(self) -> float:
         """Weights split over tensor-parallel ranks (attention, dense and shared-expert MLPs)."""
-        return (self.attention + self.dense_mlp) * self.num_dense_layers + (
-            self.attention + self.shared_experts
-        ) * self.num_moe_layers + self.hybrid_split_in_block
+        return (
+            (self.attention + self.dense_mlp) * self.num_dense_layers
+            + (self.attention + self.shared_experts) * self.num_moe_layers
+            + self.hybrid_split_in_block
+        )
 
     @property
     def replicated_in_block(self) -> float:
@@ -157,12 +159,21 @@ def _count_hybrid_parameters(args) -> ParameterCounts:
         active_routed = routed / args.num_experts * args.moe_router_topk
     vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
     return ParameterCounts(
-        attention=0, dense_mlp=0, shared_experts=0, routed_experts=routed, active_routed_experts=active_routed,
+        attention=0,
+        dense_mlp=0,
+        shared_experts=0,
+        routed_experts=routed,
+        active_routed_experts=active_routed,
         layer_norms=0,
-        router=0, shared_expert_gate=0, embedding=args.hidden_size * vocab,
-        final_norm=args.hidden_size * (1 if args.normalization == "RMSNorm" else 2), num_dense_layers=0,
-        num_moe_layers=counts[Symbols.MOE], untied_output=bool(args.untie_embeddings_and_output_weights),
-        hybrid_split_in_block=split, hybrid_replicated_in_block=replicated,
+        router=0,
+        shared_expert_gate=0,
+        embedding=args.hidden_size * vocab,
+        final_norm=args.hidden_size * (1 if args.normalization == "RMSNorm" else 2),
+        num_dense_layers=0,
+        num_moe_layers=counts[Symbols.MOE],
+        untied_output=bool(args.untie_embeddings_and_output_weights),
+        hybrid_split_in_block=split,
+        hybrid_replicated_in_block=replicated,
     )
 
 
@@ -185,8 +196,10 @@ def _hybrid_block_activations(args, tp: int, sequence_parallel: bool, verbose: b
             memory += count * per_rank
             if verbose:
                 shown = per_rank / (args.tensor_model_parallel_size if sequence_parallel else 1)
-                print_rank_0(f"Activation memory footprint per {_HYBRID_LAYER_NAMES[symbol]} layer: "
-                             f"{shown / NUM_BYTES_IN_MEGABYTE:.1f} MB")
+                print_rank_0(
+                    f"Activation memory footprint per {_HYBRID_LAYER_NAMES[symbol]} layer: "
+                    f"{shown / NUM_BYTES_IN_MEGABYTE:.1f} MB"
+                )
     return memory
 
 

@@ -223,7 +223,12 @@ class Timers:
             print(report, flush=True)
 
     def write(
-        self, names: List[str], writer, iteration: int, normalizer: float = 1.0, reset: bool = True,
+        self,
+        names: List[str],
+        writer,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = True,
         barrier: bool = False,
     ) -> None:
         """Send each timer's max over the ranks (seconds / ``normalizer``) to ``writer`` as ``<name>-time``.

@@ -147,8 +147,10 @@ def pretrain(
             "pass model_provider (a function of pre_process, post_process and vp_stage returning the model chunk)"
         )
     if inprocess_call_wrapper is not None:
-        raise ValueError("not supported yet: in-process restart (inprocess_call_wrapper, from NVIDIA Resiliency "
-                         "Extension); pass None")
+        raise ValueError(
+            "not supported yet: in-process restart (inprocess_call_wrapper, from NVIDIA Resiliency "
+            "Extension); pass None"
+        )
     if args is not None:
         set_args(args)
     initialize_megatron(
@@ -180,24 +182,58 @@ def pretrain(
         )
     iteration = args.iteration
     checkpointing_context = {}
-    eval_kwargs = dict(non_loss_data_func=non_loss_data_func, pg_collection=pg_collection,
-                       p2p_communicator=p2p_communicator)
+    eval_kwargs = dict(
+        non_loss_data_func=non_loss_data_func, pg_collection=pg_collection, p2p_communicator=p2p_communicator
+    )
     if not args.skip_train and args.train_iters > 0:
         iteration, _ = train(
-            forward_step_func, model, optimizer, opt_param_scheduler, train_iterator, valid_iterator,
-            process_non_loss_data_func, config, checkpointing_context, non_loss_data_func,
-            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+            forward_step_func,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            train_iterator,
+            valid_iterator,
+            process_non_loss_data_func,
+            config,
+            checkpointing_context,
+            non_loss_data_func,
+            p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection,
         )
         if args.save and iteration != 0 and iteration % args.save_interval != 0:
-            save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                     args.num_floating_point_operations_so_far, checkpointing_context,
-                                     train_data_iterator=train_iterator)
+            save_checkpoint_and_time(
+                iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                args.num_floating_point_operations_so_far,
+                checkpointing_context,
+                train_data_iterator=train_iterator,
+            )
     if args.do_valid and args.eval_iters > 0:
-        evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_iterator,
-                                   model, iteration, process_non_loss_data_func, config, verbose=True, **eval_kwargs)
+        evaluate_and_print_results(
+            f"iteration {iteration} on validation set",
+            forward_step_func,
+            valid_iterator,
+            model,
+            iteration,
+            process_non_loss_data_func,
+            config,
+            verbose=True,
+            **eval_kwargs,
+        )
     if args.do_test and args.eval_iters > 0:
-        evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iterator, model,
-                                   iteration, process_non_loss_data_func, config, verbose=True, **eval_kwargs)
+        evaluate_and_print_results(
+            f"iteration {iteration} on test set",
+            forward_step_func,
+            test_iterator,
+            model,
+            iteration,
+            process_non_loss_data_func,
+            config,
+            verbose=True,
+            **eval_kwargs,
+        )
     checkpointing.finalize_async_saves()
 
 
@@ -215,8 +251,9 @@ def destroy_global_state():
 # ---- model, optimizer, scheduler -------------------------------------------------------------------------------
 
 
-def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True, config=None,
-              pg_collection=None):
+def get_model(
+    model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True, config=None, pg_collection=None
+):
     """This rank's model chunks (one per virtual pipeline stage), on the device, fp16/bf16-wrapped, DDP-wrapped.
 
     ``model_provider_func(pre_process=, post_process=[, vp_stage=])`` builds a chunk; ``config`` and
@@ -225,8 +262,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     """
     args = get_args()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    extra = {name: value for name, value in (("config", config), ("pg_collection", pg_collection))
-             if value is not None}
+    extra = {name: value for name, value in (("config", config), ("pg_collection", pg_collection)) if value is not None}
     # With --use-cpu-initialization the weights come from per-layer streams of this seed (layout-independent);
     # build from the base seed, then restore the per-stage stream set at initialisation for dropout.
     with torch.random.fork_rng(devices=[]):
@@ -287,9 +323,18 @@ def resolve_ddp_bucket_size(ddp_config, dp_cp_group, overlap_grad_reduce, num_pa
     return None if bucket_size >= num_parameters else bucket_size
 
 
-def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *, use_layer_wise_distributed_optimizer=False,
-                               use_layer_wise_param_layout=True, DP=DistributedDataParallel, pg_collection=None,
-                               bucket_sizes=None, disable_bucketing_per_chunk=None):
+def wrap_model_chunks_with_ddp(
+    model_chunks,
+    config,
+    ddp_config,
+    *,
+    use_layer_wise_distributed_optimizer=False,
+    use_layer_wise_param_layout=True,
+    DP=DistributedDataParallel,
+    pg_collection=None,
+    bucket_sizes=None,
+    disable_bucketing_per_chunk=None,
+):
     """Wrap each model chunk in ``DP`` (DistributedDataParallel, or a subclass).
 
     ``config`` is the model config given to DDP (default: each chunk's own); ``bucket_sizes`` (one per chunk)
@@ -299,8 +344,9 @@ def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *, use_layer_wi
     not supported yet.
     """
     if use_layer_wise_distributed_optimizer:
-        raise ValueError("not supported yet: the layer-wise distributed optimizer "
-                         "(use_layer_wise_distributed_optimizer=True)")
+        raise ValueError(
+            "not supported yet: the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer=True)"
+        )
     for name, values in (("bucket_sizes", bucket_sizes), ("disable_bucketing_per_chunk", disable_bucketing_per_chunk)):
         if values is not None and len(values) != len(model_chunks):
             raise ValueError(f"{name} has {len(values)} entries for {len(model_chunks)} model chunks")
@@ -310,13 +356,15 @@ def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *, use_layer_wi
         if bucket_sizes is not None:
             chunk_ddp_config = dataclasses.replace(ddp_config, bucket_size=bucket_sizes[index])
         disable_bucketing = disable_bucketing_per_chunk[index] if disable_bucketing_per_chunk else index > 0
-        wrapped.append(DP(
-            config=config if config is not None else unwrap_model(chunk).config,
-            ddp_config=chunk_ddp_config,
-            module=chunk,
-            disable_bucketing=disable_bucketing,
-            pg_collection=pg_collection,
-        ))
+        wrapped.append(
+            DP(
+                config=config if config is not None else unwrap_model(chunk).config,
+                ddp_config=chunk_ddp_config,
+                module=chunk,
+                disable_bucketing=disable_bucketing,
+                pg_collection=pg_collection,
+            )
+        )
     return wrapped
 
 
@@ -345,9 +393,13 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
             lr_warmup_steps = args.lr_warmup_samples
     # Which flag set each value, so that a resume mismatch names it (in iterations for an iteration-based run).
     flags = {
-        "max_lr": "--lr", "min_lr": "--min-lr", "lr_decay_style": "--lr-decay-style",
-        "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
-        "wd_incr_style": "--weight-decay-incr-style", "wd_incr_steps": f"--train-{unit}",
+        "max_lr": "--lr",
+        "min_lr": "--min-lr",
+        "lr_decay_style": "--lr-decay-style",
+        "start_wd": "--start-weight-decay",
+        "end_wd": "--end-weight-decay",
+        "wd_incr_style": "--weight-decay-incr-style",
+        "wd_incr_steps": f"--train-{unit}",
         "lr_decay_steps": f"--lr-decay-{unit}" if getattr(args, f"lr_decay_{unit}") else f"--train-{unit}",
         "lr_warmup_steps": "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
     }
@@ -460,8 +512,11 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     args = get_args()
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
     loaders = []
-    for dataset, consumed in ((train_ds, args.consumed_train_samples), (valid_ds, args.consumed_valid_samples),
-                              (test_ds, 0)):
+    for dataset, consumed in (
+        (train_ds, args.consumed_train_samples),
+        (valid_ds, args.consumed_valid_samples),
+        (test_ds, 0),
+    ):
         loaders.append(
             build_pretraining_data_loader(
                 dataset,
@@ -512,10 +567,18 @@ def cyclic_iter(iterable):
 # ---- one step --------------------------------------------------------------------------------------------------
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-               forward_backward_func, iteration=None,
-               pg_collection: Union[ProcessGroupCollection, MultiModuleProcessGroupCollection, None] = None,
-               p2p_communicator: Optional[P2PCommunicator] = None):
+def train_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    config,
+    forward_backward_func,
+    iteration=None,
+    pg_collection: Union[ProcessGroupCollection, MultiModuleProcessGroupCollection, None] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+):
     """Forward/backward over the global batch's micro-batches, optimizer step, scheduler step, reduced losses.
 
     ``forward_backward_func`` is the schedule (``get_forward_backward_func()``); ``iteration``, the iterations done
@@ -589,18 +652,31 @@ def _configure_hooks(config, model, optimizer) -> None:
     config.timers = None
 
 
-def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
-          process_non_loss_data_func, config, checkpointing_context, non_loss_data_func, inference_model=None,
-          p2p_communicator: Optional[P2PCommunicator] = None,
-          pg_collection: Union[ProcessGroupCollection, MultiModuleProcessGroupCollection, None] = None):
+def train(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    process_non_loss_data_func,
+    config,
+    checkpointing_context,
+    non_loss_data_func,
+    inference_model=None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection: Union[ProcessGroupCollection, MultiModuleProcessGroupCollection, None] = None,
+):
     """Run train_step until --train-iters (or an exit condition); returns (iteration, flops so far).
 
     ``checkpointing_context`` is handed to every save; ``process_non_loss_data_func``, ``non_loss_data_func``,
     ``p2p_communicator`` and ``pg_collection`` to the evaluations (the last two to every step too).
     """
     if inference_model is not None:
-        raise ValueError("not supported yet: a separate inference model during training (inference_model, for "
-                         "reinforcement learning); pass None")
+        raise ValueError(
+            "not supported yet: a separate inference model during training (inference_model, for "
+            "reinforcement learning); pass None"
+        )
     args = get_args()
     timers = get_timers()
     forward_backward_func = get_forward_backward_func()
@@ -615,8 +691,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
-            forward_backward_func, iteration, pg_collection=pg_collection, p2p_communicator=p2p_communicator,
+            forward_step_func,
+            train_data_iterator,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            config,
+            forward_backward_func,
+            iteration,
+            pg_collection=pg_collection,
+            p2p_communicator=p2p_communicator,
         )
         iteration += 1
         args.iteration = iteration
@@ -630,20 +714,45 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.log_params_norm and iteration % args.log_interval == 0:  # a host sync: only when it is printed
             params_norm = calc_params_l2_norm(model)
         report_memory_flag = training_log(
-            loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, float(optimizer.get_loss_scale()),
-            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, None,
-            pg_collection=pg_collection, seqlen_squared_sum_in_batch=seqlen_squared_sum,
+            loss_dict,
+            total_loss_dict,
+            optimizer.param_groups[0]["lr"],
+            iteration,
+            float(optimizer.get_loss_scale()),
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            num_zeros_in_grad,
+            None,
+            pg_collection=pg_collection,
+            seqlen_squared_sum_in_batch=seqlen_squared_sum,
             total_real_tokens_in_batch=total_real_tokens,
         )
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                       iteration, process_non_loss_data_func, config, verbose=False,
-                                       non_loss_data_func=non_loss_data_func, pg_collection=pg_collection,
-                                       p2p_communicator=p2p_communicator)
+            evaluate_and_print_results(
+                f"iteration {iteration}",
+                forward_step_func,
+                valid_data_iterator,
+                model,
+                iteration,
+                process_non_loss_data_func,
+                config,
+                verbose=False,
+                non_loss_data_func=non_loss_data_func,
+                pg_collection=pg_collection,
+                p2p_communicator=p2p_communicator,
+            )
         checkpointing.maybe_finalize_async_saves()
-        if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
-                                      args.num_floating_point_operations_so_far, checkpointing_context,
-                                      train_data_iterator):
+        if checkpoint_and_decide_exit(
+            model,
+            optimizer,
+            opt_param_scheduler,
+            iteration,
+            args.num_floating_point_operations_so_far,
+            checkpointing_context,
+            train_data_iterator,
+        ):
             # As in Megatron-LM, an exit condition ends the job here, once its checkpoint is written: no second
             # end-of-training save and no final evaluation eat into a scheduler's grace period.
             checkpointing.finalize_async_saves()
@@ -651,37 +760,70 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     return iteration, args.num_floating_point_operations_so_far
 
 
-def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
-                               checkpointing_context, train_data_iterator):
+def checkpoint_and_decide_exit(
+    model,
+    optimizer,
+    opt_param_scheduler,
+    iteration,
+    num_floating_point_operations_so_far,
+    checkpointing_context,
+    train_data_iterator,
+):
     """Save on the interval; decide to stop (after saving, once) on a signal, --exit-interval or
     --exit-duration-in-mins. Returns whether the job should exit now."""
     args = get_args()
     saved_on_interval = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
     if saved_on_interval:
-        save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                 num_floating_point_operations_so_far, checkpointing_context,
-                                 train_data_iterator=train_data_iterator)
+        save_checkpoint_and_time(
+            iteration,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+            checkpointing_context,
+            train_data_iterator=train_data_iterator,
+        )
     reason = _exit_reason(iteration, get_signal_handler())
     if reason is None:
         return False
     if args.save and not saved_on_interval:
-        save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                 num_floating_point_operations_so_far, checkpointing_context,
-                                 train_data_iterator=train_data_iterator)
+        save_checkpoint_and_time(
+            iteration,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+            checkpointing_context,
+            train_data_iterator=train_data_iterator,
+        )
     print_rank_last(f"exiting program {reason}")
     return True
 
 
-def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                             checkpointing_context, non_persistent_ckpt=False, train_data_iterator=None):
+def save_checkpoint_and_time(
+    iteration,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    num_floating_point_operations_so_far,
+    checkpointing_context,
+    non_persistent_ckpt=False,
+    train_data_iterator=None,
+):
     """save_checkpoint under the ``save-checkpoint`` timer (logged), then, with --log-progress, the throughput
     line of the progress log."""
     args = get_args()
     timers = get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     checkpointing.save_checkpoint(
-        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-        checkpointing_context, non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+        iteration,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        num_floating_point_operations_so_far,
+        checkpointing_context,
+        non_persistent_ckpt=non_persistent_ckpt,
+        train_data_iterator=train_data_iterator,
         preprocess_common_state_dict_fn=preprocess_common_state_dict,
     )
     timers("save-checkpoint").stop(barrier=True)
@@ -695,8 +837,9 @@ def preprocess_common_state_dict(common_state_dict):
     ``local_rank`` (which legitimately differ); the saved state itself is left as it is."""
     preprocessed = copy.copy(common_state_dict)
     if isinstance(preprocessed.get("args"), argparse.Namespace):
-        preprocessed["args"] = {key: value for key, value in vars(preprocessed["args"]).items()
-                                if key not in ("rank", "local_rank")}
+        preprocessed["args"] = {
+            key: value for key, value in vars(preprocessed["args"]).items() if key not in ("rank", "local_rank")
+        }
     return preprocessed
 
 
@@ -721,10 +864,23 @@ def _exit_reason(iteration, signal_handler) -> Optional[str]:
 _SKIPPED, _NAN, _ADVANCED = "skipped iterations", "nan iterations", "advanced iterations"
 
 
-def training_log(loss_dict, total_loss_dict, learning_rate: float | None, iteration, loss_scale, report_memory_flag,
-                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit, pg_collection=None,
-                 is_first_iteration=False, seqlen_squared_sum_in_batch: float | None = None,
-                 total_real_tokens_in_batch: float | None = None):
+def training_log(
+    loss_dict,
+    total_loss_dict,
+    learning_rate: float | None,
+    iteration,
+    loss_scale,
+    report_memory_flag,
+    skipped_iter,
+    grad_norm,
+    params_norm,
+    num_zeros_in_grad,
+    max_attention_logit,
+    pg_collection=None,
+    is_first_iteration=False,
+    seqlen_squared_sum_in_batch: float | None = None,
+    total_real_tokens_in_batch: float | None = None,
+):
     """Accumulate losses and print Megatron-LM's log line every --log-interval iterations (from the last rank).
 
     ``params_norm`` and ``max_attention_logit`` are printed when given; ``pg_collection`` supplies the
@@ -809,8 +965,18 @@ def training_log(loss_dict, total_loss_dict, learning_rate: float | None, iterat
 # ---- evaluation ------------------------------------------------------------------------------------------------
 
 
-def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False,
-             non_loss_data_func=None, eval_iters=None, pg_collection=None, p2p_communicator=None):
+def evaluate(
+    forward_step_func,
+    data_iterator,
+    model,
+    process_non_loss_data_func,
+    config,
+    verbose=False,
+    non_loss_data_func=None,
+    eval_iters=None,
+    pg_collection=None,
+    p2p_communicator=None,
+):
     """Average loss over ``eval_iters`` (default --eval-iters) global batches, without gradients.
 
     Returns (loss dict, collected non-loss data, time limit hit): with ``process_non_loss_data_func`` one more
@@ -822,10 +988,16 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
     eval_iters = args.eval_iters if eval_iters is None else eval_iters
     forward_backward_func = get_forward_backward_func()
     schedule_kwargs = dict(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
         num_microbatches=args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
-        forward_only=True, p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=True,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
     )
     for chunk in model:
         chunk.eval()
@@ -861,16 +1033,34 @@ def _elapsed_minutes() -> float:
     return elapsed.item()
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
-                               process_non_loss_data_func, config, verbose=False, write_to_tensorboard=True,
-                               non_loss_data_func=None, pg_collection=None, p2p_communicator=None):
+def evaluate_and_print_results(
+    prefix,
+    forward_step_func,
+    data_iterator,
+    model,
+    iteration,
+    process_non_loss_data_func,
+    config,
+    verbose=False,
+    write_to_tensorboard=True,
+    non_loss_data_func=None,
+    pg_collection=None,
+    p2p_communicator=None,
+):
     """Validation loss and perplexity in Megatron-LM's format (printed by the last rank); hands the collected
     non-loss data to ``process_non_loss_data_func(data, iteration, writer)`` on the writing rank."""
     args = get_args()
     writer = get_tensorboard_writer() if write_to_tensorboard else None
     total_loss_dict, collected_non_loss_data, timelimit_hit = evaluate(
-        forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose,
-        non_loss_data_func=non_loss_data_func, pg_collection=pg_collection, p2p_communicator=p2p_communicator,
+        forward_step_func,
+        data_iterator,
+        model,
+        process_non_loss_data_func,
+        config,
+        verbose,
+        non_loss_data_func=non_loss_data_func,
+        pg_collection=pg_collection,
+        p2p_communicator=p2p_communicator,
     )
     if timelimit_hit:
         return total_loss_dict
@@ -951,8 +1141,9 @@ def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=
         return flops.num_floating_point_operations(args, batch_size)
     # The count per sequence of s tokens is a*s + c*s^2 (linear layers and logits; attention scores); two
     # evaluations of the model at s = 1 and s = 2 give a and c.
-    one, two = (flops.num_floating_point_operations(argparse.Namespace(**{**vars(args), "seq_length": s}), 1)
-                for s in (1, 2))
+    one, two = (
+        flops.num_floating_point_operations(argparse.Namespace(**{**vars(args), "seq_length": s}), 1) for s in (1, 2)
+    )
     per_square = (two - 2 * one) / 2
     per_token = one - per_square
     return per_token * total_real_tokens_in_batch + per_square * seqlen_squared_sum_in_batch
@@ -996,8 +1187,8 @@ def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point
     elapsed_run = (datetime.now() - start_time).total_seconds()
     job_flops = num_floating_point_operations_so_far - _JOB_START_FLOPS
     job_throughput = job_flops / max(elapsed_job, 1e-9) / 1e12 / args.world_size
-    run_throughput = (num_floating_point_operations_so_far - start_flops) / max(elapsed_run, 1e-9) / 1e12 / (
-        args.world_size
+    run_throughput = (
+        (num_floating_point_operations_so_far - start_flops) / max(elapsed_run, 1e-9) / 1e12 / (args.world_size)
     )
     tokens_so_far = args.consumed_train_samples * args.seq_length
     append_to_progress_log(
@@ -1017,8 +1208,15 @@ def dummy_train_step(data_iterator):
                 next(iterator)
 
 
-def post_training_step_callbacks(model, optimizer, opt_param_scheduler, iteration, prof,
-                                 num_floating_point_operations_since_last_log_event, nsys_nvtx_context=None):
+def post_training_step_callbacks(
+    model,
+    optimizer,
+    opt_param_scheduler,
+    iteration,
+    prof,
+    num_floating_point_operations_since_last_log_event,
+    nsys_nvtx_context=None,
+):
     """After a step: advance the profiler (``prof.step()``), close the Nsight range at --profile-step-end, and
     collect garbage every --manual-gc-interval iterations with --manual-gc. The straggler detector that Megatron
     feeds ``num_floating_point_operations_since_last_log_event`` to is not part of this project."""

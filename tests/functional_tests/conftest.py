@@ -51,7 +51,16 @@ def tp2_pp2_run(tmp_path_factory, cpu_data_flags) -> CheckpointedRun:
     name, nproc, layout_flags = PARALLEL_LAYOUTS[0]
     assert name == "tp2_pp2_distopt"
     save_dir = tmp_path_factory.mktemp("tp2_pp2_checkpoints")
-    flags = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_REFERENCE_ITERS)) + layout_flags + [
-        "--exit-interval", "10", "--save", save_dir, "--save-interval", "10",
-    ]
+    flags = (
+        with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_REFERENCE_ITERS))
+        + layout_flags
+        + [
+            "--exit-interval",
+            "10",
+            "--save",
+            save_dir,
+            "--save-interval",
+            "10",
+        ]
+    )
     return CheckpointedRun(run_pretrain(flags + cpu_data_flags, nproc), save_dir)

@@ -29,18 +29,31 @@ _OUTPUT_TAIL_CHARS = 4000
 
 # Switch off the GPU-only fused kernels explicitly, so runs do not print the fallback warning.
 CPU_FLAGS = [
-    "--distributed-backend", "gloo",
-    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
-    "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+    "--distributed-backend",
+    "gloo",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
 ]
 
 
 def builtin_data_flags(data_cache_path: Optional[Path] = None) -> List[str]:
     """The shipped Shakespeare corpus and its BPE tokenizer (98% train, 2% validation)."""
     flags = [
-        "--data-path", builtin_data.data_prefix(), "--split", "98,2,0",
-        "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", builtin_data.vocab_file(), "--merge-file", builtin_data.merge_file(),
+        "--data-path",
+        builtin_data.data_prefix(),
+        "--split",
+        "98,2,0",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        builtin_data.vocab_file(),
+        "--merge-file",
+        builtin_data.merge_file(),
     ]
     if data_cache_path is not None:
         flags += ["--data-cache-path", str(data_cache_path)]
@@ -56,8 +69,17 @@ def free_port() -> int:
 
 def torchrun_command(args: Sequence[str], nproc: int, entry_point: Path = ENTRY_POINT) -> List[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(entry_point), *map(str, args),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(entry_point),
+        *map(str, args),
     ]
 
 
@@ -87,9 +109,15 @@ class RunResult:
         )
 
 
-def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-                 expect_success: bool = True, threads_per_rank: int = 1, entry_point: Path = ENTRY_POINT,
-                 env: Optional[Dict[str, str]] = None) -> RunResult:
+def run_pretrain(
+    args: Sequence[str],
+    nproc: int = 1,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    expect_success: bool = True,
+    threads_per_rank: int = 1,
+    entry_point: Path = ENTRY_POINT,
+    env: Optional[Dict[str, str]] = None,
+) -> RunResult:
     """Run pretrain_gpt.py on `nproc` CPU ranks and return its combined output.
 
     With `expect_success` a non-zero exit fails the test with the command and the end of the output; a run that
@@ -107,16 +135,25 @@ def run_pretrain(args: Sequence[str], nproc: int = 1, timeout: float = DEFAULT_T
 class PretrainProcess:
     """A running torchrun job in its own process group, its output read line by line as it arrives."""
 
-    def __init__(self, args: Sequence[str], nproc: int = 1, threads_per_rank: int = 1,
-                 entry_point: Path = ENTRY_POINT, env: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        args: Sequence[str],
+        nproc: int = 1,
+        threads_per_rank: int = 1,
+        entry_point: Path = ENTRY_POINT,
+        env: Optional[Dict[str, str]] = None,
+    ):
         self.nproc = nproc
         self.command = torchrun_command(args, nproc, entry_point)
         self._lines: List[str] = []
         self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
         self._popen = subprocess.Popen(
-            self.command, cwd=REPO_ROOT, env={**_subprocess_env(threads_per_rank), **(env or {})},
+            self.command,
+            cwd=REPO_ROOT,
+            env={**_subprocess_env(threads_per_rank), **(env or {})},
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,  # its own process group: one signal reaches torchrun and every rank
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -272,7 +309,7 @@ def parse_training_log(text: str) -> List[Dict[str, float]]:
         if match is None:
             continue
         record = {"iteration": int(match.group(1)), "train_iters": int(match.group(2))}
-        record.update(_fields(line[match.end():]))
+        record.update(_fields(line[match.end() :]))
         records.append(record)
     return records
 
@@ -283,7 +320,7 @@ def parse_validation_log(text: str) -> Dict[str, Dict[str, float]]:
     for line in text.splitlines():
         match = _VALIDATION.search(line)
         if match is not None:
-            results[match.group(1)] = _fields(line[match.end():])
+            results[match.group(1)] = _fields(line[match.end() :])
     return results
 
 

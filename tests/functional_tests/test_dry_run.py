@@ -10,9 +10,18 @@ def test_dry_run_reports_the_layout_and_exits_without_training(tmp_path, cpu_dat
     name, nproc, layout_flags = PARALLEL_LAYOUTS[0]
     assert name == "tp2_pp2_distopt"
     save_dir = tmp_path / "checkpoints"
-    flags = with_flag(EQUIVALENCE_FLAGS, "--train-iters", "10") + layout_flags + cpu_data_flags + [
-        "--dry-run", "--save", save_dir, "--save-interval", "5",
-    ]
+    flags = (
+        with_flag(EQUIVALENCE_FLAGS, "--train-iters", "10")
+        + layout_flags
+        + cpu_data_flags
+        + [
+            "--dry-run",
+            "--save",
+            save_dir,
+            "--save-interval",
+            "5",
+        ]
+    )
     result = run_pretrain(flags, nproc)
     report = result.output
 

@@ -14,8 +14,10 @@ def _fails_with(flags, pattern: str) -> None:
 
 
 def test_misspelled_flag_is_rejected_by_name(cpu_data_flags):
-    _fails_with(GOLDEN_FLAGS + cpu_data_flags + ["--hiden-size", "64"],
-                r"unknown flag --hiden-size; did you mean --hidden-size\?")
+    _fails_with(
+        GOLDEN_FLAGS + cpu_data_flags + ["--hiden-size", "64"],
+        r"unknown flag --hiden-size; did you mean --hidden-size\?",
+    )
 
 
 def test_global_batch_not_divisible_by_micro_batch_times_data_parallel(cpu_data_flags):

@@ -66,7 +66,7 @@ def _launch_with_stand_ins(script, env, args=(), extra_env=None):
     command = Path(env["CAPTURED_COMMAND"]).read_text().split("\0")[:-1]
     entry = next(i for i, arg in enumerate(command) if arg.endswith("pretrain_gpt.py"))
     assert Path(command[entry]) == REPO_ROOT / "pretrain_gpt.py"
-    return command[:entry], command[entry + 1:]
+    return command[:entry], command[entry + 1 :]
 
 
 def _launcher_world_size(launcher_args) -> int:
@@ -96,14 +96,21 @@ def _gpt2_style_inputs():
 @pytest.mark.parametrize("model_size", GPT3_SIZES)
 def test_gpt3_script_flags_parse_and_validate(model_size, stand_in_path, tmp_path, monkeypatch):
     launcher, megatron_args = _launch_with_stand_ins(
-        GPT3, stand_in_path, [str(tmp_path / "ckpt"), str(tmp_path / "tb"), *_gpt2_style_inputs()],
+        GPT3,
+        stand_in_path,
+        [str(tmp_path / "ckpt"), str(tmp_path / "tb"), *_gpt2_style_inputs()],
         {"MODEL_SIZE": model_size},
     )
     args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
     # The GPT-3 paper's shapes: d_head x heads is the attention width; FFN is 4 x d_model.
     expected = {
-        "125M": (12, 768, 12), "350M": (24, 1024, 16), "1.3B": (24, 2048, 24), "2.7B": (32, 2560, 32),
-        "6.7B": (32, 4096, 32), "13B": (40, 5120, 40), "175B": (96, 12288, 96),
+        "125M": (12, 768, 12),
+        "350M": (24, 1024, 16),
+        "1.3B": (24, 2048, 24),
+        "2.7B": (32, 2560, 32),
+        "6.7B": (32, 4096, 32),
+        "13B": (40, 5120, 40),
+        "175B": (96, 12288, 96),
     }[model_size]
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == expected
     assert args.ffn_hidden_size == 4 * args.hidden_size and args.seq_length == 2048
@@ -112,17 +119,23 @@ def test_gpt3_script_flags_parse_and_validate(model_size, stand_in_path, tmp_pat
 
 def test_gpt3_script_rejects_an_unknown_size(stand_in_path, tmp_path):
     ran = subprocess.run(
-        ["bash", str(GPT3), "a", "b", "c", "d", "e"], env={**stand_in_path, "MODEL_SIZE": "7B"},
-        capture_output=True, text=True,
+        ["bash", str(GPT3), "a", "b", "c", "d", "e"],
+        env={**stand_in_path, "MODEL_SIZE": "7B"},
+        capture_output=True,
+        text=True,
     )
     assert ran.returncode == 2 and "unknown MODEL_SIZE=7B" in ran.stderr
 
 
 def test_llama3_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeypatch):
     launcher, megatron_args = _launch_with_stand_ins(
-        LLAMA3, stand_in_path,
-        extra_env={"TOKENIZER_MODEL": str(tmp_path / "Meta-Llama-3-8B"), "DATA_PREFIX": builtin_data.data_prefix(),
-                   "CHECKPOINT_DIR": str(tmp_path / "ckpt")},
+        LLAMA3,
+        stand_in_path,
+        extra_env={
+            "TOKENIZER_MODEL": str(tmp_path / "Meta-Llama-3-8B"),
+            "DATA_PREFIX": builtin_data.data_prefix(),
+            "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        },
     )
     args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
     assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (32, 4096, 14336)
@@ -140,9 +153,13 @@ def test_llama3_script_requires_its_tokenizer(stand_in_path):
 
 def test_mixtral_8x7b_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeypatch):
     launcher, megatron_args = _launch_with_stand_ins(
-        MIXTRAL, stand_in_path,
-        extra_env={"TOKENIZER_MODEL": str(tmp_path / "tokenizer.model"), "DATA_PREFIX": builtin_data.data_prefix(),
-                   "CHECKPOINT_DIR": str(tmp_path / "ckpt")},
+        MIXTRAL,
+        stand_in_path,
+        extra_env={
+            "TOKENIZER_MODEL": str(tmp_path / "tokenizer.model"),
+            "DATA_PREFIX": builtin_data.data_prefix(),
+            "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        },
     )
     args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
     assert args.world_size == 64 and (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (4, 8)
@@ -163,10 +180,18 @@ def test_mixtral_cpu_script_flags_parse_and_validate(stand_in_path, tmp_path, mo
 def test_slurm_script_launches_torchrun_per_node_with_a_rendezvous(stand_in_path, tmp_path, monkeypatch):
     vocab, merges, data = _gpt2_style_inputs()
     launcher, megatron_args = _launch_with_stand_ins(
-        SLURM, stand_in_path,
-        extra_env={"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-                   "SLURM_SUBMIT_DIR": str(REPO_ROOT), "DATA_PREFIX": data, "VOCAB_FILE": vocab,
-                   "MERGE_FILE": merges, "CHECKPOINT_DIR": str(tmp_path / "ckpt")},
+        SLURM,
+        stand_in_path,
+        extra_env={
+            "SLURM_JOB_NODELIST": "node-[a-b]",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_SUBMIT_DIR": str(REPO_ROOT),
+            "DATA_PREFIX": data,
+            "VOCAB_FILE": vocab,
+            "MERGE_FILE": merges,
+            "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        },
     )
     assert launcher[launcher.index("--rdzv_endpoint") + 1] == "node-a:29500"
     assert launcher[launcher.index("--rdzv_id") + 1] == "4242"
@@ -187,11 +212,18 @@ def test_cpu_quickstart_flags_parse_and_validate(stand_in_path, tmp_path, monkey
 
 def _run_quickstart(checkpoint_dir, tmp_path, train_iters):
     env = dict(os.environ)
-    env.update(CHECKPOINT_DIR=str(checkpoint_dir), DATA_CACHE_DIR=str(tmp_path / "cache"),
-               TRAIN_ITERS=str(train_iters), OMP_NUM_THREADS="1")
+    env.update(
+        CHECKPOINT_DIR=str(checkpoint_dir),
+        DATA_CACHE_DIR=str(tmp_path / "cache"),
+        TRAIN_ITERS=str(train_iters),
+        OMP_NUM_THREADS="1",
+    )
     ran = subprocess.run(
         ["bash", str(CPU_QUICKSTART), "--eval-iters", "1", "--log-interval", "1"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = ran.stdout + ran.stderr
     assert ran.returncode == 0, output[-4000:]

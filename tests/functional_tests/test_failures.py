@@ -31,8 +31,14 @@ def _run_failing(flags, nproc, tmp_path, fail_with="crash"):
     """Run with one rank raising at iteration 2; returns the result and the seconds from the raise to the job's end."""
     failed_at = tmp_path / "failed_at"
     env = {"FAIL_AT_ITERATION": "2", "FAIL_WITH": fail_with, "FAIL_LOG": str(failed_at)}
-    result = run_pretrain(flags + ["--num-workers", "2"], nproc=nproc, expect_success=False, timeout=120,
-                          entry_point=FAIL_AT_ITERATION, env=env)
+    result = run_pretrain(
+        flags + ["--num-workers", "2"],
+        nproc=nproc,
+        expect_success=False,
+        timeout=120,
+        entry_point=FAIL_AT_ITERATION,
+        env=env,
+    )
     assert failed_at.exists(), f"the job ended before the injected failure\n{result.describe()}"
     return result, time.time() - float(failed_at.read_text())
 
@@ -55,7 +61,7 @@ def test_an_input_error_is_one_short_block_starting_with_the_message(cpu_data_fl
     first = next(i for i, line in enumerate(lines) if "injected failure" in line)
     assert lines[first].endswith("error: injected failure at iteration 2"), result.describe()
     assert "MEGATRON_LITE_VERBOSE_ERRORS=1" in lines[first + 1], result.describe()
-    assert "Traceback" not in "\n".join(lines[first - 3:first + 3]), result.describe()
+    assert "Traceback" not in "\n".join(lines[first - 3 : first + 3]), result.describe()
     assert result.output.count("injected failure") == 1, result.describe()
 
 
@@ -71,8 +77,7 @@ def test_a_configuration_error_on_four_ranks_prints_once_and_no_argument_dump(cp
 
 def test_verbose_errors_give_every_rank_its_traceback(cpu_data_flags):
     flags = with_flag(GOLDEN_FLAGS, "--global-batch-size", "10") + cpu_data_flags
-    result = run_pretrain(flags, nproc=2, expect_success=False, timeout=120,
-                          env={"MEGATRON_LITE_VERBOSE_ERRORS": "1"})
+    result = run_pretrain(flags, nproc=2, expect_success=False, timeout=120, env={"MEGATRON_LITE_VERBOSE_ERRORS": "1"})
     assert result.returncode != 0, result.describe()
     # Both ranks fail the same check, but torchrun SIGTERMs the others as soon as the first one exits: each rank
     # printed its own traceback (the once-per-error deduplication is off) unless it was stopped before the check.
@@ -84,10 +89,22 @@ def test_verbose_errors_give_every_rank_its_traceback(cpu_data_flags):
 @linux_only
 def test_killing_torchrun_takes_every_rank_down_and_nothing_is_written_after(cpu_data_flags, tmp_path):
     save_dir = tmp_path / "checkpoints"
-    flags = with_flag(GOLDEN_FLAGS, "--train-iters", "100000") + cpu_data_flags + [
-        "--tensor-model-parallel-size", "2", "--num-workers", "2", "--eval-iters", "0",
-        "--save", save_dir, "--save-interval", "2",
-    ]
+    flags = (
+        with_flag(GOLDEN_FLAGS, "--train-iters", "100000")
+        + cpu_data_flags
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--num-workers",
+            "2",
+            "--eval-iters",
+            "0",
+            "--save",
+            save_dir,
+            "--save-interval",
+            "2",
+        ]
+    )
     job = PretrainProcess(flags, nproc=4)
     processes: Set[int] = set()
     try:
@@ -101,9 +118,7 @@ def test_killing_torchrun_takes_every_rank_down_and_nothing_is_written_after(cpu
             time.sleep(0.1)
         survivors = alive_processes(processes)
         assert not survivors, f"{len(survivors)} processes outlived torchrun by {LAUNCHER_DEATH_BOUND_S} s"
-        written_after = [
-            path for path in save_dir.rglob("*") if path.stat().st_mtime > killed_at + 0.5
-        ]
+        written_after = [path for path in save_dir.rglob("*") if path.stat().st_mtime > killed_at + 0.5]
         assert not written_after, f"written after torchrun was killed: {written_after}"
     finally:
         kill_processes(processes)
@@ -111,11 +126,12 @@ def test_killing_torchrun_takes_every_rank_down_and_nothing_is_written_after(cpu
 
 
 def _file_digests(directory: Path) -> Dict[str, int]:
-    return {str(path.relative_to(directory)): hash(path.read_bytes()) for path in directory.rglob("*") if path.is_file()}
+    return {
+        str(path.relative_to(directory)): hash(path.read_bytes()) for path in directory.rglob("*") if path.is_file()
+    }
 
 
-def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(golden_run, cpu_data_flags,
-                                                                                 tmp_path):
+def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(golden_run, cpu_data_flags, tmp_path):
     import shutil
 
     save_dir = tmp_path / "checkpoints"
@@ -126,8 +142,9 @@ def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(
     (interrupted / "__0_0.distcp").write_bytes(b"\0" * 4096)
     complete_before = _file_digests(save_dir / "iter_0000010")
 
-    resumed = run_pretrain(GOLDEN_FLAGS + cpu_data_flags + ["--load", save_dir, "--save", save_dir,
-                                                           "--save-interval", "10"])
+    resumed = run_pretrain(
+        GOLDEN_FLAGS + cpu_data_flags + ["--load", save_dir, "--save", save_dir, "--save-interval", "10"]
+    )
     assert f"ignoring incomplete checkpoint iter_0000015 in {save_dir}: no metadata" in resumed.output
     assert f"removed incomplete checkpoint {interrupted}" in resumed.output
     assert not interrupted.exists()
@@ -138,9 +155,18 @@ def test_an_interrupted_save_is_reported_on_resume_and_removed_by_the_next_save(
 def test_progress_events_of_a_multi_rank_job_are_printed_in_order(cpu_data_flags, tmp_path):
     """Training and validation lines, evaluation progress and checkpoint messages come from one rank (the last),
     so the merged output of TP2 x DP2 (rank 0 is not the last rank) reads in the order things happened."""
-    flags = with_flag(with_flag(GOLDEN_FLAGS, "--train-iters", "4"), "--eval-interval", "2") + cpu_data_flags + [
-        "--tensor-model-parallel-size", "2", "--save", tmp_path, "--save-interval", "2",
-    ]
+    flags = (
+        with_flag(with_flag(GOLDEN_FLAGS, "--train-iters", "4"), "--eval-interval", "2")
+        + cpu_data_flags
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--save",
+            tmp_path,
+            "--save-interval",
+            "2",
+        ]
+    )
     output = run_pretrain(flags, nproc=4).output
     patterns = {
         "train": re.compile(r"\biteration\s+\d+/\s*\d+ \|"),

@@ -37,7 +37,7 @@ def _observed(result) -> dict:
     validation = parse_validation_log(result.output)
     return {
         "description": "2-layer GPT (hidden 64, 4 heads, seq 64) on the built-in Shakespeare corpus; 1 rank, fp32, "
-                       "OMP_NUM_THREADS=1; flags below plus the built-in data/tokenizer flags and the CPU switches",
+        "OMP_NUM_THREADS=1; flags below plus the built-in data/tokenizer flags and the CPU switches",
         "regenerate": f"{REGENERATE_ENV}=1 python -m pytest tests/functional_tests/test_golden_values.py",
         "torch_version": torch.__version__,
         "flags": " ".join(GOLDEN_FLAGS),

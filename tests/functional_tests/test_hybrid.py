@@ -24,16 +24,66 @@ ENTRY_POINT = REPO_ROOT / "pretrain_hybrid.py"
 GOLDEN_FILE = Path(__file__).parent / "golden_values" / "hybrid_tiny_tp2.json"
 ITERATIONS = 12
 HYBRID_FLAGS = [
-    "--hybrid-layer-pattern", "M*-M-", "--hidden-size", "64", "--ffn-hidden-size", "128",
-    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-    "--mamba-state-dim", "8", "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--squared-relu",
-    "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "none",
-    "--seq-length", "64", "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization",
-    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERATIONS),
-    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-    "--lr-decay-iters", str(ITERATIONS),
-    "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
+    "--hybrid-layer-pattern",
+    "M*-M-",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--mamba-state-dim",
+    "8",
+    "--mamba-head-dim",
+    "16",
+    "--mamba-num-groups",
+    "2",
+    "--squared-relu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "none",
+    "--seq-length",
+    "64",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--use-cpu-initialization",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    str(ITERATIONS),
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "2e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-decay-iters",
+    str(ITERATIONS),
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
 ]
 CURVES = ("lm loss", "learning rate", "grad norm")
 
@@ -41,15 +91,16 @@ CURVES = ("lm loss", "learning rate", "grad norm")
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory, cpu_data_flags):
     save_dir = tmp_path_factory.mktemp("hybrid_checkpoints")
-    result = run_pretrain(HYBRID_FLAGS + cpu_data_flags + ["--save", save_dir, "--save-interval", "6"], nproc=2,
-                          entry_point=ENTRY_POINT)
+    result = run_pretrain(
+        HYBRID_FLAGS + cpu_data_flags + ["--save", save_dir, "--save-interval", "6"], nproc=2, entry_point=ENTRY_POINT
+    )
     return result, save_dir
 
 
 def _observed(result) -> dict:
     return {
         "description": "5-layer Mamba-2 hybrid M*-M- (hidden 64, GQA, squared ReLU) on the built-in corpus; 2 ranks "
-                       "TP2 + SP + distributed optimizer, no dropout, fp32, OMP_NUM_THREADS=1",
+        "TP2 + SP + distributed optimizer, no dropout, fp32, OMP_NUM_THREADS=1",
         "regenerate": f"{REGENERATE_ENV}=1 python -m pytest tests/functional_tests/test_hybrid.py",
         "torch_version": torch.__version__,
         "flags": " ".join(HYBRID_FLAGS),
@@ -81,8 +132,9 @@ def test_hybrid_model_trains_and_reproduces_its_golden_values(hybrid_run):
 
 def test_hybrid_resume_reproduces_the_uninterrupted_run(hybrid_run, cpu_data_flags):
     result, save_dir = hybrid_run
-    resumed = run_pretrain(HYBRID_FLAGS + cpu_data_flags + ["--load", save_dir, "--ckpt-step", "6"], nproc=2,
-                           entry_point=ENTRY_POINT)
+    resumed = run_pretrain(
+        HYBRID_FLAGS + cpu_data_flags + ["--load", save_dir, "--ckpt-step", "6"], nproc=2, entry_point=ENTRY_POINT
+    )
     assert "successfully loaded checkpoint" in resumed.output
     assert min(resumed.curve()) == 7
     for key in CURVES:
@@ -99,8 +151,14 @@ def test_checkpoint_args_carry_the_hybrid_shape(hybrid_run):
     _, save_dir = hybrid_run
     args = parse_args_list(["--load", str(save_dir), "--use-checkpoint-args"], extra_args_provider=hybrid_model_flags)
     load_args_from_checkpoint(args)
-    assert (args.hybrid_layer_pattern, args.num_layers, args.mamba_state_dim, args.mamba_head_dim,
-            args.mamba_num_groups, args.is_hybrid_model) == ("M*-M-", 5, 8, 16, 2, True)
+    assert (
+        args.hybrid_layer_pattern,
+        args.num_layers,
+        args.mamba_state_dim,
+        args.mamba_head_dim,
+        args.mamba_num_groups,
+        args.is_hybrid_model,
+    ) == ("M*-M-", 5, 8, 16, 2, True)
 
 
 def test_checkpoint_args_take_the_layout_only_when_asked(hybrid_run):
@@ -113,8 +171,9 @@ def test_checkpoint_args_take_the_layout_only_when_asked(hybrid_run):
     _, save_dir = hybrid_run
     sizes = {}
     for extra in ([], ["--use-mp-args-from-checkpoint-args"]):
-        args = parse_args_list(["--load", str(save_dir), "--use-checkpoint-args", *extra],
-                               extra_args_provider=hybrid_model_flags)
+        args = parse_args_list(
+            ["--load", str(save_dir), "--use-checkpoint-args", *extra], extra_args_provider=hybrid_model_flags
+        )
         sizes[bool(extra)] = load_args_from_checkpoint(args).tensor_model_parallel_size
     assert sizes == {False: 1, True: 2}
 
@@ -127,11 +186,16 @@ def test_hybrid_pipeline_and_data_parallel_train_like_tensor_parallel(hybrid_run
 
     result, _ = hybrid_run
     flags = [flag for flag in HYBRID_FLAGS if flag != "--sequence-parallel"]
-    for name, value in (("--tensor-model-parallel-size", "1"), ("--hybrid-layer-pattern", "M*-|M-"),
-                        ("--train-iters", "6"), ("--lr-decay-iters", str(ITERATIONS))):
+    for name, value in (
+        ("--tensor-model-parallel-size", "1"),
+        ("--hybrid-layer-pattern", "M*-|M-"),
+        ("--train-iters", "6"),
+        ("--lr-decay-iters", str(ITERATIONS)),
+    ):
         flags = with_flag(flags, name, value)
-    parallel = run_pretrain(flags + ["--pipeline-model-parallel-size", "2"] + cpu_data_flags, nproc=4,
-                            entry_point=ENTRY_POINT)
+    parallel = run_pretrain(
+        flags + ["--pipeline-model-parallel-size", "2"] + cpu_data_flags, nproc=4, entry_point=ENTRY_POINT
+    )
     expected = {i: v for i, v in result.curve().items() if i <= 6}
     assert_curves_close(parallel.curve(), expected, LAYOUT_REL_TOL, f"PP2 x DP2\n{parallel.describe()}")
 
@@ -148,11 +212,26 @@ def test_generate_from_a_hybrid_checkpoint_at_tp1_and_tp2(hybrid_run):
     outputs = []
     for nproc in (1, 2):
         flags = model_flags + [
-            "--tensor-model-parallel-size", str(nproc), "--distributed-backend", "gloo",
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", builtin_data.vocab_file(),
-            "--merge-file", builtin_data.merge_file(), "--load", str(save_dir),
-            "--prompts", "ROMEO:", "First Citizen: Before we proceed any further,",
-            "--num-tokens-to-generate", "6", "--top_k", "1", "--return-log-probs",
+            "--tensor-model-parallel-size",
+            str(nproc),
+            "--distributed-backend",
+            "gloo",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            builtin_data.vocab_file(),
+            "--merge-file",
+            builtin_data.merge_file(),
+            "--load",
+            str(save_dir),
+            "--prompts",
+            "ROMEO:",
+            "First Citizen: Before we proceed any further,",
+            "--num-tokens-to-generate",
+            "6",
+            "--top_k",
+            "1",
+            "--return-log-probs",
         ]
         result = run_pretrain(flags, nproc, entry_point=script)
         lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"prompt"')]
@@ -172,15 +251,18 @@ def test_text_generation_server_serves_a_hybrid_checkpoint(hybrid_run, cpu_data_
     _, save_dir = hybrid_run
     model_flags = HYBRID_FLAGS[: HYBRID_FLAGS.index("--tensor-model-parallel-size")]
     generated = run_pretrain(
-        model_flags + cpu_data_flags[: cpu_data_flags.index("--data-path")]
-        + cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
+        model_flags
+        + cpu_data_flags[: cpu_data_flags.index("--data-path")]
+        + cpu_data_flags[cpu_data_flags.index("--tokenizer-type") :][:6]
         + ["--load", str(save_dir), "--prompts", "ROMEO:", "--num-tokens-to-generate", "6", "--top_k", "1"],
-        1, entry_point=REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py",
+        1,
+        entry_point=REPO_ROOT / "examples" / "inference" / "generate_from_checkpoint.py",
     )
     expected = [json.loads(line) for line in generated.output.splitlines() if line.startswith('{"prompt"')]
     assert len(expected) == 1 and expected[0]["generated_tokens"], generated.describe()
-    server = _Server(str(save_dir), cpu_data_flags, nproc=2, model_flags=model_flags,
-                     extra=["--tensor-model-parallel-size", "2"])
+    server = _Server(
+        str(save_dir), cpu_data_flags, nproc=2, model_flags=model_flags, extra=["--tensor-model-parallel-size", "2"]
+    )
     try:
         model = server.client.models.list().data[0].id
         choice = server.client.completions.create(model=model, prompt="ROMEO:", max_tokens=6, temperature=0).choices[0]

@@ -36,17 +36,23 @@ def _validated_arguments(script, env, extra_env, monkeypatch):
     assert Path(command[entry]) == REPO_ROOT / "pretrain_hybrid.py"
     monkeypatch.setenv("WORLD_SIZE", str(_launcher_world_size(command[:entry])))
     monkeypatch.setenv("RANK", "0")
-    args = parse_args_list(command[entry + 1:], extra_args_provider=hybrid_model_flags)
+    args = parse_args_list(command[entry + 1 :], extra_args_provider=hybrid_model_flags)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # nccl -> gloo and the fused kernels on this CPU machine
         return validate_args(args)
 
 
 def test_8b_hybrid_script_flags_parse_and_validate(stand_in_path, tmp_path, monkeypatch):  # noqa: F811
-    args = _validated_arguments(HYBRID_8B, stand_in_path, {
-        "TOKENIZER_MODEL": str(tmp_path / "tokenizer"), "DATA_PREFIX": builtin_data.data_prefix(),
-        "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-    }, monkeypatch)
+    args = _validated_arguments(
+        HYBRID_8B,
+        stand_in_path,
+        {
+            "TOKENIZER_MODEL": str(tmp_path / "tokenizer"),
+            "DATA_PREFIX": builtin_data.data_prefix(),
+            "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        },
+        monkeypatch,
+    )
     assert args.hybrid_layer_pattern == PATTERN_8B and args.num_layers == 56 and args.is_hybrid_model
     assert (args.hidden_size, args.num_attention_heads, args.num_query_groups) == (4096, 32, 8)
     assert (args.mamba_state_dim, args.mamba_head_dim, args.mamba_num_groups) == (128, 64, 8)

@@ -15,12 +15,30 @@ LAYOUTS = [(1, []), (2, ["--tensor-model-parallel-size", "2"]), (2, ["--pipeline
 
 
 def _generate(checkpoint_dir, nproc, layout_flags):
-    flags = MODEL_FLAGS + layout_flags + [
-        "--distributed-backend", "gloo", "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", builtin_data.vocab_file(), "--merge-file", builtin_data.merge_file(),
-        "--load", checkpoint_dir, "--prompts", "ROMEO:", "First Citizen: Before we proceed any further,",
-        "--num-tokens-to-generate", "6", "--top_k", "1", "--return-log-probs",
-    ]
+    flags = (
+        MODEL_FLAGS
+        + layout_flags
+        + [
+            "--distributed-backend",
+            "gloo",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            builtin_data.vocab_file(),
+            "--merge-file",
+            builtin_data.merge_file(),
+            "--load",
+            checkpoint_dir,
+            "--prompts",
+            "ROMEO:",
+            "First Citizen: Before we proceed any further,",
+            "--num-tokens-to-generate",
+            "6",
+            "--top_k",
+            "1",
+            "--return-log-probs",
+        ]
+    )
     result = run_pretrain(flags, nproc, entry_point=SCRIPT)
     lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"prompt"')]
     assert len(lines) == 2, result.describe()

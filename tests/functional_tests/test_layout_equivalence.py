@@ -6,7 +6,8 @@ on the layout) on the same global batches for 10 iterations; its loss curve must
 Tolerance: a relative 1e-5 on the loss (DESIGN.md's fp32 equivalence bound). The layouts differ only in summation
 order (split matmuls, all-reduces, sharded optimizer steps); over 10 steps that moved the printed loss by at most
 2.4e-7 relative (measured for all four layouts), while a real bug (a missing all-reduce, a wrong shard, a skipped
-micro-batch) changes the loss in its third digit or earlier. The grad norm, printed with 3 decimals, may differ by 2 in the last; learning rate and consumed samples
+micro-batch) changes the loss in its third digit or earlier. The grad norm, printed with 3 decimals, may differ by 2 in
+the last; learning rate and consumed samples
 must be identical.
 """
 

@@ -33,8 +33,18 @@ GOLDEN_FILE = Path(__file__).parent / "golden_values" / "gpt_moe_tiny_ep1.json"
 REGENERATE_ENV = "MEGATRON_REGENERATE_GOLDEN_VALUES"
 ITERATIONS, SAVED_AT = 10, 5
 MOE_FLAGS = with_flag(with_flag(EQUIVALENCE_FLAGS, "--num-layers", "2"), "--train-iters", str(ITERATIONS)) + [
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "64",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
 ]
 LOSSES = ("lm loss", "load_balancing_loss", "z_loss")
 LOSS_REL_TOL = 1e-5
@@ -63,12 +73,14 @@ def _assert_like(result, reference, iterations, what):
 def test_ep1_moe_reproduces_its_golden_values(moe_reference):
     observed = {
         "description": "2-layer GPT, 4 experts top-2 (alltoall), aux loss 1e-2, z-loss 1e-3; 1 rank, fp32, "
-                       "OMP_NUM_THREADS=1; flags below plus the built-in data/tokenizer flags and the CPU switches",
+        "OMP_NUM_THREADS=1; flags below plus the built-in data/tokenizer flags and the CPU switches",
         "regenerate": f"{REGENERATE_ENV}=1 python -m pytest tests/functional_tests/test_moe.py",
         "torch_version": torch.__version__,
         "flags": " ".join(MOE_FLAGS),
-        **{key: {str(i): v for i, v in moe_reference.curve(key).items()}
-           for key in LOSSES + ("learning rate", "grad norm")},
+        **{
+            key: {str(i): v for i, v in moe_reference.curve(key).items()}
+            for key in LOSSES + ("learning rate", "grad norm")
+        },
     }
     if os.environ.get(REGENERATE_ENV) == "1":
         GOLDEN_FILE.write_text(json.dumps(observed, indent=2) + "\n")
@@ -86,17 +98,36 @@ def test_ep1_moe_reproduces_its_golden_values(moe_reference):
 
 def test_ep2_pp2_then_resumed_at_tp2_ep2_sp_trains_like_ep1(moe_reference, cpu_data_flags, tmp_path):
     first = run_pretrain(
-        MOE_FLAGS + cpu_data_flags + [
-            "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
-            "--save", tmp_path, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT),
+        MOE_FLAGS
+        + cpu_data_flags
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--save",
+            tmp_path,
+            "--save-interval",
+            str(SAVED_AT),
+            "--exit-interval",
+            str(SAVED_AT),
         ],
         nproc=4,
     )
     _assert_like(first, moe_reference, range(1, SAVED_AT + 1), "EP2 x PP2, distributed optimizer")
     resumed = run_pretrain(
-        MOE_FLAGS + cpu_data_flags + [
-            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-            "--use-distributed-optimizer", "--load", tmp_path,
+        MOE_FLAGS
+        + cpu_data_flags
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--load",
+            tmp_path,
         ],
         nproc=4,
     )

@@ -61,10 +61,20 @@ def test_resharded_resume_restores_weights_and_optimizer_state_exactly(tp2_pp2_r
     assert _tracker_iteration(tp2_pp2_run.checkpoint_dir) == EQUIVALENCE_ITERS
     resave_dir = tmp_path / "tp1_dp2"
     # Loading at iteration 10 with --train-iters 10 trains nothing and saves at the end: the loaded state, re-saved.
-    flags = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_ITERS)) + cpu_data_flags + [
-        "--use-distributed-optimizer", "--load", tp2_pp2_run.checkpoint_dir, "--use-checkpoint-opt-param-scheduler",
-        "--save", resave_dir, "--save-interval", "1000",
-    ]
+    flags = (
+        with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_ITERS))
+        + cpu_data_flags
+        + [
+            "--use-distributed-optimizer",
+            "--load",
+            tp2_pp2_run.checkpoint_dir,
+            "--use-checkpoint-opt-param-scheduler",
+            "--save",
+            resave_dir,
+            "--save-interval",
+            "1000",
+        ]
+    )
     result = run_pretrain(flags, nproc=2)
     assert result.records == [] and _tracker_iteration(resave_dir) == EQUIVALENCE_ITERS, result.describe()
 
@@ -77,13 +87,21 @@ def test_resharded_resume_restores_weights_and_optimizer_state_exactly(tp2_pp2_r
 
 
 def test_resharded_resume_continues_the_single_process_curve(tp2_pp2_run, equivalence_reference, cpu_data_flags):
-    flags = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_REFERENCE_ITERS)) + cpu_data_flags + [
-        "--use-distributed-optimizer", "--load", tp2_pp2_run.checkpoint_dir,
-    ]
+    flags = (
+        with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_REFERENCE_ITERS))
+        + cpu_data_flags
+        + [
+            "--use-distributed-optimizer",
+            "--load",
+            tp2_pp2_run.checkpoint_dir,
+        ]
+    )
     resumed = run_pretrain(flags, nproc=2)
     assert "RNG state not restored" in resumed.output
     assert_curves_close(
-        resumed.curve(), _after(equivalence_reference.curve(), EQUIVALENCE_ITERS), LOSS_REL_TOL,
+        resumed.curve(),
+        _after(equivalence_reference.curve(), EQUIVALENCE_ITERS),
+        LOSS_REL_TOL,
         f"TP2 x PP2 checkpoint resumed at TP1 x DP2\n{resumed.describe()}",
     )
     assert resumed.curve("learning rate") == _after(equivalence_reference.curve("learning rate"), EQUIVALENCE_ITERS)
@@ -100,8 +118,8 @@ def test_sigterm_saves_a_checkpoint_and_a_resume_continues(equivalence_reference
     planned_iters = 100  # far more than it will run: the signal, not the end of training, must stop it
     common = EQUIVALENCE_FLAGS + cpu_data_flags + ["--pipeline-model-parallel-size", "2", "--num-workers", "0"]
     job = PretrainProcess(
-        with_flag(common, "--train-iters", str(planned_iters)) + ["--exit-signal-handler", "--save", save_dir,
-                                                                   "--save-interval", "1000"],
+        with_flag(common, "--train-iters", str(planned_iters))
+        + ["--exit-signal-handler", "--save", save_dir, "--save-interval", "1000"],
         nproc=2,
     )
     job.wait_for_line(lambda line: re.search(r"iteration\s+3/", line) is not None)
@@ -124,7 +142,9 @@ def test_sigterm_saves_a_checkpoint_and_a_resume_continues(equivalence_reference
     )
     assert min(resumed.curve()) == stopped_at + 1
     assert_curves_close(
-        resumed.curve(), _after(equivalence_reference.curve(), stopped_at), LOSS_REL_TOL,
+        resumed.curve(),
+        _after(equivalence_reference.curve(), stopped_at),
+        LOSS_REL_TOL,
         f"resumed after SIGTERM at iteration {stopped_at}\n{resumed.describe()}",
     )
 
@@ -132,14 +152,17 @@ def test_sigterm_saves_a_checkpoint_and_a_resume_continues(equivalence_reference
 def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(golden_run, cpu_data_flags):
     """--use-checkpoint-args: a resume with other shape flags on its command line still builds the saved model."""
     flags = with_flag(with_flag(GOLDEN_FLAGS, "--hidden-size", "128"), "--num-layers", "4")
-    resumed = run_pretrain(flags + cpu_data_flags + ["--load", golden_run.checkpoint_dir, "--ckpt-step", "10",
-                                                     "--use-checkpoint-args"])
+    resumed = run_pretrain(
+        flags + cpu_data_flags + ["--load", golden_run.checkpoint_dir, "--ckpt-step", "10", "--use-checkpoint-args"]
+    )
     assert "successfully loaded checkpoint" in resumed.output
     assert resumed.curve() == _after(golden_run.result.curve(), 10), resumed.describe()
 
 
 def test_use_checkpoint_args_without_a_checkpoint_names_the_directory(cpu_data_flags, tmp_path):
-    result = run_pretrain(GOLDEN_FLAGS + cpu_data_flags + ["--load", str(tmp_path / "none"), "--use-checkpoint-args"],
-                          expect_success=False)
+    result = run_pretrain(
+        GOLDEN_FLAGS + cpu_data_flags + ["--load", str(tmp_path / "none"), "--use-checkpoint-args"],
+        expect_success=False,
+    )
     assert result.returncode != 0
     assert f"--use-checkpoint-args: no checkpoint to take the arguments from in {tmp_path / 'none'}" in result.output

@@ -32,12 +32,26 @@ def _model_flags():
 
 class _Server:
     def __init__(self, checkpoint_dir, cpu_data_flags, nproc, model_flags, extra=()):
-        tokenizer_flags = cpu_data_flags[cpu_data_flags.index("--tokenizer-type"):][:6]
+        tokenizer_flags = cpu_data_flags[cpu_data_flags.index("--tokenizer-type") :][:6]
         cpu_flags = [f for f in cpu_data_flags[: cpu_data_flags.index("--data-path")]]
-        args = list(model_flags) + cpu_flags + tokenizer_flags + [
-            "--load", checkpoint_dir, "--port", "0", "--host", "127.0.0.1", "--top_k", "1",
-            "--inference-max-requests", "4", *extra,
-        ]
+        args = (
+            list(model_flags)
+            + cpu_flags
+            + tokenizer_flags
+            + [
+                "--load",
+                checkpoint_dir,
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--top_k",
+                "1",
+                "--inference-max-requests",
+                "4",
+                *extra,
+            ]
+        )
         self.process = PretrainProcess(args, nproc, entry_point=SERVER)
         self.banner = self.process.wait_for_line(lambda line: line.startswith("serving '"), timeout=240)
         # --port 0: rank 0 listens on a free port, bound before the job starts, and the banner names it.
@@ -61,27 +75,50 @@ class _Server:
 
 def _greedy_with_prompt_log_probs(client):
     model = client.models.list().data[0].id
-    choice = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
-                                       logprobs=0).choices[0]
+    choice = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=0
+    ).choices[0]
     return choice.text, choice.logprobs.token_logprobs
 
 
 def test_tp2_server_answers_like_the_single_rank_server(golden_run, cpu_data_flags):
     checkpoint = golden_run.checkpoint_dir
     # The TP2 server reads the model's shape from the checkpoint (which was saved at TP1) and keeps TP2.
-    server = _Server(checkpoint, cpu_data_flags, nproc=2, model_flags=["--use-checkpoint-args"],
-                     extra=["--tensor-model-parallel-size", "2"])
+    server = _Server(
+        checkpoint,
+        cpu_data_flags,
+        nproc=2,
+        model_flags=["--use-checkpoint-args"],
+        extra=["--tensor-model-parallel-size", "2"],
+    )
     try:
         assert " at TP=2 PP=1 " in server.banner
         text_tp2, log_probs_tp2 = _greedy_with_prompt_log_probs(server.client)
         assert text_tp2.startswith(PROMPT) and len(text_tp2) > len(PROMPT)
-        chat = server.client.chat.completions.create(model=checkpoint.name, max_tokens=4, n=2, seed=5,
-                                                     temperature=1.0,
-                                                     messages=[{"role": "user", "content": "Speak."}])
+        chat = server.client.chat.completions.create(
+            model=checkpoint.name,
+            max_tokens=4,
+            n=2,
+            seed=5,
+            temperature=1.0,
+            messages=[{"role": "user", "content": "Speak."}],
+        )
         assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
         # The CLI talks to PUT /api; with the server's --top_k 1 default it is greedy too.
-        cli = subprocess.run([sys.executable, str(CLI), server.url.removeprefix("http://"), "--prompt", PROMPT,
-                              "--tokens-to-generate", "6"], capture_output=True, text=True, timeout=60)
+        cli = subprocess.run(
+            [
+                sys.executable,
+                str(CLI),
+                server.url.removeprefix("http://"),
+                "--prompt",
+                PROMPT,
+                "--tokens-to-generate",
+                "6",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout == text_tp2 + "\n"
     finally:

@@ -25,8 +25,7 @@ MANIFEST = Path(__file__).parent / "data" / "megatron-core-0.19-api.txt"
 COMPATIBILITY_DOC = REPO_ROOT / "docs" / "compatibility.md"
 
 # Module prefixes of features not built yet: their whole API arrives with them.
-LATER = {
-}
+LATER = {}
 
 
 def parse_manifest(text: str) -> Dict[str, Dict[str, str]]:
@@ -41,7 +40,7 @@ def parse_manifest(text: str) -> Dict[str, Dict[str, str]]:
         elif module is None or not line.strip():
             continue
         elif line.startswith("importable here: "):
-            for item in line[len("importable here: "):].split(", "):
+            for item in line[len("importable here: ") :].split(", "):
                 modules[module]["import " + item.split(" (from ")[0]] = item
         elif not line.startswith("    "):
             kind, rest = line.split(" ", 1)
@@ -56,7 +55,7 @@ def parse_manifest(text: str) -> Dict[str, Dict[str, str]]:
 def _split_parameters(signature: str) -> List[str]:
     """The top-level comma-separated parts between the first "(" and its matching ")"."""
     parts, depth, current = [], 0, ""
-    for char in signature[signature.index("(") + 1:]:
+    for char in signature[signature.index("(") + 1 :]:
         if char == ")" and depth == 0:
             break
         depth += char in "([{"
@@ -91,7 +90,7 @@ def _field_default(field: dataclasses.Field) -> str:
 def check_entry(module, key: str, line: str) -> str:
     """'' when the entry matches, else what is wrong."""
     if key.startswith("import "):
-        return "" if hasattr(module, key[len("import "):]) else "not importable from the package"
+        return "" if hasattr(module, key[len("import ") :]) else "not importable from the package"
     head, _, member = key.partition(" :: ")
     kind, name = head.split(" ", 1)
     obj = getattr(module, name, None)
@@ -177,10 +176,10 @@ def test_every_exclusion_has_a_reason_and_is_still_needed():
         assert len(reason) > 20, f"{module_pattern} | {entry_pattern}: say why it is left out"
         differing = [
             (module_name, key)
-            for module_name in MODULES if fnmatch.fnmatchcase(module_name, module_pattern)
+            for module_name in MODULES
+            if fnmatch.fnmatchcase(module_name, module_pattern)
             for key, line in REFERENCE[module_name].items()
-            if fnmatch.fnmatchcase(key, entry_pattern)
-            and check_entry(importlib.import_module(module_name), key, line)
+            if fnmatch.fnmatchcase(key, entry_pattern) and check_entry(importlib.import_module(module_name), key, line)
         ]
         assert differing, f"{module_pattern} | {entry_pattern} excuses nothing that differs: remove the row"
 

@@ -31,7 +31,9 @@ def _fail_on_rank_one():
 
 def test_failure_reports_rank_traceback_and_stops_the_others():
     start = time.monotonic()
-    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 failed first.*boom on purpose.*ranks \[0\] were stopped"):
+    with pytest.raises(
+        DistributedTestError, match=r"(?s)rank 1 failed first.*boom on purpose.*ranks \[0\] were stopped"
+    ):
         run_distributed(2, _fail_on_rank_one, timeout=60)
     assert time.monotonic() - start < 30
     # The pool recovers: the next job runs normally on fresh workers.

@@ -26,35 +26,46 @@ def test_constant_global_batch_size():
 
 
 def test_constant_batch_size_rounds_down_only_when_asked():
-    with pytest.raises(ValueError, match=r"global batch size \(30\) is not divisible by micro batch size \(2\) "
-                                         r"times data parallel size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size \(30\) is not divisible by micro batch size \(2\) "
+        r"times data parallel size \(4\)",
+    ):
         mb.init_num_microbatches_calculator(0, None, 30, 2, 4)
     mb.init_num_microbatches_calculator(0, None, 30, 2, 4, decrease_batch_size_if_needed=True)
     assert mb.get_current_global_batch_size() == 30
     assert mb.get_current_running_global_batch_size() == 24 and mb.get_num_microbatches() == 3
-    with pytest.raises(ValueError, match=r"global batch size \(6\) is smaller than micro batch size \(2\) times data "
-                                         r"parallel size \(4\): no micro-batch fits"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size \(6\) is smaller than micro batch size \(2\) times data "
+        r"parallel size \(4\): no micro-batch fits",
+    ):
         mb.reconfigure_num_microbatches_calculator(0, None, 6, 2, 4, decrease_batch_size_if_needed=True)
 
 
 def test_rampup_grows_evenly_over_the_rampup_samples():
     # 8 -> 32 in steps of 8 over 300 samples: 3 increments, one every 100 samples.
-    mb.init_num_microbatches_calculator(0, [8, 8, 300], global_batch_size=32, micro_batch_size=2,
-                                        data_parallel_size=2)
+    mb.init_num_microbatches_calculator(0, [8, 8, 300], global_batch_size=32, micro_batch_size=2, data_parallel_size=2)
     seen = {}
     for consumed in (0, 99, 100, 199, 200, 299, 300, 301, 10_000):
         mb.update_num_microbatches(consumed, consistency_check=True)
         seen[consumed] = (mb.get_current_global_batch_size(), mb.get_num_microbatches())
     assert seen == {
-        0: (8, 2), 99: (8, 2), 100: (16, 4), 199: (16, 4), 200: (24, 6), 299: (24, 6), 300: (32, 8),
-        301: (32, 8), 10_000: (32, 8),
+        0: (8, 2),
+        99: (8, 2),
+        100: (16, 4),
+        199: (16, 4),
+        200: (24, 6),
+        299: (24, 6),
+        300: (32, 8),
+        301: (32, 8),
+        10_000: (32, 8),
     }
 
 
 def test_rampup_consistency_check_and_rounding():
     # 6 is not a multiple of micro 2 x dp 2 = 4.
-    mb.init_num_microbatches_calculator(0, [4, 2, 100], global_batch_size=8, micro_batch_size=2,
-                                        data_parallel_size=2)
+    mb.init_num_microbatches_calculator(0, [4, 2, 100], global_batch_size=8, micro_batch_size=2, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"global batch size \(6\) is not divisible"):
         mb.update_num_microbatches(50, consistency_check=True)
     mb.update_num_microbatches(50, consistency_check=False)
@@ -133,7 +144,10 @@ def test_step_schedule_checks_divisibility_when_an_entry_is_reached():
     with pytest.raises(ValueError, match=r"global batch size \(6\) is not divisible"):
         mb.update_num_microbatches(100, consistency_check=True)
     mb.reconfigure_num_microbatches_calculator(
-        0, micro_batch_size=2, data_parallel_size=2, decrease_batch_size_if_needed=True,
+        0,
+        micro_batch_size=2,
+        data_parallel_size=2,
+        decrease_batch_size_if_needed=True,
         step_batch_size_schedule="0:4 100:6",
     )
     mb.update_num_microbatches(100)
@@ -153,8 +167,9 @@ def test_step_schedule_checks_divisibility_when_an_entry_is_reached():
 )
 def test_bad_step_schedules_are_rejected(schedule, message):
     with pytest.raises(ValueError, match=message):
-        mb.init_num_microbatches_calculator(0, micro_batch_size=1, data_parallel_size=1,
-                                            step_batch_size_schedule=schedule)
+        mb.init_num_microbatches_calculator(
+            0, micro_batch_size=1, data_parallel_size=1, step_batch_size_schedule=schedule
+        )
 
 
 def test_step_schedule_and_rampup_are_exclusive():
@@ -166,5 +181,7 @@ def test_step_calculator_class_directly():
     calculator = mb.StepBatchsizeNumMicroBatchesCalculator(2, 1, False, 0, "0:2 10:4")
     calculator.update(10, consistency_check=True, verbose=True)
     assert (calculator.get(), calculator.get_current_global_batch_size(), calculator.get_micro_batch_size()) == (
-        2, 4, 2
+        2,
+        4,
+        2,
     )

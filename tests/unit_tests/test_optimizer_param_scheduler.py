@@ -21,9 +21,18 @@ MAX_LR, MIN_LR, INIT_LR, WARMUP, DECAY, WSD_WINDOW = 1.0, 0.1, 0.01, 100, 1000, 
 
 def make(style="linear", wsd=None, warmup=WARMUP, wd_style="linear", **overrides):
     settings = dict(
-        init_lr=INIT_LR, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=warmup, lr_decay_steps=DECAY,
-        lr_decay_style=style, start_wd=0.0, end_wd=0.1, wd_incr_steps=DECAY, wd_incr_style=wd_style,
-        wsd_decay_steps=WSD_WINDOW if style == "WSD" else None, lr_wsd_decay_style=wsd,
+        init_lr=INIT_LR,
+        max_lr=MAX_LR,
+        min_lr=MIN_LR,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=DECAY,
+        lr_decay_style=style,
+        start_wd=0.0,
+        end_wd=0.1,
+        wd_incr_steps=DECAY,
+        wd_incr_style=wd_style,
+        wsd_decay_steps=WSD_WINDOW if style == "WSD" else None,
+        lr_wsd_decay_style=wsd,
     )
     settings.update(overrides)
     return OptimizerParamScheduler(FakeOptimizer(), **settings)
@@ -47,12 +56,16 @@ def closed_form_lr(n, style, wsd=None, max_lr=MAX_LR, min_lr=MIN_LR, warmup=WARM
     else:
         start = DECAY - WSD_WINDOW
         rho = max(0.0, (n - start) / WSD_WINDOW)
-        coeff = {
-            "linear": 1 - rho,
-            "cosine": 0.5 * (math.cos(math.pi * rho) + 1),
-            "exponential": 2 * 0.5**rho - 1,
-            "minus_sqrt": 1 - math.sqrt(rho),
-        }[wsd] if n > start else 1.0
+        coeff = (
+            {
+                "linear": 1 - rho,
+                "cosine": 0.5 * (math.cos(math.pi * rho) + 1),
+                "exponential": 2 * 0.5**rho - 1,
+                "minus_sqrt": 1 - math.sqrt(rho),
+            }[wsd]
+            if n > start
+            else 1.0
+        )
     return min_lr + coeff * (max_lr - min_lr)
 
 
@@ -106,10 +119,20 @@ def test_state_dict_round_trip_and_checkpoint_semantics():
     scheduler = make("cosine")
     scheduler.step(345)
     state = scheduler.state_dict()
-    assert sorted(state) == sorted([
-        "max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps", "min_lr", "start_wd",
-        "end_wd", "wd_incr_style", "wd_incr_steps",
-    ])
+    assert sorted(state) == sorted(
+        [
+            "max_lr",
+            "lr_warmup_steps",
+            "num_steps",
+            "lr_decay_style",
+            "lr_decay_steps",
+            "min_lr",
+            "start_wd",
+            "end_wd",
+            "wd_incr_style",
+            "wd_incr_steps",
+        ]
+    )
     resumed = make("cosine")
     resumed.load_state_dict(state)
     assert resumed.num_steps == 345
@@ -119,20 +142,25 @@ def test_state_dict_round_trip_and_checkpoint_semantics():
     taken = make("linear", max_lr=2.0)
     taken.load_state_dict(state)
     assert (taken.lr_decay_style, taken.max_lr) == ("cosine", MAX_LR)
-    overridden = make("linear", max_lr=2.0, use_checkpoint_opt_param_scheduler=False,
-                      override_opt_param_scheduler=True)
+    overridden = make("linear", max_lr=2.0, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
     overridden.load_state_dict(state)
     assert (overridden.lr_decay_style, overridden.max_lr, overridden.num_steps) == ("linear", 2.0, 345)
     strict = make("linear", use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match="learning rate decay style do not match: the checkpoint has 'cosine', "
-                                         "this scheduler's lr_decay_style argument asks for 'linear'"):
+    with pytest.raises(
+        ValueError,
+        match="learning rate decay style do not match: the checkpoint has 'cosine', "
+        "this scheduler's lr_decay_style argument asks for 'linear'",
+    ):
         strict.load_state_dict(state)
 
 
 def iteration_based(warmup_iters, train_iters, global_batch_size=8, **overrides):
     """A scheduler built the way the trainer builds it for an iteration-based run (steps = iterations x batch)."""
-    settings = dict(lr_decay_steps=train_iters * global_batch_size, wd_incr_steps=train_iters * global_batch_size,
-                    use_checkpoint_opt_param_scheduler=False)
+    settings = dict(
+        lr_decay_steps=train_iters * global_batch_size,
+        wd_incr_steps=train_iters * global_batch_size,
+        use_checkpoint_opt_param_scheduler=False,
+    )
     scheduler = make(warmup=warmup_iters * global_batch_size, **{**settings, **overrides})
     scheduler.set_command_line_sources(
         {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--train-iters", "wd_incr_steps": "--train-iters"},
@@ -152,8 +180,11 @@ def test_resume_mismatch_names_the_flags_and_speaks_iterations():
     assert "samples" not in message  # 80 and 160 samples are not what the user typed
 
     # Raising --train-iters (the documented way to train further) changes the decay length: named the same way.
-    with pytest.raises(ValueError, match="total number of iterations do not match: the checkpoint has 200 "
-                                         r"iterations, the command line \(--train-iters\) asks for 400 iterations"):
+    with pytest.raises(
+        ValueError,
+        match="total number of iterations do not match: the checkpoint has 200 "
+        r"iterations, the command line \(--train-iters\) asks for 400 iterations",
+    ):
         iteration_based(warmup_iters=10, train_iters=400).load_state_dict(saved)
 
     # Either flag resolves it.
@@ -169,14 +200,23 @@ def test_resume_mismatch_of_a_sample_based_run_speaks_samples():
     saved = make().state_dict()
     resumed = make(lr_decay_steps=2 * DECAY, use_checkpoint_opt_param_scheduler=False)
     resumed.set_command_line_sources({"lr_decay_steps": "--lr-decay-samples"})
-    with pytest.raises(ValueError, match=r"the checkpoint has 1000 samples, the command line \(--lr-decay-samples\) "
-                                         "asks for 2000 samples"):
+    with pytest.raises(
+        ValueError,
+        match=r"the checkpoint has 1000 samples, the command line \(--lr-decay-samples\) "
+        "asks for 2000 samples",
+    ):
         resumed.load_state_dict(saved)
 
 
 def test_old_checkpoint_key_names_are_read():
-    old = {"start_lr": MAX_LR, "min_lr": MIN_LR, "warmup_iter": WARMUP, "end_iter": DECAY, "decay_style": "linear",
-           "num_iters": 500}
+    old = {
+        "start_lr": MAX_LR,
+        "min_lr": MIN_LR,
+        "warmup_iter": WARMUP,
+        "end_iter": DECAY,
+        "decay_style": "linear",
+        "num_iters": 500,
+    }
     scheduler = make()
     scheduler.load_state_dict(old)
     assert scheduler.num_steps == 500
@@ -232,7 +272,8 @@ def test_param_group_override_helpers():
         {"wd_mult": 0.0, "max_lr": 1.0}
     )
     assert combine_param_group_overrides([{"wd_mult": 0.0}, None, {"max_lr": 0.5, "wd_mult": 0.0}]) == {
-        "wd_mult": 0.0, "max_lr": 0.5,
+        "wd_mult": 0.0,
+        "max_lr": 0.5,
     }
     with pytest.raises(ValueError, match="conflicting parameter-group overrides: max_lr=0.5 and max_lr=0.25"):
         combine_param_group_overrides([{"max_lr": 0.5}, {"max_lr": 0.25}])

@@ -89,13 +89,24 @@ def test_state_dict_layout_is_megatrons():
     entry = machine.state_dict(None, "torch")
     assert entry["mode"] == RerunMode.DISABLED
     assert entry["sharded"] == {
-        "state": RerunState.INITIAL_RUN, "current_iteration": 0, "rerun_requested": False,
-        "checkpoint_requested": False, "restart_again_requested": False, "continue_requested": False,
-        "error_injector_checkpoint": {"error_injection_rate": 0,
-                                      "error_injection_type": RerunDiagnostic.TRANSIENT_ERROR,
-                                      "injected_error_type": None},
-        "failed_validation_call": None, "initial_result": None, "suspicious_node": None, "suspicious_device": None,
-        "data_iterator_checkpoints": None, "large_value_counts": {}, "max_values": {},
+        "state": RerunState.INITIAL_RUN,
+        "current_iteration": 0,
+        "rerun_requested": False,
+        "checkpoint_requested": False,
+        "restart_again_requested": False,
+        "continue_requested": False,
+        "error_injector_checkpoint": {
+            "error_injection_rate": 0,
+            "error_injection_type": RerunDiagnostic.TRANSIENT_ERROR,
+            "injected_error_type": None,
+        },
+        "failed_validation_call": None,
+        "initial_result": None,
+        "suspicious_node": None,
+        "suspicious_device": None,
+        "data_iterator_checkpoints": None,
+        "large_value_counts": {},
+        "max_values": {},
     }
     # A checkpoint from a machine that was disabled, or loaded into a disabled one, leaves this one as it is.
     other = RerunStateMachine()
@@ -109,8 +120,13 @@ def _torch_dist_entry():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     sharded = get_rerun_state_machine().state_dict(None, "torch_dist")["sharded"]
     destroy_rerun_state_machine()
-    return sharded.key, sharded.global_shape, sharded.global_offset, sharded.replica_id, isinstance(
-        sharded, ShardedObject)
+    return (
+        sharded.key,
+        sharded.global_shape,
+        sharded.global_offset,
+        sharded.replica_id,
+        isinstance(sharded, ShardedObject),
+    )
 
 
 def test_torch_dist_entry_is_one_object_per_pipeline_and_tensor_rank():

@@ -34,34 +34,68 @@ ALIASES = {"mcore": "core", "megatron": "core", "llama_mistral": "hf", "llama2_h
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron checkpoint converter (Hugging Face <-> Megatron-Core)",
-                                     allow_abbrev=False)
-    parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT", "hybrid"],
-                        help="Type of the model.")
+    parser = argparse.ArgumentParser(
+        description="Megatron checkpoint converter (Hugging Face <-> Megatron-Core)", allow_abbrev=False
+    )
+    parser.add_argument(
+        "--model-type", type=str, required=True, choices=["GPT", "BERT", "hybrid"], help="Type of the model."
+    )
     parser.add_argument("--loader", type=str, default="core", help=f"Format to read: {', '.join(LOADERS)}.")
     parser.add_argument("--saver", type=str, default="core", help=f"Format to write: {', '.join(SAVERS)}.")
     parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the checkpoint from.")
     parser.add_argument("--save-dir", type=str, required=True, help="Directory to save the checkpoint to.")
-    parser.add_argument("--max-queue-size", type=int, default=50,
-                        help="Accepted for Megatron-LM compatibility (this converter streams in one process).")
-    parser.add_argument("--no-checking", action="store_false", dest="checking",
-                        help="Accepted for Megatron-LM compatibility (tensors are always accounted for).")
+    parser.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=50,
+        help="Accepted for Megatron-LM compatibility (this converter streams in one process).",
+    )
+    parser.add_argument(
+        "--no-checking",
+        action="store_false",
+        dest="checking",
+        help="Accepted for Megatron-LM compatibility (tensors are always accounted for).",
+    )
     saver = parser.add_argument_group("core saver")
-    saver.add_argument("--target-tensor-parallel-size", type=int, default=1,
-                       help="Tensor-parallel size the checkpoint's args record (the stored tensors reshard on load).")
-    saver.add_argument("--target-pipeline-parallel-size", type=int, default=1,
-                       help="Pipeline-parallel size the checkpoint's args record.")
-    saver.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                       help="Pad the vocabulary to a multiple of this times the target TP size, as Megatron does.")
+    saver.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="Tensor-parallel size the checkpoint's args record (the stored tensors reshard on load).",
+    )
+    saver.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline-parallel size the checkpoint's args record.",
+    )
+    saver.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this times the target TP size, as Megatron does.",
+    )
     hf = parser.add_argument_group("hf saver")
-    hf.add_argument("--max-shard-size", type=str, default="5GB",
-                    help="Largest safetensors file; above it the weights are sharded with an index (e.g. 5GB).")
-    hf.add_argument("--true-vocab-size", type=int, default=None,
-                    help="Vocabulary without Megatron's padding (default: recorded by the conversion, else the "
-                         "checkpoint's tokenizer's).")
-    hf.add_argument("--hf-architecture", type=str, default=None,
-                    help="HF architecture to export as (default: the one the checkpoint was converted from, else "
-                         "inferred: GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM; NemotronHForCausalLM for a hybrid).")
+    hf.add_argument(
+        "--max-shard-size",
+        type=str,
+        default="5GB",
+        help="Largest safetensors file; above it the weights are sharded with an index (e.g. 5GB).",
+    )
+    hf.add_argument(
+        "--true-vocab-size",
+        type=int,
+        default=None,
+        help="Vocabulary without Megatron's padding (default: recorded by the conversion, else the "
+        "checkpoint's tokenizer's).",
+    )
+    hf.add_argument(
+        "--hf-architecture",
+        type=str,
+        default=None,
+        help="HF architecture to export as (default: the one the checkpoint was converted from, else "
+        "inferred: GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM; NemotronHForCausalLM for a hybrid).",
+    )
     return parser
 
 
@@ -72,8 +106,10 @@ def check_args(args) -> None:
     if args.model_type not in ("GPT", "hybrid"):
         raise ValueError(f"--model-type {args.model_type}: only GPT and hybrid models convert")
     if (args.loader, args.saver) not in (("hf", "core"), ("core", "hf")):
-        raise ValueError(f"--loader {args.loader} --saver {args.saver}: supported are --loader hf --saver core and "
-                         "--loader core --saver hf")
+        raise ValueError(
+            f"--loader {args.loader} --saver {args.saver}: supported are --loader hf --saver core and "
+            "--loader core --saver hf"
+        )
     if not os.path.isdir(args.load_dir):
         raise ValueError(f"--load-dir {args.load_dir}: no such directory (only local directories are read)")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
@@ -109,14 +145,26 @@ def main(argv=None) -> int:
         check_args(args)
         if args.saver == "core":
             written = save_megatron_checkpoint_from_hf(
-                args.load_dir, args.save_dir, args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                args.make_vocab_size_divisible_by, model_type=args.model_type)
-            print(f"wrote Megatron checkpoint {written} (args: TP {args.target_tensor_parallel_size}, "
-                  f"PP {args.target_pipeline_parallel_size})")
+                args.load_dir,
+                args.save_dir,
+                args.target_tensor_parallel_size,
+                args.target_pipeline_parallel_size,
+                args.make_vocab_size_divisible_by,
+                model_type=args.model_type,
+            )
+            print(
+                f"wrote Megatron checkpoint {written} (args: TP {args.target_tensor_parallel_size}, "
+                f"PP {args.target_pipeline_parallel_size})"
+            )
         else:
-            files = export_megatron_checkpoint_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size),
-                                                     args.hf_architecture, args.true_vocab_size,
-                                                     model_type=args.model_type)
+            files = export_megatron_checkpoint_to_hf(
+                args.load_dir,
+                args.save_dir,
+                parse_size(args.max_shard_size),
+                args.hf_architecture,
+                args.true_vocab_size,
+                model_type=args.model_type,
+            )
             print(f"wrote Hugging Face model {args.save_dir}: {', '.join(files)}")
     except (UnsupportedHFModelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

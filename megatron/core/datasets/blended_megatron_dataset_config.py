@@ -83,8 +83,10 @@ class BlendedMegatronDatasetConfig:
     """Read `sequence_length + 1` tokens per sample so labels are the tokens shifted by one."""
 
     def __post_init__(self):
-        for name, feature in (("multiple_validation_sets", "separate validation datasets per blend entry"),
-                              ("full_validation", "validation over the whole validation set")):
+        for name, feature in (
+            ("multiple_validation_sets", "separate validation datasets per blend entry"),
+            ("full_validation", "validation over the whole validation set"),
+        ):
             if getattr(self, name):
                 raise ValueError(f"not supported yet: {feature} ({name}={getattr(self, name)!r})")
         _check_seed_and_length(self.random_seed, self.sequence_length)

@@ -124,7 +124,8 @@ def _padding_id(config: GPTDatasetConfig) -> int:
     if pad == _PAD_TOKEN_ID or pad != config.tokenizer.eod or config.allow_ambiguous_pad_tokens:
         return pad
     log_single_rank(
-        logger, logging.WARNING,
+        logger,
+        logging.WARNING,
         f"the tokenizer's padding id {pad} is also its end-of-document id; padding with {_PAD_TOKEN_ID} instead, so "
         "end-of-document labels keep their loss (--allow-ambiguous-pad-tokens pads with the tokenizer's id)",
     )

@@ -61,9 +61,7 @@ def build_sample_index(
     total_tokens = int(num_epochs) * int(tokens_per_epoch)
     num_samples = count_samples(total_tokens, sequence_length, drop_last_partial_sequence, add_extra_token)
     if num_samples < 0:
-        raise ValueError(
-            f"{total_tokens} tokens cannot hold a sample of {sequence_length} + {add_extra_token} tokens"
-        )
+        raise ValueError(f"{total_tokens} tokens cannot hold a sample of {sequence_length} + {add_extra_token} tokens")
     largest_length = int(sequence_lengths.max()) if len(sequence_lengths) else 0
     dtype = np.int32 if max(len(document_index), largest_length) <= np.iinfo(np.int32).max else np.int64
     sample_index = np.zeros((num_samples + 1, 2), dtype=dtype)

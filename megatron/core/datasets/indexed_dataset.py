@@ -296,7 +296,9 @@ class IndexedDataset:
         if self._bin_size > end:
             logger.warning(
                 "%s: %d bytes after the last sequence that %s describes; they are ignored",
-                self._bin_path, self._bin_size - end, self._idx_path,
+                self._bin_path,
+                self._bin_size - end,
+                self._idx_path,
             )
 
     def __getstate__(self):

@@ -29,9 +29,7 @@ class Box:
     def intersection(self, other: "Box") -> Optional["Box"]:
         """The common part of two boxes, or None when they do not overlap."""
         starts = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
-        ends = tuple(
-            min(a + s, b + t) for a, s, b, t in zip(self.offset, self.shape, other.offset, other.shape)
-        )
+        ends = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offset, self.shape, other.offset, other.shape))
         if any(end <= start for start, end in zip(starts, ends)):
             return None
         return Box(starts, tuple(end - start for start, end in zip(starts, ends)))
@@ -54,9 +52,7 @@ def flat_range_boxes(
     boxes = []
     position = start
     while position < stop:
-        axis = next(
-            a for a in range(len(shape)) if position % strides[a] == 0 and strides[a] <= stop - position
-        )
+        axis = next(a for a in range(len(shape)) if position % strides[a] == 0 and strides[a] <= stop - position)
         coordinates = [(position // strides[a]) % shape[a] for a in range(len(shape))]
         count = min((stop - position) // strides[axis], shape[axis] - coordinates[axis])
         offset = tuple(coordinates[: axis + 1]) + (0,) * (len(shape) - axis - 1)

@@ -229,9 +229,7 @@ class ShardedTensor(ShardedBase):
         if flattened_range is None:
             raise CheckpointingException(f"ShardedTensor {key!r}: from_rank_offsets_flat needs a flattened_range")
         if data.ndim != 1:
-            raise CheckpointingException(
-                f"ShardedTensor {key!r}: flat data must be 1-D, got shape {tuple(data.shape)}"
-            )
+            raise CheckpointingException(f"ShardedTensor {key!r}: flat data must be 1-D, got shape {tuple(data.shape)}")
         meta_piece = torch.empty(*non_flat_local_shape, dtype=data.dtype, device="meta")
         whole = cls.from_rank_offsets(key, meta_piece, *args, **kwargs)
         return replace(whole, data=data, flattened_range=flattened_range)

@@ -204,9 +204,7 @@ def _prepare_directory(checkpoint_dir: Path) -> None:
     first, so a save interrupted from here on never leaves a directory that looks complete (and a legacy
     ``common.pt``, which loading would prefer to the new common state)."""
     if not checkpoint_dir.is_dir():
-        raise CheckpointingException(
-            f"checkpoint directory {checkpoint_dir} does not exist; create it before saving"
-        )
+        raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist; create it before saving")
     stale = [checkpoint_dir / CONFIG_FNAME, checkpoint_dir / DCP_METADATA_FNAME, checkpoint_dir / COMMON_STATE_FNAME]
     if any(path.exists() for path in stale):
         logger.warning("overwriting the checkpoint in %s", checkpoint_dir)

@@ -21,9 +21,7 @@ def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> Tuple[Shard
 
 def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
     """(the ShardedTensor and ShardedTensorFactory leaves, everything else)."""
-    return extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
-    )
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory)))
 
 
 def extract_sharded_tensors_or_nonpersistent(
@@ -69,7 +67,7 @@ def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix
         if _is_keyed_leaf(x):
             if not x.key.startswith(old_prefix):
                 raise ValueError(f"sharded key {x.key!r} does not start with the prefix {old_prefix!r} to replace")
-            x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
         return x
 
     dict_list_map_inplace(replace_prefix, sharded_state_dict)
@@ -83,7 +81,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
         if _is_keyed_leaf(x):
             for old_prefix, new_prefix in prefix_map.items():
                 if x.key.startswith(old_prefix):
-                    x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
                     break
         return x
 

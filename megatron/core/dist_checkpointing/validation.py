@@ -51,7 +51,10 @@ class StrictHandling(Enum):
     @staticmethod
     def requires_global_app_metadata(val: "StrictHandling") -> bool:
         return val in (
-            StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.LOG_ALL
+            StrictHandling.IGNORE_ALL,
+            StrictHandling.RAISE_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.LOG_ALL,
         )
 
     @staticmethod
@@ -179,8 +182,7 @@ def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]]) -> N
         missing = [offset for offset in _grid(tuple(first.global_shape)) if offset not in owners]
         reason = "no rank holds them" if not set(missing) & held else "no copy of them has replica_id 0"
         raise CheckpointingException(
-            f"ShardedObject {key!r} of global shape {tuple(first.global_shape)} misses shards {missing[:8]}: "
-            f"{reason}"
+            f"ShardedObject {key!r} of global shape {tuple(first.global_shape)} misses shards {missing[:8]}: {reason}"
         )
 
 
@@ -204,9 +206,7 @@ def mismatch_message(missing_keys: Set[str], unexpected_keys_by_rank: Dict[int, 
     """The report of key mismatches between a load request and a checkpoint."""
     parts = []
     if missing_keys:
-        parts.append(
-            f"keys in the checkpoint that no rank requested (missing): {sorted(missing_keys)}"
-        )
+        parts.append(f"keys in the checkpoint that no rank requested (missing): {sorted(missing_keys)}")
     for rank, keys in sorted(unexpected_keys_by_rank.items()):
         if keys:
             parts.append(f"keys requested by rank {rank} that are not in the checkpoint (unexpected): {sorted(keys)}")
@@ -222,7 +222,11 @@ def warn_about_common_differences(common_state_dicts: List[Dict[str, Any]]) -> N
             logger.warning(
                 "the common state of rank %d differs from rank 0's, which is the one saved: only on rank 0 %s, "
                 "only on rank %d %s, different values %s",
-                rank, only_rank0, rank, only_other, mismatched,
+                rank,
+                only_rank0,
+                rank,
+                only_other,
+                mismatched,
             )
 
 
@@ -284,11 +288,8 @@ def validate_integrity_and_strict_load(
             if global_metadata is None:
                 _, global_metadata = determine_global_metadata(sharded_state_dict)
             global_keys = {shard.key for shards in global_metadata for shard in shards}
-        missing_keys, unexpected_keys = determine_missing_and_unexpected_keys(
-            checkpoint_keys, local_keys, global_keys
-        )
-        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.LOG_UNEXPECTED,
-                      StrictHandling.RETURN_UNEXPECTED):
+        missing_keys, unexpected_keys = determine_missing_and_unexpected_keys(checkpoint_keys, local_keys, global_keys)
+        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.LOG_UNEXPECTED, StrictHandling.RETURN_UNEXPECTED):
             missing_keys = set()
         if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
             maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=True)
@@ -368,7 +369,8 @@ def verify_integrity_manifest(checkpoint_dir: str) -> None:
     problems = [f"{name} is missing" for name in sorted(expected.keys() - actual.keys())]
     problems += [
         f"{name} differs ({actual[name]['size']} bytes, expected {expected[name]['size']})"
-        for name in sorted(expected.keys() & actual.keys()) if actual[name] != expected[name]
+        for name in sorted(expected.keys() & actual.keys())
+        if actual[name] != expected[name]
     ]
     if problems:
         raise CheckpointingException(

@@ -148,8 +148,14 @@ class DistributedDataParallel(MegatronModule):
         """One buffer per (param dtype, grad dtype), keeping the parameters' registration order."""
         return [
             _ParamAndGradBuffer(
-                self.ddp_config, key.param_dtype, key.grad_dtype, dtype_params, group, self.bucket_size,
-                self.param_to_name, scaling_factor,
+                self.ddp_config,
+                key.param_dtype,
+                key.grad_dtype,
+                dtype_params,
+                group,
+                self.bucket_size,
+                self.param_to_name,
+                scaling_factor,
             )
             for key, (dtype_params, _) in group_params_for_buffers(params, self.ddp_config.grad_reduce_in_fp32).items()
         ]

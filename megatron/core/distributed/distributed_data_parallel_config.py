@@ -91,9 +91,7 @@ class DistributedDataParallelConfig:
     def __post_init__(self):
         _reject_unsupported(self)
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
-            raise ValueError(
-                f"bucket_size must be a positive number of elements or None, got {self.bucket_size!r}"
-            )
+            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size!r}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError(
                 "overlap_param_gather=True needs use_distributed_optimizer=True (only the distributed optimizer "

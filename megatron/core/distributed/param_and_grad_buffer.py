@@ -169,7 +169,10 @@ class _ParamAndGradBucketGroup:
             if self.grad_reduce_scattered:
                 local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
                 handle = _reduce_scatter_single(
-                    local_shard, bucket.grad_data, op=self._reduce_op(), group=self.data_parallel_group,
+                    local_shard,
+                    bucket.grad_data,
+                    op=self._reduce_op(),
+                    group=self.data_parallel_group,
                     async_op=async_op,
                 )
             else:

@@ -66,8 +66,14 @@ class InferenceRequest:
     def snapshot(self) -> "InferenceRequest":
         """A copy whose growing lists (tokens, log-probs, events) no longer change with this request."""
         copied = copy.copy(self)
-        for name in ("generated_tokens", "generated_log_probs", "generated_top_n_logprobs", "prompt_log_probs",
-                     "tpot", "events"):
+        for name in (
+            "generated_tokens",
+            "generated_log_probs",
+            "generated_top_n_logprobs",
+            "prompt_log_probs",
+            "tpot",
+            "events",
+        ):
             value = getattr(self, name, None)
             if isinstance(value, list):
                 setattr(copied, name, list(value))
@@ -101,8 +107,11 @@ class VLMInferenceRequest(InferenceRequest):
 
     def __post_init__(self):
         super().__post_init__()
-        missing = [n for n in ("num_img_embeddings_per_tile", "imgs", "num_tiles", "decoder_seq_length")
-                   if getattr(self, n) is None]
+        missing = [
+            n
+            for n in ("num_img_embeddings_per_tile", "imgs", "num_tiles", "decoder_seq_length")
+            if getattr(self, n) is None
+        ]
         if missing:
             raise ValueError(f"VLMInferenceRequest needs {missing}")
 

@@ -46,9 +46,7 @@ class SamplingParams:
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in [0, 1] (0 = off), got {self.top_p}")
         if self.num_tokens_to_generate is not None and self.num_tokens_to_generate < 0:
-            raise ValueError(
-                f"SamplingParams.num_tokens_to_generate must be >= 0, got {self.num_tokens_to_generate}"
-            )
+            raise ValueError(f"SamplingParams.num_tokens_to_generate must be >= 0, got {self.num_tokens_to_generate}")
         if self.num_tokens_total is not None and self.num_tokens_total < 1:
             raise ValueError(f"SamplingParams.num_tokens_total must be >= 1, got {self.num_tokens_total}")
         if self.top_n_logprobs < 0:
@@ -56,9 +54,7 @@ class SamplingParams:
         if self.stop_words is not None and (
             isinstance(self.stop_words, str) or not all(isinstance(w, str) and w for w in self.stop_words)
         ):
-            raise ValueError(
-                f"SamplingParams.stop_words must be a list of non-empty strings, got {self.stop_words!r}"
-            )
+            raise ValueError(f"SamplingParams.stop_words must be a list of non-empty strings, got {self.stop_words!r}")
 
     @property
     def is_greedy(self) -> bool:

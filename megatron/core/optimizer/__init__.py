@@ -92,8 +92,10 @@ def get_standard_config_overrides(config: OptimizerConfig) -> ConfigOverrides:
         no_decay = ParamKey(
             with_name_predicate=ParamWithNamePredicate(
                 name="s1_not_qkln",
-                fn=lambda param, name: (len(param.shape) == 1 or name.endswith(".bias"))
-                and not ("q_layernorm." in name or "k_layernorm." in name),
+                fn=lambda param, name: (
+                    (len(param.shape) == 1 or name.endswith(".bias"))
+                    and not ("q_layernorm." in name or "k_layernorm." in name)
+                ),
             )
         )
     else:
@@ -325,16 +327,21 @@ def _build_one(
     optimizer = _build_torch_optimizer(config, param_groups)
     if config.use_distributed_optimizer:
         wrapped = DistributedOptimizer(
-            optimizer, config, _make_grad_scaler(config), init_optimizer_state, model_chunks, per_model_buffers,
-            data_parallel_group, data_parallel_group_gloo=None,
-            data_parallel_group_idx=get_pg_rank(model_parallel_group), distributed_optimizer_instance_id=0,
+            optimizer,
+            config,
+            _make_grad_scaler(config),
+            init_optimizer_state,
+            model_chunks,
+            per_model_buffers,
+            data_parallel_group,
+            data_parallel_group_gloo=None,
+            data_parallel_group_idx=get_pg_rank(model_parallel_group),
+            distributed_optimizer_instance_id=0,
         )
         # Each DP rank holds a different shard, so statistics are summed over model- and data-parallel ranks.
         grad_stats_parallel_group = None
     elif config.fp16 or config.bf16:
-        wrapped = Float16OptimizerWithFloat16Params(
-            optimizer, config, _make_grad_scaler(config), init_optimizer_state
-        )
+        wrapped = Float16OptimizerWithFloat16Params(optimizer, config, _make_grad_scaler(config), init_optimizer_state)
         grad_stats_parallel_group = model_parallel_group
     elif config.loss_scale is not None:
         raise ValueError(
@@ -424,9 +431,7 @@ def get_megatron_optimizer(
     optimizers = []
     if dense_groups:
         buffers = {i: _buffers_of(chunk, "buffers", config) for i, chunk in enumerate(model_chunks)}
-        optimizers.append(
-            _build_one(config, model_chunks, dense_groups, buffers, groups.mp, groups.dp_cp, groups.tp)
-        )
+        optimizers.append(_build_one(config, model_chunks, dense_groups, buffers, groups.mp, groups.dp_cp, groups.tp))
     experts_in_model = _experts_in_model(getattr(groups, "pp", None), bool(expert_groups))
     if expert_groups:
         buffers = {i: _buffers_of(chunk, "expert_parallel_buffers", config) for i, chunk in enumerate(model_chunks)}

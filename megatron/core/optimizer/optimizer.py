@@ -147,7 +147,8 @@ class MegatronOptimizer(ABC):
 
     def count_zeros(self) -> float:
         return count_zeros_fp32(
-            self.get_parameters(), grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
+            self.get_parameters(),
+            grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
             tp_group=self.tp_group,
         )
 

@@ -230,8 +230,9 @@ class P2PCommunicator:
 
     # ---- one direction at a time (1F1B) --------------------------------------------------------------------
 
-    def _exchange_each(self, sends, single: bool, shapes, at_pipeline_end: bool, send_to_next: bool,
-                       recv_from_next: bool):
+    def _exchange_each(
+        self, sends, single: bool, shapes, at_pipeline_end: bool, send_to_next: bool, recv_from_next: bool
+    ):
         """One exchange per shape: send ``sends[i]`` (None sends nothing) to the next or the previous stage and
         receive a tensor of that shape from the next or the previous stage; None where the shape is None or this
         stage is at the pipeline's end in that direction. A single result unless the inputs were lists."""
@@ -243,7 +244,9 @@ class P2PCommunicator:
             from_prev, from_next, _ = self._communicate(
                 tensor_send_next=tensor if send_to_next else None,
                 tensor_send_prev=None if send_to_next else tensor,
-                recv_prev=not recv_from_next, recv_next=recv_from_next, tensor_shape=shape,
+                recv_prev=not recv_from_next,
+                recv_next=recv_from_next,
+                tensor_shape=shape,
             )
             received.append(from_next if recv_from_next else from_prev)
         return received[0] if single else received
@@ -251,14 +254,16 @@ class P2PCommunicator:
     def recv_forward(self, tensor_shapes, is_first_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Receive this stage's input activation(s) from the previous stage (None on the first stage)."""
         shapes, single = _as_list(tensor_shapes)
-        return self._exchange_each([None] * len(shapes), single, shapes, is_first_stage, send_to_next=False,
-                                   recv_from_next=False)
+        return self._exchange_each(
+            [None] * len(shapes), single, shapes, is_first_stage, send_to_next=False, recv_from_next=False
+        )
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Receive the gradient(s) of this stage's output from the next stage (None on the last stage)."""
         shapes, single = _as_list(tensor_shapes)
-        return self._exchange_each([None] * len(shapes), single, shapes, is_last_stage, send_to_next=False,
-                                   recv_from_next=True)
+        return self._exchange_each(
+            [None] * len(shapes), single, shapes, is_last_stage, send_to_next=False, recv_from_next=True
+        )
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Send this stage's output activation(s) to the next stage (nothing on the last stage)."""
@@ -285,16 +290,18 @@ class P2PCommunicator:
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Send output(s) to the next stage and receive their gradient(s) in one call each (None on the last)."""
         tensors, single = _as_list(output_tensors)
-        return self._exchange_each(tensors, single, _as_list(tensor_shapes)[0], is_last_stage, send_to_next=True,
-                                   recv_from_next=True)
+        return self._exchange_each(
+            tensors, single, _as_list(tensor_shapes)[0], is_last_stage, send_to_next=True, recv_from_next=True
+        )
 
     def send_backward_recv_forward(
         self, input_tensor_grads, tensor_shapes, is_first_stage: bool
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Send input gradient(s) to the previous stage and receive the next input(s) from it (None on the first)."""
         grads, single = _as_list(input_tensor_grads)
-        return self._exchange_each(grads, single, _as_list(tensor_shapes)[0], is_first_stage, send_to_next=False,
-                                   recv_from_next=False)
+        return self._exchange_each(
+            grads, single, _as_list(tensor_shapes)[0], is_first_stage, send_to_next=False, recv_from_next=False
+        )
 
     # ---- around the ring (interleaved) ---------------------------------------------------------------------
 

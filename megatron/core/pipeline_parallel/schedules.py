@@ -302,9 +302,7 @@ def forward_step_calc_loss(
     if collect_non_loss_data:
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return output_tensor, num_tokens
-    output_tensor, num_tokens, reduced = _reduce_loss(
-        loss_func(output_tensor), num_microbatches, cp_group_size, config
-    )
+    output_tensor, num_tokens, reduced = _reduce_loss(loss_func(output_tensor), num_microbatches, cp_group_size, config)
     forward_data_store.append(reduced)
     return output_tensor, num_tokens
 
@@ -788,8 +786,16 @@ def forward_backward_pipelining_with_interleaving(
         cp_group=groups.cp,
     )
     runner = _InterleavedRunner(
-        plan, forward_step_func, data_iterator, model, config, p2p, tensor_shape, _cp_size(groups),
-        collect_non_loss_data, first_val_step,
+        plan,
+        forward_step_func,
+        data_iterator,
+        model,
+        config,
+        p2p,
+        tensor_shape,
+        _cp_size(groups),
+        collect_non_loss_data,
+        first_val_step,
     )
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         runner.run()

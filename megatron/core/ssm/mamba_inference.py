@@ -28,7 +28,8 @@ The protocol (duck-typed; Megatron's names where Megatron has them). The mixer r
 
 ``inference_context.mamba_metadata`` (optional)
     Which slot each batch row uses: ``batch_indices_prefill`` (prefill) or ``batch_indices_decode`` (decode), integer
-    tensors ``[b]`` of distinct, valid slots (Megatron's field names; no ``-1`` padding rows). Without it, row ``i`` uses slot
+    tensors ``[b]`` of distinct, valid slots (Megatron's field names; no ``-1`` padding rows). Without it, row ``i``
+    uses slot
     ``batch_size_offset + i`` (``batch_size_offset`` read from the context when it has one, else 0), Megatron's
     static-batching layout. ``prefill_lengths`` (optional, int64 ``[b]``) gives each prompt's length when prompts
     of different lengths are right-padded to one length: the states are those after each prompt's own last token
@@ -163,4 +164,3 @@ def ssm_step(
         D = D.float()
         y = y + x * (D.unsqueeze(-1) if D.dim() == 1 else D)
     return y, state
-

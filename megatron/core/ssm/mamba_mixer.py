@@ -534,10 +534,12 @@ class MambaMixer(MegatronModule):
                 )
         local_in_proj = [size // self.tp_size for size in self.in_proj_sections]
         local_conv = [size // self.tp_size for size in self.conv_sections]
-        splits = {"in_proj.weight": (local_in_proj, ["z", "x", "B", "C", "dt"]),
-                  "in_proj.bias": (local_in_proj, ["z", "x", "B", "C", "dt"]),
-                  "conv1d.weight": (local_conv, ["x", "B", "C"]),
-                  "conv1d.bias": (local_conv, ["x", "B", "C"])}
+        splits = {
+            "in_proj.weight": (local_in_proj, ["z", "x", "B", "C", "dt"]),
+            "in_proj.bias": (local_in_proj, ["z", "x", "B", "C", "dt"]),
+            "conv1d.weight": (local_conv, ["x", "B", "C"]),
+            "conv1d.bias": (local_conv, ["x", "B", "C"]),
+        }
         for name, (sections, names) in splits.items():
             key = f"{prefix}{name}"
             if key in sharded_state_dict:

@@ -130,8 +130,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_2d, arange_1d, softmax_update, grad_input = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
-            softmax.clone(), target_mask
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax.clone(), target_mask)
         )
         if ctx.smoothing > 0:
             # d loss / d logit_k = p_k - (1 - s) * [k == target] - s / K.

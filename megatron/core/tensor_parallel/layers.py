@@ -498,7 +498,6 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-
     def backward_dw(self) -> None:
         """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
         layers), since backward computes the weight gradient at once."""
@@ -592,7 +591,6 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
-
 
     def backward_dw(self) -> None:
         """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these

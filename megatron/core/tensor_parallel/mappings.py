@@ -381,7 +381,12 @@ def gather_from_sequence_parallel_region(
     parallel_state's global memory buffer and is overwritten by the next call that uses it.
     """
     return _apply(
-        _GatherFromSequenceParallelRegion, input_, group, tensor_parallel_output_grad, output_split_sizes, use_global_buffer
+        _GatherFromSequenceParallelRegion,
+        input_,
+        group,
+        tensor_parallel_output_grad,
+        output_split_sizes,
+        use_global_buffer,
     )
 
 

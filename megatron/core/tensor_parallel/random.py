@@ -480,7 +480,9 @@ class CheckpointWithoutOutput:
         """
         inputs = _restore_inputs(self.ctx)
         recomputed = _rerun(self.run_function, inputs, self.rng_snapshot)
-        recomputed_tensors = [recomputed] if torch.is_tensor(recomputed) else [r for r in recomputed if torch.is_tensor(r)]
+        recomputed_tensors = (
+            [recomputed] if torch.is_tensor(recomputed) else [r for r in recomputed if torch.is_tensor(r)]
+        )
         for output, value in zip(self._output_tensors(), recomputed_tensors):
             storage = output.untyped_storage()
             if storage.size() == 0:

@@ -102,7 +102,4 @@ class VocabUtility:
                 f"vocabulary size {global_vocab_size} is not divisible by the tensor-parallel size {world_size}; "
                 "pad it (Megatron pads to a multiple of make_vocab_size_divisible_by * tensor_model_parallel_size)"
             )
-        return VocabUtility.vocab_range_from_per_partition_vocab_size(
-            global_vocab_size // world_size, rank, world_size
-        )
-
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(global_vocab_size // world_size, rank, world_size)

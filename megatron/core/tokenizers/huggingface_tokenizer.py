@@ -38,8 +38,7 @@ def _tokenizer_json_path(path) -> str:
     if os.path.isfile(path):
         return path
     raise FileNotFoundError(
-        f"--tokenizer-model {path}: no such file or directory (only local tokenizers are loaded, nothing is "
-        f"downloaded)"
+        f"--tokenizer-model {path}: no such file or directory (only local tokenizers are loaded, nothing is downloaded)"
     )
 
 

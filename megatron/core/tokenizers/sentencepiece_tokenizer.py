@@ -114,7 +114,7 @@ class SentencePieceTokenizer(_SentencePieceBase):
     def tokenize(self, text: str) -> List[int]:
         ids, start = [], 0
         for match in self._special_pattern.finditer(text):
-            ids.extend(self._processor.encode(text[start:match.start()], out_type=int))
+            ids.extend(self._processor.encode(text[start : match.start()], out_type=int))
             ids.append(self._special_ids[match.group()])
             start = match.end()
         ids.extend(self._processor.encode(text[start:], out_type=int))

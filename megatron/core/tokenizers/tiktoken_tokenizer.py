@@ -62,8 +62,10 @@ def _read_json_ranks(path: str) -> Dict[bytes, int]:
     ranks = {}
     for position, entry in enumerate(entries):
         if not isinstance(entry, dict) or entry.get("rank") != position or "token_bytes" not in entry:
-            raise ValueError(f"--tokenizer-model {path}: entry {position} must be {{\"rank\": {position}, "
-                             f"\"token_bytes\": <base64>, ...}}")
+            raise ValueError(
+                f'--tokenizer-model {path}: entry {position} must be {{"rank": {position}, '
+                f'"token_bytes": <base64>, ...}}'
+            )
         ranks[_b64(entry["token_bytes"], path, f"entry {position}")] = position
     return ranks
 

@@ -313,13 +313,17 @@ class Attention(MegatronModule, ABC):
         if sequence_len_offset is not None:
             raise ValueError("sequence_len_offset is not used: the inference context carries the positions")
         if rotary_pos_cos_sin is not None:
-            raise ValueError("not supported yet: the fused cos/sin RoPE tensor of inference kernels "
-                             "(rotary_pos_cos_sin); pass rotary_pos_cos and rotary_pos_sin")
+            raise ValueError(
+                "not supported yet: the fused cos/sin RoPE tensor of inference kernels "
+                "(rotary_pos_cos_sin); pass rotary_pos_cos and rotary_pos_sin"
+            )
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if inference_context is not None:
             if self.attention_type != "self" or packed_seq_params is not None or rotary_pos_cos is not None:
-                raise ValueError("inference with a KV cache supports self-attention with rotary_pos_emb (or no "
-                                 "rotary), without packed_seq_params")
+                raise ValueError(
+                    "inference with a KV cache supports self-attention with rotary_pos_emb (or no "
+                    "rotary), without packed_seq_params"
+                )
             return self.linear_proj(inference_context.cached_attention(self, query, key, value, rotary_pos_emb))
         packed = _is_thd(packed_seq_params, hidden_states)
         if packed:
@@ -485,10 +489,12 @@ class CrossAttention(Attention):
             is_expert=False,
             tp_group=self.tp_group,
         )
-        self.linear_q = build_module(submodules.linear_q, config.hidden_size, self.query_projection_size,
-                                     **column_kwargs)
-        self.linear_kv = build_module(submodules.linear_kv, config.hidden_size, 2 * self.kv_projection_size,
-                                      **column_kwargs)
+        self.linear_q = build_module(
+            submodules.linear_q, config.hidden_size, self.query_projection_size, **column_kwargs
+        )
+        self.linear_kv = build_module(
+            submodules.linear_kv, config.hidden_size, 2 * self.kv_projection_size, **column_kwargs
+        )
 
     def get_query_key_value_tensors(
         self,

@@ -72,8 +72,10 @@ class DotProductAttention(MegatronModule):
         context-parallel group of ``pg_collection`` (default parallel_state's)."""
         config = self.config
         if self.attention_type != "self":
-            raise ValueError(f"context parallelism supports self-attention only, not {self.attention_type!r} "
-                             "attention; use context_parallel_size=1")
+            raise ValueError(
+                f"context parallelism supports self-attention only, not {self.attention_type!r} "
+                "attention; use context_parallel_size=1"
+            )
         if self.window_size is not None:
             raise ValueError("context parallelism does not support sliding-window attention (window_size)")
         if cp_comm_type is None:
@@ -92,8 +94,13 @@ class DotProductAttention(MegatronModule):
                 f"{cp_group.size()} ranks; initialize_model_parallel(context_parallel_size=...) must match the config"
             )
         return ContextParallelAttention(
-            cp_comm_type, cp_group, self.attn_mask_type, self.softmax_scale, self.num_attention_heads_per_partition,
-            self.num_query_groups_per_partition, hierarchical,
+            cp_comm_type,
+            cp_group,
+            self.attn_mask_type,
+            self.softmax_scale,
+            self.num_attention_heads_per_partition,
+            self.num_query_groups_per_partition,
+            hierarchical,
         )
 
     def forward(
@@ -109,16 +116,18 @@ class DotProductAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         if self.context_parallel is not None:
             if packed_seq_params is not None:
-                raise ValueError("not supported yet: packed sequences (THD) with context parallelism; use "
-                                 "context_parallel_size=1 or unpacked [s, b] batches")
+                raise ValueError(
+                    "not supported yet: packed sequences (THD) with context parallelism; use "
+                    "context_parallel_size=1 or unpacked [s, b] batches"
+                )
             if attention_bias is not None:
                 raise ValueError("not supported yet: attention_bias with context parallelism")
             dropout_p = self.dropout_p if self.training else 0.0
-            return self.context_parallel(query, key, value, attention_mask, mask_type, dropout_p,
-                                         self.config.sequence_parallel)
+            return self.context_parallel(
+                query, key, value, attention_mask, mask_type, dropout_p, self.config.sequence_parallel
+            )
         if packed_seq_params is not None:
-            return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias,
-                                        packed_seq_params)
+            return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params)
         groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         # Grouped-query attention: each key/value head serves a group of query heads. Without autograd (inference)
         # SDPA reads the shared heads in place (enable_gqa, the same numbers); training keeps the explicit copy.
@@ -160,13 +169,25 @@ class DotProductAttention(MegatronModule):
             raise ValueError("causal attention over packed sequences needs cu_seqlens_q == cu_seqlens_kv")
         other_sequence = _sequence_ids(cu_q, query.device)[:, None] != _sequence_ids(cu_kv, query.device)[None, :]
         # With the same boundaries, the global causal mask restricted to one sequence is that sequence's causal mask.
-        context = self.forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
-                               other_sequence[None, None], mask_type, attention_bias)
+        context = self.forward(
+            query.unsqueeze(1),
+            key.unsqueeze(1),
+            value.unsqueeze(1),
+            other_sequence[None, None],
+            mask_type,
+            attention_bias,
+        )
         return context.squeeze(1)
 
     def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal, enable_gqa=False):
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=keep_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
             **({"enable_gqa": True} if enable_gqa else {}),
         )
 

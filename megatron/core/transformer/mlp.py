@@ -208,9 +208,7 @@ class MLP(MegatronModule):
         if self.checkpoint_mlp and self.training:
             # Recompute only what is computed from the input: fc2's bias is a parameter and a checkpointed function
             # must not hand a parameter back as its output, so the bias goes back outside the checkpoint.
-            output = tensor_parallel.checkpoint(
-                lambda x: self._forward(x, per_token_scale)[0], False, hidden_states
-            )
+            output = tensor_parallel.checkpoint(lambda x: self._forward(x, per_token_scale)[0], False, hidden_states)
             return output, (self.linear_fc2.bias if per_token_scale is None else None)
         return self._forward(hidden_states, per_token_scale)
 
@@ -296,14 +294,24 @@ def apply_swiglu_sharded_factory(
         if start < half_numel:
             gate_stop = min(stop, half_numel)
             pieces["gate"] = ShardedTensor.from_rank_offsets_flat(
-                gate_key, data[: gate_stop - start], half_shape, *sharded_offsets, gate_offset,
-                flattened_range=slice(start, gate_stop), **common,
+                gate_key,
+                data[: gate_stop - start],
+                half_shape,
+                *sharded_offsets,
+                gate_offset,
+                flattened_range=slice(start, gate_stop),
+                **common,
             )
         if stop > half_numel:
             up_start = max(start, half_numel)
             pieces["up"] = ShardedTensor.from_rank_offsets_flat(
-                up_key, data[up_start - start :], half_shape, *sharded_offsets, up_offset,
-                flattened_range=slice(up_start - half_numel, stop - half_numel), **common,
+                up_key,
+                data[up_start - start :],
+                half_shape,
+                *sharded_offsets,
+                up_offset,
+                flattened_range=slice(up_start - half_numel, stop - half_numel),
+                **common,
             )
         return pieces
 

@@ -57,9 +57,7 @@ class MegatronModule(torch.nn.Module):
         self._save_to_state_dict(own_state, "", keep_vars=True)
         sharded_state_dict = make_sharded_tensors_for_checkpoint(own_state, prefix, sharded_offsets=sharded_offsets)
         for name, module in self.named_children():
-            sharded_state_dict.update(
-                sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
-            )
+            sharded_state_dict.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
         return sharded_state_dict
 
 

@@ -67,9 +67,7 @@ def build_module(spec_or_module: Union[ModuleSpec, type], *args, **kwargs):
         return spec_or_module
     if isinstance(spec_or_module, ModuleSpec) and isinstance(spec_or_module.module, types.FunctionType):
         return spec_or_module.module
-    if isinstance(spec_or_module, type) or (
-        callable(spec_or_module) and not isinstance(spec_or_module, ModuleSpec)
-    ):
+    if isinstance(spec_or_module, type) or (callable(spec_or_module) and not isinstance(spec_or_module, ModuleSpec)):
         return spec_or_module(*args, **kwargs)
     module = get_module(spec_or_module)
     params = {**spec_or_module.params, **kwargs}

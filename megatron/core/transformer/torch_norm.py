@@ -38,9 +38,7 @@ class WrappedTorchNorm:
         normalization: str = None,
     ):
         if zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ValueError(
-                "layernorm_zero_centered_gamma is not supported by the PyTorch norms; set it to False"
-            )
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the PyTorch norms; set it to False")
         normalization = normalization or config.normalization
         if normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)

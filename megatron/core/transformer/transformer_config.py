@@ -651,6 +651,8 @@ def _validate_context_parallel(config: TransformerConfig) -> None:
                     f"{getattr(config, name)} gives {per_rank} per tensor-parallel rank, not divisible by "
                     f"{a2a_size}; use cp_comm_type='p2p' or 'all_gather', or a divisible head count"
                 )
+
+
 _MAMBA_SSM_STATES_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
@@ -701,8 +703,7 @@ def _validate_recompute(config: TransformerConfig) -> None:
             )
         if not isinstance(config.recompute_num_layers, int) or config.recompute_num_layers < 1:
             raise ValueError(
-                "recompute_granularity='full' needs recompute_num_layers >= 1, "
-                f"got {config.recompute_num_layers!r}"
+                f"recompute_granularity='full' needs recompute_num_layers >= 1, got {config.recompute_num_layers!r}"
             )
     else:
         if config.recompute_num_layers is not None:
@@ -724,9 +725,7 @@ def _validate_recompute(config: TransformerConfig) -> None:
 
 def _validate_transformer_impl(config: TransformerConfig) -> None:
     if config.transformer_impl not in _TRANSFORMER_IMPLS:
-        raise ValueError(
-            f"transformer_impl={config.transformer_impl!r} is not valid; use one of {_TRANSFORMER_IMPLS}"
-        )
+        raise ValueError(f"transformer_impl={config.transformer_impl!r} is not valid; use one of {_TRANSFORMER_IMPLS}")
     if config.transformer_impl == "inference_optimized":
         raise ValueError(
             "not supported yet: inference-optimised layers (transformer_impl='inference_optimized'); "

@@ -182,8 +182,9 @@ def cat_with_oom_fallback(sub_state_dict):
     try:
         return torch.cat(sub_state_dict)
     except torch.OutOfMemoryError as error:
-        logger.warning("out of memory while merging %d checkpoint pieces, merging on CPU (%s)", len(sub_state_dict),
-                       error)
+        logger.warning(
+            "out of memory while merging %d checkpoint pieces, merging on CPU (%s)", len(sub_state_dict), error
+        )
         return torch.cat([piece.cpu() for piece in sub_state_dict])
 
 
@@ -229,9 +230,7 @@ def is_layer_window_attention(
         return layer_number % window_attn_skip_freq != 0
     if isinstance(window_attn_skip_freq, list):
         return bool(window_attn_skip_freq[layer_number - 1])
-    raise ValueError(
-        f"window_attn_skip_freq must be an int or a list of 0/1 per layer, got {window_attn_skip_freq!r}"
-    )
+    raise ValueError(f"window_attn_skip_freq must be an int or a list of 0/1 per layer, got {window_attn_skip_freq!r}")
 
 
 def gelu_impl(x):

@@ -259,8 +259,9 @@ def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_sch
 # ---- batches ----------------------------------------------------------------------------------------------------
 
 
-def get_ltor_masks_and_position_ids(data, eod_token, pad_token, reset_position_ids, reset_attention_mask,
-                                    eod_mask_loss, pad_mask_loss):
+def get_ltor_masks_and_position_ids(
+    data, eod_token, pad_token, reset_position_ids, reset_attention_mask, eod_mask_loss, pad_mask_loss
+):
     """Left-to-right masks for a batch of token ids ``data`` [b, s]: the attention mask [b or 1, 1, s, s]
     (True = masked; one per sample only when ``reset_attention_mask`` makes them differ), the loss mask [b, s]
     (0 at EOD with ``eod_mask_loss``, at padding with ``pad_mask_loss``) and the position ids [b, s]."""
@@ -275,8 +276,10 @@ def get_ltor_masks_and_position_ids(data, eod_token, pad_token, reset_position_i
         loss_masks.append(loss_mask)
         positions.append(position_ids)
     attention_mask = torch.stack(masks if reset_attention_mask else masks[:1])
-    return attention_mask.to(data.device), torch.stack(loss_masks).to(data.device), torch.stack(positions).to(
-        data.device
+    return (
+        attention_mask.to(data.device),
+        torch.stack(loss_masks).to(data.device),
+        torch.stack(positions).to(data.device),
     )
 
 
@@ -299,8 +302,11 @@ def get_batch_on_this_tp_rank(data_iterator) -> Dict[str, Optional[torch.Tensor]
     batch = next(data_iterator) if tp_rank_0 else None
     has_mask = torch.tensor([int(tp_rank_0 and batch.get("attention_mask") is not None)], device=get_current_device())
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(has_mask, parallel_state.get_tensor_model_parallel_src_rank(),
-                       group=parallel_state.get_tensor_model_parallel_group())
+        dist.broadcast(
+            has_mask,
+            parallel_state.get_tensor_model_parallel_src_rank(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
     integer_keys = ["tokens", "labels", "position_ids"]
     data = tensor_parallel.broadcast_data(integer_keys, batch, torch.int64)
     float_data = tensor_parallel.broadcast_data(["loss_mask"], batch, torch.float32)

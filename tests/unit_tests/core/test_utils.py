@@ -191,8 +191,11 @@ def test_deprecated_warns_with_the_details():
     def old_fn(x):
         return x + 1
 
-    with pytest.warns(DeprecationWarning, match=r"old_fn is deprecated since version 0.10 and will be removed in "
-                      r"version 0.12; use new_fn instead \(renamed\)"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"old_fn is deprecated since version 0.10 and will be removed in "
+        r"version 0.12; use new_fn instead \(renamed\)",
+    ):
         assert old_fn(1) == 2
 
 
@@ -234,8 +237,11 @@ def test_experimental_api_needs_the_flag():
         pass
 
     core_config.set_experimental_flag(False)
-    with pytest.raises(utils.ExperimentalNotEnabledError, match=r"new_feature is experimental \(introduced with "
-                       r"0.19\) and not enabled"):
+    with pytest.raises(
+        utils.ExperimentalNotEnabledError,
+        match=r"new_feature is experimental \(introduced with "
+        r"0.19\) and not enabled",
+    ):
         new_feature()
     with pytest.raises(utils.ExperimentalNotEnabledError, match=r"NewThing is experimental"):
         NewThing()
@@ -439,7 +445,9 @@ def _pg_helpers_and_sharded_tensors():
     tp = ps.get_tensor_model_parallel_group()
     replicated = utils.make_sharded_tensor_for_checkpoint(torch.ones(4), "bias")
     split = utils.make_tp_sharded_tensor_for_checkpoint(torch.ones(3, 4), "weight", tp_axis=0)
-    stacked = utils.make_tp_sharded_tensor_for_checkpoint(torch.ones(3, 4), "layers", tp_axis=1, prepend_offsets=[(0, 1, 2)])
+    stacked = utils.make_tp_sharded_tensor_for_checkpoint(
+        torch.ones(3, 4), "layers", tp_axis=1, prepend_offsets=[(0, 1, 2)]
+    )
     return {
         "pg": (utils.get_pg_size(tp), utils.get_pg_rank(tp), utils.get_pg_src_rank(tp), utils.get_pg_size()),
         "tp_fallback": utils.get_tensor_model_parallel_group_if_none(None) is tp,
@@ -581,6 +589,7 @@ def _tp_broadcast(pp_size, stage, mtp, with_mask, with_cu_seqlens):
         is_pipeline_first_stage=stage == "first",
         is_pipeline_last_stage=stage == "last",
     )
+
     def same(key, value):
         sent = torch.as_tensor(full[key]).to(value.dtype).reshape(value.shape)
         return bool(torch.equal(value, sent))

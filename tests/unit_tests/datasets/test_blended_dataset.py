@@ -134,8 +134,11 @@ def test_cached_blend_of_the_wrong_size_is_reported(two_datasets):
 def test_a_blend_that_overdraws_a_dataset_names_the_surplus_flag(two_datasets):
     datasets, config = two_datasets
     too_many = len(datasets[1]) * 2
-    with pytest.raises(ValueError, match=r"draws \d+ samples from dataset 1 \(.*b\), which has only \d+: raise "
-                                         r"mid_level_dataset_surplus \(--mid-level-dataset-surplus, now 0.005\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"draws \d+ samples from dataset 1 \(.*b\), which has only \d+: raise "
+        r"mid_level_dataset_surplus \(--mid-level-dataset-surplus, now 0.005\)",
+    ):
         BlendedDataset(datasets, [0.1, 0.9], too_many, config)
 
 

@@ -206,7 +206,11 @@ def _rank_1_cannot_open_a_prefix(prefix_a, prefix_b, cache):
     if dist.get_rank() == 1:
         prefix_b += "-missing-on-this-rank"
     config = GPTDatasetConfig(
-        random_seed=1, sequence_length=8, blend=([prefix_a, prefix_b], [1, 1]), split="1", path_to_cache=cache,
+        random_seed=1,
+        sequence_length=8,
+        blend=([prefix_a, prefix_b], [1, 1]),
+        split="1",
+        path_to_cache=cache,
         tokenizer=ToyTokenizer(),
     )
     try:

@@ -157,9 +157,7 @@ def test_samples_overlap_by_the_label_token(tmp_path):
 
 def test_final_partial_validation_sample_is_padded_and_masked(tmp_path):
     documents = [[5, 6, 7, EOD]] * 5  # 20 tokens: one full sample of 16 + 1, then 3 tokens
-    dataset = make_dataset(
-        tmp_path, documents, None, split=Split.valid, drop_last_partial_validation_sequence=False
-    )
+    dataset = make_dataset(tmp_path, documents, None, split=Split.valid, drop_last_partial_validation_sequence=False)
     assert len(dataset) == 2
     last = dataset[int(np.where(dataset.shuffle_index == 1)[0][0])]
     # The second sample starts at token 16 of the stream [5, 6, 7, EOD] * 5: four real tokens, then padding.

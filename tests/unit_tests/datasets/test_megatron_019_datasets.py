@@ -39,8 +39,12 @@ def test_blended_config_refuses_what_is_not_built(field, value, match):
 
 def test_blended_config_accepts_megatron_defaults_and_no_effect_knobs():
     config = BlendedMegatronDatasetConfig(
-        random_seed=1, sequence_length=8, multiple_validation_sets=False, full_validation=None,
-        fast_cache_load=True, defer_npy_index_mmap=True,
+        random_seed=1,
+        sequence_length=8,
+        multiple_validation_sets=False,
+        full_validation=None,
+        fast_cache_load=True,
+        defer_npy_index_mmap=True,
     )
     assert config.mock and not config.allow_ambiguous_pad_tokens
 
@@ -78,8 +82,9 @@ def test_a_pad_id_equal_to_eod_pads_with_minus_one_unless_allowed(tmp_path, capl
     assert (sample["labels"] == EOD).any() and all(sample["loss_mask"][sample["labels"] == EOD] == 1)
 
     (tmp_path / "allowed").mkdir()
-    allowed = make_dataset(tmp_path / "allowed", documents, 2, tokenizer=PadIsEod(),
-                           allow_ambiguous_pad_tokens=True, sequence_length=4)
+    allowed = make_dataset(
+        tmp_path / "allowed", documents, 2, tokenizer=PadIsEod(), allow_ambiguous_pad_tokens=True, sequence_length=4
+    )
     sample = allowed[0]
     assert all(sample["loss_mask"][sample["labels"] == EOD] == 0)  # the tokenizer's pad id masks EODs out
 
@@ -145,8 +150,10 @@ def test_build_generic_dataset_builds_on_rank_0_first_and_fails_together(tmp_pat
     (tmp_path / "order.txt").unlink()
     results = run_distributed(3, _build_generic, tmp_path, 0)
     assert results[0] == "OSError: rank 0 cannot build ds"
-    assert results[1] == results[2] == (
-        "RuntimeError: global rank 0 failed to build the datasets (see that rank's error); stopping"
+    assert (
+        results[1]
+        == results[2]
+        == ("RuntimeError: global rank 0 failed to build the datasets (see that rank's error); stopping")
     )
     assert not (tmp_path / "order.txt").exists()
 

@@ -18,8 +18,9 @@ def load_plain_objects(checkpoint_dir):
     reader.set_up_storage_reader(metadata, True)
     names = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
     items = [
-        ReadItem(LoadItemType.BYTE_IO, MetadataIndex(n), torch.Size([0]), MetadataIndex(n), torch.Size([0]),
-                 torch.Size([0]))
+        ReadItem(
+            LoadItemType.BYTE_IO, MetadataIndex(n), torch.Size([0]), MetadataIndex(n), torch.Size([0]), torch.Size([0])
+        )
         for n in names
     ]
     found = {}

@@ -201,10 +201,17 @@ def describe_pieces(sharded_state_dict: dict) -> List[tuple]:
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensor):
             pieces.append(
-                ("tensor", item.key, item.global_shape, item.global_offset, item.local_shape,
-                 is_main_replica(item.replica_id))
+                (
+                    "tensor",
+                    item.key,
+                    item.global_shape,
+                    item.global_offset,
+                    item.local_shape,
+                    is_main_replica(item.replica_id),
+                )
             )
         elif isinstance(item, ShardedObject):
-            pieces.append(("object", item.key, item.global_shape, item.global_offset, None,
-                           is_main_replica(item.replica_id)))
+            pieces.append(
+                ("object", item.key, item.global_shape, item.global_offset, None, is_main_replica(item.replica_id))
+            )
     return pieces

@@ -47,7 +47,8 @@ def test_save_writes_the_common_state_into_the_dcp_files(tmp_path):
     save({"w": ShardedTensor.from_rank_offsets("w", weight), **COMMON}, tmp_path, content_metadata={"format": 2})
     assert "common.pt" not in os.listdir(tmp_path)
     assert json.loads((tmp_path / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
     }
     stored = read_dcp_metadata(tmp_path).state_dict_metadata
     assert sorted(stored) == ["common_state/shard_0_1", "w"]
@@ -66,8 +67,12 @@ def _write_megatron_019_checkpoint(directory, weight, common):
     buffer = io.BytesIO()
     torch.save([common], buffer)
     buffer.seek(0)
-    dcp.save({"w": weight, "common_state/shard_0_1": buffer}, checkpoint_id=str(directory), no_dist=True,
-             planner=MCoreSavePlanner())
+    dcp.save(
+        {"w": weight, "common_state/shard_0_1": buffer},
+        checkpoint_id=str(directory),
+        no_dist=True,
+        planner=MCoreSavePlanner(),
+    )
     (directory / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
 
 
@@ -206,7 +211,9 @@ def _draws():
 def _after_save_or_load(chunks, optimizer):
     """The weights, the next RNG draws and the next two training losses."""
     return {
-        "weights": helpers.full_weights(chunks), "draws": _draws(), "losses": helpers.train(chunks, optimizer, [1, 2])
+        "weights": helpers.full_weights(chunks),
+        "draws": _draws(),
+        "losses": helpers.train(chunks, optimizer, [1, 2]),
     }
 
 

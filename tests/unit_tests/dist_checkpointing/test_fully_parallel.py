@@ -131,8 +131,9 @@ def _request(rank, with_data):
         piece = _replicated(i, replica_id=rank)
         state[f"t{i}"] = piece if with_data and i % 2 else piece.without_data()
     own = ShardedTensor.from_rank_offsets("own", torch.zeros(2, 3), (0, rank, 4), replica_id=0)
-    flat = ShardedTensor.from_rank_offsets_flat("t0", torch.zeros(10), (SIZES[0], 16), flattened_range=slice(5, 15),
-                                                replica_id=rank + 1)
+    flat = ShardedTensor.from_rank_offsets_flat(
+        "t0", torch.zeros(10), (SIZES[0], 16), flattened_range=slice(5, 15), replica_id=rank + 1
+    )
     return {**state, "own": own, "flat": [flat], "rng": ShardedObject("rng", None, (1,), (0,), replica_id=rank)}
 
 
@@ -151,8 +152,10 @@ def _load_fully_parallel(checkpoint_dir):
     again = load(_request(rank, with_data=False), checkpoint_dir, sharded_strategy=wrapper)  # cached distribution
     filled_in_place = all(loaded[f"t{i}"] is request[f"t{i}"].data for i in range(1, len(SIZES), 2))
     values = {
-        "t": [loaded[f"t{i}"].tolist() == again[f"t{i}"].tolist() == [[float(i)] * 16] * SIZES[i]
-              for i in range(len(SIZES))],
+        "t": [
+            loaded[f"t{i}"].tolist() == again[f"t{i}"].tolist() == [[float(i)] * 16] * SIZES[i]
+            for i in range(len(SIZES))
+        ],
         "own": loaded["own"].tolist() == [[float(rank)] * 3] * 2,
         "flat": loaded["flat"][0].tolist() == [0.0] * 10,
         "rng": (loaded["rng"], again["rng"]),

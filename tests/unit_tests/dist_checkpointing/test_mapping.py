@@ -100,8 +100,13 @@ def test_from_rank_offsets_flat_rejects_inconsistent_ranges(data, shape, kwargs,
 )
 def test_inconsistent_fields_are_rejected(fields, match):
     base = dict(
-        key="w", data=torch.zeros(2, 2), dtype=torch.float32, local_shape=(2, 2), global_shape=(4, 2),
-        global_offset=(2, 0), axis_fragmentations=(2, 1),
+        key="w",
+        data=torch.zeros(2, 2),
+        dtype=torch.float32,
+        local_shape=(2, 2),
+        global_shape=(4, 2),
+        global_offset=(2, 0),
+        axis_fragmentations=(2, 1),
     )
     base.update(fields)
     with pytest.raises(CheckpointingException, match=match):
@@ -212,7 +217,9 @@ def test_prefix_helpers_rename_every_sharded_leaf():
     assert state["w"].key == "decoder.self_attention.linear_qkv.layer_norm_weight"
     replace_prefix_for_sharding(state, "decoder.", "model.decoder.")
     assert {state["w"].key, state["o"].key, state["f"].key} == {
-        "model.decoder.self_attention.linear_qkv.layer_norm_weight", "model.decoder.rng", "model.decoder.fc1"
+        "model.decoder.self_attention.linear_qkv.layer_norm_weight",
+        "model.decoder.rng",
+        "model.decoder.fc1",
     }
     add_prefix_for_sharding(state, "x.")
     assert state["o"].key == "x.model.decoder.rng"

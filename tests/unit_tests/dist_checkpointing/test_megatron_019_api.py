@@ -64,7 +64,11 @@ def test_dict_map_and_dict_map_with_key_replace_leaves_in_place():
 def test_inspect_types_prints_the_nesting(capsys):
     inspect_types({"model": {"w": torch.zeros(2, 3)}, "it": 4, "xs": [1.0]}, indent=2)
     assert capsys.readouterr().out.splitlines() == [
-        "model: dict of 1", "  w: Tensor (2, 3) torch.float32", "it: int", "xs: list of 1", "  0: float"
+        "model: dict of 1",
+        "  w: Tensor (2, 3) torch.float32",
+        "it: int",
+        "xs: list of 1",
+        "  0: float",
     ]
 
 
@@ -126,8 +130,11 @@ def test_integrity_manifest(tmp_path):
     content = bytearray(shard_file.read_bytes())
     content[-1] ^= 0xFF
     shard_file.write_bytes(bytes(content))
-    with pytest.raises(CheckpointingException, match=rf"does not match its integrity manifest: {shard_file.name} "
-                                                     r"differs"):
+    with pytest.raises(
+        CheckpointingException,
+        match=rf"does not match its integrity manifest: {shard_file.name} "
+        r"differs",
+    ):
         load(_state(), str(tmp_path), verify_integrity=True)
     shard_file.unlink()
     with pytest.raises(CheckpointingException, match=rf"{shard_file.name} is missing"):
@@ -202,25 +209,42 @@ def test_megatron_planners_with_pytorch_dcp(tmp_path):
     buffer = io.BytesIO()
     torch.save(["payload"], buffer)
     buffer.seek(0)
-    dcp.save({"w": torch.ones(4, 2), "obj/shard_0_1": buffer}, checkpoint_id=str(tmp_path), no_dist=True,
-             planner=MCoreSavePlanner())
+    dcp.save(
+        {"w": torch.ones(4, 2), "obj/shard_0_1": buffer},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+        planner=MCoreSavePlanner(),
+    )
     loaded = TorchDistLoadShardedStrategy().load_local({"o": ShardedObject("obj", None, (1,), (0,))}, tmp_path)
     assert loaded["o"] == "payload"
 
     target = {"w": torch.zeros(4, 2)}
     expected = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2))
-    dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
-             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[expected]))
+    dcp.load(
+        target,
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+        planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[expected]),
+    )
     assert torch.equal(target["w"], torch.ones(4, 2))
     wrong = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3))
     # PyTorch's loader wraps the planner's CheckpointingException (traceback included) in its CheckpointException,
     # a BaseException.
     with pytest.raises(BaseException, match=r"'w': the checkpoint stores global shape \(4, 2\) but \(4, 3\)"):
-        dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
-                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong]))
+        dcp.load(
+            target,
+            checkpoint_id=str(tmp_path),
+            no_dist=True,
+            planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong]),
+        )
     padded = {"w": torch.full((5, 3), 7.0)}  # e.g. a vocabulary padded further than the saved one
-    dcp.load(padded, checkpoint_id=str(tmp_path), no_dist=True,
-             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong],
-                                      allow_shape_mismatch_sharded_tensors={"w": wrong}))
+    dcp.load(
+        padded,
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+        planner=MCoreLoadPlanner(
+            shapes_validation_sharded_tensors=[wrong], allow_shape_mismatch_sharded_tensors={"w": wrong}
+        ),
+    )
     assert torch.equal(padded["w"][:4, :2], torch.ones(4, 2))
     assert padded["w"][4:].abs().sum() == 0 and padded["w"][:, 2:].abs().sum() == 0

@@ -116,7 +116,11 @@ def runs(tmp_path_factory):
         bf16_saved.update(rank)
     bf16_optimizer, bf16_loaded = run_distributed(1, _bf16_load_at_tp1, root)[0]
     return {
-        "root": root, "saved": saved, "continued": continued, "loaded": loaded, "loaded_back": loaded_back,
+        "root": root,
+        "saved": saved,
+        "continued": continued,
+        "loaded": loaded,
+        "loaded_back": loaded_back,
         "bf16": {"saved": bf16_saved, "loaded": bf16_loaded, "optimizer": bf16_optimizer},
     }
 

@@ -129,8 +129,14 @@ def _layout_pieces(names):
             for piece in nested_values(item.build()) if isinstance(item, ShardedTensorFactory) else [item]:
                 flat = piece.flattened_range
                 optimizer_pieces.append(
-                    (piece.key, piece.global_shape, piece.global_offset, piece.local_shape,
-                     (flat.start, flat.stop) if flat is not None else None, is_main_replica(piece.replica_id))
+                    (
+                        piece.key,
+                        piece.global_shape,
+                        piece.global_offset,
+                        piece.local_shape,
+                        (flat.start, flat.stop) if flat is not None else None,
+                        is_main_replica(piece.replica_id),
+                    )
                 )
         results[name] = {
             "model": [piece for chunk in model_part.values() for piece in helpers.describe_pieces(chunk)],

@@ -49,12 +49,28 @@ output_layer.weight tensor [64, 16]
 
 def _config(tp=1, ep=1, etp=None, **overrides):
     return TransformerConfig(
-        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
-        moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
-        moe_shared_expert_gate=True, moe_aux_loss_coeff=0.01, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, moe_token_dispatcher_type="alltoall",
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32,
+        moe_shared_expert_gate=True,
+        moe_aux_loss_coeff=0.01,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type="alltoall",
         **overrides,
     )
 
@@ -80,7 +96,9 @@ def _gather(tensor, param, group):
 
 def _full_weights(model) -> dict:
     """Whole weights under single-process names, experts by global index, from every rank's pieces."""
-    offset = parallel_state.get_expert_model_parallel_rank() * (4 // parallel_state.get_expert_model_parallel_world_size())
+    offset = parallel_state.get_expert_model_parallel_rank() * (
+        4 // parallel_state.get_expert_model_parallel_world_size()
+    )
     dense, experts = {}, {}
     for name, param in model.named_parameters():
         if getattr(param, "allreduce", True):
@@ -149,8 +167,10 @@ def test_every_element_is_saved_by_exactly_one_rank(world, tp, ep, etp):
                 full_local = (1,) * (len(global_shape) - len(local_shape)) + tuple(local_shape)
                 index = tuple(slice(o, o + s) for o, s in zip(offset, full_local))
                 cell[index] += 1
-    assert key_listing([("object" if k.endswith("_extra_state") else "tensor", k, s) for k, s in shapes.items()]) \
+    assert (
+        key_listing([("object" if k.endswith("_extra_state") else "tensor", k, s) for k, s in shapes.items()])
         == EXPECTED_SEQUENTIAL
+    )
     for key, counts in covered.items():
         assert (counts == 1).all(), f"{key}: elements saved {counts.unique().tolist()} times"
 

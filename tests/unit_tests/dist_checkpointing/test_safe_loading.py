@@ -64,8 +64,13 @@ def _request():
 def _training_like_common_state():
     return {
         "args": argparse.Namespace(
-            lr=1e-3, save=pathlib.Path("/ckpt"), params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto,
-            model_type=ModelType.encoder_or_decoder, data_path=["1.0", "/data/x"], rampup=None,
+            lr=1e-3,
+            save=pathlib.Path("/ckpt"),
+            params_dtype=torch.bfloat16,
+            attention_backend=AttnBackend.auto,
+            model_type=ModelType.encoder_or_decoder,
+            data_path=["1.0", "/data/x"],
+            rampup=None,
         ),
         "extra": types.SimpleNamespace(note="x"),
         "np_rng_state": np.random.get_state(),
@@ -96,8 +101,12 @@ def test_a_real_training_checkpoint_loads(tmp_path):
     from tests.functional_tests.harness import CPU_FLAGS, builtin_data_flags, run_pretrain
 
     flags = with_flag(with_flag(GOLDEN_FLAGS, "--train-iters", "1"), "--eval-iters", "0")
-    run_pretrain(CPU_FLAGS + flags + builtin_data_flags() + ["--save", str(tmp_path), "--save-interval", "1",
-                                                             "--num-workers", "0"])
+    run_pretrain(
+        CPU_FLAGS
+        + flags
+        + builtin_data_flags()
+        + ["--save", str(tmp_path), "--save-interval", "1", "--num-workers", "0"]
+    )
     checkpoint = tmp_path / "iter_0000001"
     assert not (checkpoint / "common.pt").exists()
     common = load_common_state_dict(checkpoint)
@@ -116,8 +125,11 @@ def _refused(name_pattern):
 def test_a_class_outside_the_allow_list_is_refused_naming_it_and_the_file(tmp_path):
     save({**_tensor(), "custom": Harmless(2)}, tmp_path)
     name = f"{__name__}.Harmless"
-    with pytest.raises(CheckpointingException, match=rf"ShardedObject 'common_state/shard_0_1' in {tmp_path}/__0_0"
-                       rf".distcp of checkpoint {tmp_path} holds an object of {re.escape(name)}"):
+    with pytest.raises(
+        CheckpointingException,
+        match=rf"ShardedObject 'common_state/shard_0_1' in {tmp_path}/__0_0"
+        rf".distcp of checkpoint {tmp_path} holds an object of {re.escape(name)}",
+    ):
         load_common_state_dict(tmp_path)
     torch.serialization.add_safe_globals([Harmless])  # the documented way to allow a trusted class
     try:

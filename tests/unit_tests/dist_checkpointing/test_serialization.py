@@ -93,7 +93,11 @@ def test_files_are_megatron_torch_dist_layout(tmp_path):
     assert config == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}  # Megatron-Core 0.19's fields
     metadata = FileSystemReader(tmp_path).read_metadata().state_dict_metadata
     assert sorted(metadata) == [
-        "common_state/shard_0_1", "decoder.fc1.bottom", "decoder.fc1.top", "decoder.layers.bias", "embedding.weight",
+        "common_state/shard_0_1",
+        "decoder.fc1.bottom",
+        "decoder.fc1.top",
+        "decoder.layers.bias",
+        "embedding.weight",
         "rng_state/shard_0_1",
     ]
     stacked = metadata["decoder.layers.bias"]
@@ -130,8 +134,10 @@ def test_bf16_and_scalar_tensors(tmp_path):
     state = {"v": ShardedTensor.from_rank_offsets("v", values), "s": ShardedTensor.from_rank_offsets("s", scalar)}
     save(state, tmp_path)
     loaded = load(
-        {"v": ShardedTensor.from_rank_offsets("v", torch.zeros(3, 5, dtype=torch.bfloat16)),
-         "s": ShardedTensor.from_rank_offsets("s", torch.tensor(0.0))},
+        {
+            "v": ShardedTensor.from_rank_offsets("v", torch.zeros(3, 5, dtype=torch.bfloat16)),
+            "s": ShardedTensor.from_rank_offsets("s", torch.tensor(0.0)),
+        },
         tmp_path,
     )
     assert torch.equal(loaded["v"], values) and loaded["s"].item() == 2.5

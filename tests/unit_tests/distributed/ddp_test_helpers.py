@@ -28,8 +28,9 @@ def model_config(**overrides) -> TransformerConfig:
 class TinyLM(torch.nn.Module):
     """Embedding -> ``num_layers`` x (Linear + tanh) -> LayerNorm -> output layer; a pipeline stage holds a slice."""
 
-    def __init__(self, num_layers=4, first_layer=0, last_layer=None, pre_process=True, post_process=True,
-                 tie=False, seed=1234):
+    def __init__(
+        self, num_layers=4, first_layer=0, last_layer=None, pre_process=True, post_process=True, tie=False, seed=1234
+    ):
         super().__init__()
         last_layer = num_layers if last_layer is None else last_layer
         self.pre_process, self.post_process = pre_process, post_process
@@ -90,8 +91,9 @@ def make_batch(global_batch: int, seed: int = 0):
     return tokens, labels
 
 
-def train_reference(model: torch.nn.Module, opt_config: OptimizerConfig, steps: int, global_batch: int,
-                    num_microbatches: int) -> List[Optional[float]]:
+def train_reference(
+    model: torch.nn.Module, opt_config: OptimizerConfig, steps: int, global_batch: int, num_microbatches: int
+) -> List[Optional[float]]:
     """Single-process training on the whole global batch; returns the gradient norm of every step."""
     optimizer = get_megatron_optimizer(opt_config, [model])
     norms = []
@@ -109,8 +111,9 @@ def wrap(model, ddp_config: DistributedDataParallelConfig, config: Optional[Tran
     return DistributedDataParallel(config or model_config(), ddp_config, model)
 
 
-def train_data_parallel(ddp_model, optimizer, steps: int, global_batch: int, num_microbatches: int,
-                        inject=None) -> List[Optional[float]]:
+def train_data_parallel(
+    ddp_model, optimizer, steps: int, global_batch: int, num_microbatches: int, inject=None
+) -> List[Optional[float]]:
     """Each DP rank trains on its slice of every global batch (loss scaled by the optimizer's loss scale); returns
     the gradient norm of every step (None for a skipped step). ``inject(step, loss)`` may replace a loss."""
     dp_rank = dist.get_rank(ddp_model.dp_cp_group)

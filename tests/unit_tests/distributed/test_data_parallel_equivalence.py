@@ -82,13 +82,15 @@ def _expert_parameters_get_a_chained_optimizer():
         model = wrap(module, DistributedDataParallelConfig(use_distributed_optimizer=distributed))
         optimizer = get_megatron_optimizer(_opt_config(distributed, "sgd"), [model])
         norms = train_data_parallel(model, optimizer, STEPS, GLOBAL_BATCH, MICROBATCHES)
-        results.append((
-            type(optimizer).__name__,
-            [type(opt).__name__ for opt in optimizer.chained_optimizers],
-            len(model.expert_parallel_buffers),
-            max_relative_error(weights(module), weights(reference)),
-            max(abs(a - b) / b for a, b in zip(norms, reference_norms)),
-        ))
+        results.append(
+            (
+                type(optimizer).__name__,
+                [type(opt).__name__ for opt in optimizer.chained_optimizers],
+                len(model.expert_parallel_buffers),
+                max_relative_error(weights(module), weights(reference)),
+                max(abs(a - b) / b for a, b in zip(norms, reference_norms)),
+            )
+        )
     return results
 
 

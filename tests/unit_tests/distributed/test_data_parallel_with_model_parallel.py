@@ -89,7 +89,7 @@ MICROBATCHES, LAYERS_PER_STAGE = 2, 2
 def _stage_name_in_full_model(name: str, pp_rank: int) -> str:
     """TinyLM stage names -> full-model names (layer index offset; the last stage's tied output copy)."""
     if name.startswith("layers."):
-        index, rest = name[len("layers."):].split(".", 1)
+        index, rest = name[len("layers.") :].split(".", 1)
         return f"layers.{int(index) + pp_rank * LAYERS_PER_STAGE}.{rest}"
     return "embedding.weight" if name == "output" else name
 
@@ -114,8 +114,11 @@ def _pipeline_and_data_parallel():
     for name, layout in LAYOUTS.items():
         config = model_config(num_layers=4, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
         stage = TinyLM(
-            first_layer=pp_rank * LAYERS_PER_STAGE, last_layer=(pp_rank + 1) * LAYERS_PER_STAGE,
-            pre_process=pp_rank == 0, post_process=pp_rank == 1, tie=True,
+            first_layer=pp_rank * LAYERS_PER_STAGE,
+            last_layer=(pp_rank + 1) * LAYERS_PER_STAGE,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == 1,
+            tie=True,
         )
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**layout), stage)
         config.no_sync_func = ddp.no_sync
@@ -128,8 +131,12 @@ def _pipeline_and_data_parallel():
             tokens, labels = (t.chunk(dp_size)[dp_rank] for t in make_batch(GLOBAL_BATCH, seed=step))
             micro = zip(tokens.chunk(MICROBATCHES), labels.chunk(MICROBATCHES))
             get_forward_backward_func()(
-                forward_step_func=_forward_step, data_iterator=micro, model=[ddp], num_microbatches=MICROBATCHES,
-                seq_length=SEQ, micro_batch_size=micro_batch_size,
+                forward_step_func=_forward_step,
+                data_iterator=micro,
+                model=[ddp],
+                num_microbatches=MICROBATCHES,
+                seq_length=SEQ,
+                micro_batch_size=micro_batch_size,
             )
             norms.append(optimizer.step()[1])
         final = {_stage_name_in_full_model(k, pp_rank): v.float() for k, v in ddp.state_dict().items()}

@@ -27,16 +27,24 @@ def _layouts_on_one_rank():
             "numel": buffer.numel,
             "numel_unpadded": buffer.numel_unpadded,
             "views_into_buffer": all(
-                p.main_grad.data_ptr() == buffer.grad_data[buffer.param_index_map[p][0]:].data_ptr()
+                p.main_grad.data_ptr() == buffer.grad_data[buffer.param_index_map[p][0] :].data_ptr()
                 for p in buffer.params
             ),
-            "params_in_buffer": buffer.param_data is not None and all(
-                p.data_ptr() == buffer.param_data[buffer.param_index_map[p][0]:].data_ptr() for p in buffer.params
+            "params_in_buffer": buffer.param_data is not None
+            and all(
+                p.data_ptr() == buffer.param_data[buffer.param_index_map[p][0] :].data_ptr() for p in buffer.params
             ),
         }
 
-    return {name: describe(m) for name, m in
-            [("plain", plain), ("bucketed", bucketed), ("default_overlap", default_overlap), ("sharded", sharded)]}
+    return {
+        name: describe(m)
+        for name, m in [
+            ("plain", plain),
+            ("bucketed", bucketed),
+            ("default_overlap", default_overlap),
+            ("sharded", sharded),
+        ]
+    }
 
 
 def test_bucket_layout():
@@ -148,8 +156,10 @@ def test_broadcast_unused_parameters_and_per_token_loss():
         (dict(fp4_param_gather=True), r"not supported yet: FP4 parameter all-gather \(fp4_param_gather=True\)"),
         (dict(check_for_large_grads=True), r"not supported yet: .* \(check_for_large_grads=True\)"),
         (dict(num_distributed_optimizer_instances=2), r"not supported yet: .* \(num_distributed_optimizer_instances"),
-        (dict(data_parallel_sharding_strategy="optim_grads_params"),
-         r"not supported yet: FSDP sharding .* \(data_parallel_sharding_strategy='optim_grads_params'\)"),
+        (
+            dict(data_parallel_sharding_strategy="optim_grads_params"),
+            r"not supported yet: FSDP sharding .* \(data_parallel_sharding_strategy='optim_grads_params'\)",
+        ),
         (dict(num_buckets=4), r"not supported yet: a fixed number of gradient buckets \(num_buckets=4\)"),
         (dict(nccl_ub=True), r"not supported yet: NCCL user buffers \(nccl_ub=True\)"),
         (dict(reuse_grad_buf_for_mxfp8_param_ag=True), r"not supported yet: mxfp8 .* \(reuse_grad_buf_for_mxfp8"),

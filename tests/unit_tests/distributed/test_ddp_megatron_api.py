@@ -133,7 +133,9 @@ def _single_bucket_group():
     module = TinyLM()
     module.layers[0].half()  # a second buffer (fp16 parameters)
     model = DistributedDataParallel(
-        model_config(), DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50), module,
+        model_config(),
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50),
+        module,
         disable_bucketing=True,
     )
     layouts = [len(model.buffers), [len(b.buckets) for b in model.buffers], len(model.bucket_groups)]
@@ -149,8 +151,10 @@ def test_disable_bucketing_puts_every_bucket_in_one_group():
 
 
 def test_group_params_for_buffers():
-    a, b, c = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).half()), torch.nn.Parameter(
-        torch.zeros(3)
+    a, b, c = (
+        torch.nn.Parameter(torch.zeros(2)),
+        torch.nn.Parameter(torch.zeros(2).half()),
+        torch.nn.Parameter(torch.zeros(3)),
     )
     assert group_params_for_buffers([a, b, c], grad_reduce_in_fp32=False) == {
         BufferKey(torch.float32, torch.float32): ([a, c], [0, 2]),

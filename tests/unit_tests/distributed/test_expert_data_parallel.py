@@ -72,8 +72,10 @@ class ToyMoE(torch.nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.embedding = torch.nn.Embedding(VOCAB, HIDDEN, _weight=torch.randn(VOCAB, HIDDEN, generator=generator))
         all_experts = [
-            (torch.randn(2 * HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5,
-             torch.randn(HIDDEN, 2 * HIDDEN, generator=generator) / (2 * HIDDEN) ** 0.5)
+            (
+                torch.randn(2 * HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5,
+                torch.randn(HIDDEN, 2 * HIDDEN, generator=generator) / (2 * HIDDEN) ** 0.5,
+            )
             for _ in range(NUM_EXPERTS)
         ]
         self.output = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5)
@@ -120,8 +122,14 @@ def _expert_grads_by_global_index(model: ToyMoE, attr: str):
 
 
 def _opt_config(distributed: bool) -> OptimizerConfig:
-    return OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.3,
-                           use_distributed_optimizer=distributed, log_num_zeros_in_grad=True)
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=0.3,
+        use_distributed_optimizer=distributed,
+        log_num_zeros_in_grad=True,
+    )
 
 
 def _train(model, optimizer, ddp_model=None, dp_rank=0, dp_size=1):
@@ -189,8 +197,12 @@ def _every_layout_matches_ep1(ep_size):
         weight_error = max_relative_error(weights, {k: reference_weights[k] for k in weights})
         params_norm_error = abs(calc_params_l2_norm([ddp_model]) - reference_params_norm) / reference_params_norm
         results[name] = dict(
-            grad=grad_error, norm=norm_error, weights=weight_error, params_norm=params_norm_error,
-            zeros=zeros, reference_zeros=[s[1] for s in reference_stats],
+            grad=grad_error,
+            norm=norm_error,
+            weights=weight_error,
+            params_norm=params_norm_error,
+            zeros=zeros,
+            reference_zeros=[s[1] for s in reference_stats],
             expert_dp=dist.get_world_size(parallel_state.get_expert_data_parallel_group()),
             optimizers=[type(opt).__name__ for opt in optimizer.chained_optimizers],
         )

@@ -28,8 +28,9 @@ def build_model(variant: str, tp: int = 1, pp: int = 1, seed: int = 1234) -> GPT
     parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(seed)
     spec = VARIANTS[variant]
-    config = build_config(tp, False, {**spec["config"], "pipeline_model_parallel_size": pp,
-                                      "pipeline_dtype": torch.float32})
+    config = build_config(
+        tp, False, {**spec["config"], "pipeline_model_parallel_size": pp, "pipeline_dtype": torch.float32}
+    )
     return GPTModel(
         config,
         get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
@@ -49,7 +50,7 @@ def greedy_without_cache(model: GPTModel, prompt: List[int], num_tokens: int) ->
         ids = torch.tensor([sequence])
         logits = model(ids, torch.arange(len(sequence))[None], None)
         sequence.append(int(logits[0, -1, : tokenizer().vocab_size].argmax()))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 @torch.no_grad()

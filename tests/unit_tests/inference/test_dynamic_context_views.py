@@ -46,8 +46,18 @@ def _step(context, history, chunks, generator):
 
 def test_strided_view_and_gather_both_attend_over_each_requests_own_tokens():
     generator = torch.Generator().manual_seed(0)
-    context = DynamicInferenceContext(torch.float32, 1, D, HEADS, 24, block_size_tokens=BLOCK, num_blocks=16,
-                                      max_requests=4, max_tokens=64, device=torch.device("cpu"))
+    context = DynamicInferenceContext(
+        torch.float32,
+        1,
+        D,
+        HEADS,
+        24,
+        block_size_tokens=BLOCK,
+        num_blocks=16,
+        max_requests=4,
+        max_tokens=64,
+        device=torch.device("cpu"),
+    )
     history = {}
     for rid in "abc":  # admitted together into a fresh pool: blocks 0-2, 3-5, 6-8
         context.add_request(rid, 12)
@@ -69,8 +79,18 @@ def test_strided_view_and_gather_both_attend_over_each_requests_own_tokens():
 
 def test_a_batch_admitted_after_others_finished_in_any_order_still_gets_a_view():
     generator = torch.Generator().manual_seed(1)
-    context = DynamicInferenceContext(torch.float32, 1, D, HEADS, 16, block_size_tokens=BLOCK, num_blocks=8,
-                                      max_requests=4, max_tokens=64, device=torch.device("cpu"))
+    context = DynamicInferenceContext(
+        torch.float32,
+        1,
+        D,
+        HEADS,
+        16,
+        block_size_tokens=BLOCK,
+        num_blocks=8,
+        max_requests=4,
+        max_tokens=64,
+        device=torch.device("cpu"),
+    )
     for rid in "abcd":
         context.add_request(rid, 8)
     for rid in "cadb":  # the free list is kept sorted whatever the order requests finish in

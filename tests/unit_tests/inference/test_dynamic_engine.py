@@ -28,8 +28,14 @@ def _requests():
         if i % 3 == 0:
             params = SamplingParams(top_k=1, num_tokens_to_generate=4 + i % 4, termination_id=-1)
         else:
-            params = SamplingParams(temperature=0.8 + 0.1 * i, top_k=(0, 20)[i % 2], top_p=(0.0, 0.9)[i % 3 == 1],
-                                    num_tokens_to_generate=5, seed=100 + i, termination_id=-1)
+            params = SamplingParams(
+                temperature=0.8 + 0.1 * i,
+                top_k=(0, 20)[i % 2],
+                top_p=(0.0, 0.9)[i % 3 == 1],
+                num_tokens_to_generate=5,
+                seed=100 + i,
+                termination_id=-1,
+            )
         out.append((prompt, params))
     return out
 
@@ -58,8 +64,12 @@ def _alone_and_together(variant):
         engine.step_modern()
         steps_with_mixed_batches += plan_sizes > 1
     together = [engine.get_request(i).generated_tokens for i in range(len(alone))]
-    return alone, together, context.block_allocator.total_avail, context.block_allocator.total_count, (
-        steps_with_mixed_batches
+    return (
+        alone,
+        together,
+        context.block_allocator.total_avail,
+        context.block_allocator.total_count,
+        (steps_with_mixed_batches),
     )
 
 
@@ -124,18 +134,27 @@ def _stops():
     engine, context = _engine(model)
     outcomes = {}
     # EOD: the third greedy token is declared the termination id; it is the last token generated.
-    outcomes["eod"] = engine.generate([prompt], SamplingParams(top_k=1, num_tokens_to_generate=8,
-                                                               termination_id=free_run[2]))[0]
+    outcomes["eod"] = engine.generate(
+        [prompt], SamplingParams(top_k=1, num_tokens_to_generate=8, termination_id=free_run[2])
+    )[0]
     # A stop string: the text of the fourth token (NullTokenizer text is the ids joined by spaces).
     stop = f" {free_run[3]}"
-    outcomes["stop"] = engine.generate([prompt], SamplingParams(top_k=1, num_tokens_to_generate=8, termination_id=-1,
-                                                                stop_words=[stop]))[0]
-    outcomes["stop_kept"] = engine.generate([prompt], SamplingParams(
-        top_k=1, num_tokens_to_generate=8, termination_id=-1, stop_words=[stop], detokenize_stop_sequence=True))[0]
-    outcomes["length"] = engine.generate([prompt], SamplingParams(top_k=1, num_tokens_to_generate=3,
-                                                                  termination_id=-1))[0]
-    return free_run, {k: (r.generated_tokens, r.generated_text, r.status.name) for k, r in outcomes.items()}, (
-        context.block_allocator.total_avail == context.block_allocator.total_count
+    outcomes["stop"] = engine.generate(
+        [prompt], SamplingParams(top_k=1, num_tokens_to_generate=8, termination_id=-1, stop_words=[stop])
+    )[0]
+    outcomes["stop_kept"] = engine.generate(
+        [prompt],
+        SamplingParams(
+            top_k=1, num_tokens_to_generate=8, termination_id=-1, stop_words=[stop], detokenize_stop_sequence=True
+        ),
+    )[0]
+    outcomes["length"] = engine.generate(
+        [prompt], SamplingParams(top_k=1, num_tokens_to_generate=3, termination_id=-1)
+    )[0]
+    return (
+        free_run,
+        {k: (r.generated_tokens, r.generated_text, r.status.name) for k, r in outcomes.items()},
+        (context.block_allocator.total_avail == context.block_allocator.total_count),
     )
 
 
@@ -159,19 +178,27 @@ def _log_probs(variant):
     model = build_model(variant)
     prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1]
     engine, _ = _engine(model, max_requests=2, max_tokens=4)  # the 9-token prompt is prefilled in 3 chunks
-    request = engine.generate([prompt], SamplingParams(top_k=1, num_tokens_to_generate=5, termination_id=-1,
-                                                       return_log_probs=True, top_n_logprobs=3))[0]
+    request = engine.generate(
+        [prompt],
+        SamplingParams(top_k=1, num_tokens_to_generate=5, termination_id=-1, return_log_probs=True, top_n_logprobs=3),
+    )[0]
     expected = full_forward_log_probs(model, prompt + request.generated_tokens)
-    return (request.prompt_log_probs, request.generated_log_probs, expected.tolist(),
-            request.generated_top_n_logprobs, request.generated_tokens)
+    return (
+        request.prompt_log_probs,
+        request.generated_log_probs,
+        expected.tolist(),
+        request.generated_top_n_logprobs,
+        request.generated_tokens,
+    )
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_log_probs_equal_those_of_a_full_forward(variant):
     prompt_lp, generated_lp, expected, top_n, tokens = run_distributed(1, _log_probs, variant)[0]
     assert len(prompt_lp) == 8 and len(generated_lp) == 5
-    assert torch.allclose(torch.tensor(prompt_lp + generated_lp), torch.tensor(expected[:-1] + expected[-1:]),
-                          atol=1e-5)
+    assert torch.allclose(
+        torch.tensor(prompt_lp + generated_lp), torch.tensor(expected[:-1] + expected[-1:]), atol=1e-5
+    )
     for token, lp, entry in zip(tokens, generated_lp, top_n):
         assert len(entry) == 3 and max(entry.values()) == pytest.approx(lp, abs=1e-6)
         assert str(token) in entry, "greedy: the chosen token is the most likely one"

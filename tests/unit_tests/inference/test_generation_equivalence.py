@@ -25,7 +25,7 @@ def _generate_both_ways(variant: str, tp: int, pp: int):
     reference = build_model(variant)  # the single-process layout on every rank, no collectives
     expected = [greedy_without_cache(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
     expected_log_probs = [
-        full_forward_log_probs(reference, prompt + tokens)[len(prompt) - 1:].tolist()
+        full_forward_log_probs(reference, prompt + tokens)[len(prompt) - 1 :].tolist()
         for prompt, tokens in zip(PROMPTS, expected)
     ]
     model = build_model(variant, tp, pp)
@@ -33,7 +33,9 @@ def _generate_both_ways(variant: str, tp: int, pp: int):
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
     static = StaticInferenceEngine(TextGenerationController(GPTInferenceWrapper(model), tokenizer()), legacy=True)
     static_out = static.generate(prompts=[" ".join(map(str, p)) for p in PROMPTS], sampling_params=greedy)
-    context, controller = dynamic_setup(model, max_requests=4, max_tokens=6)  # prompts longer than the budget are chunked
+    context, controller = dynamic_setup(
+        model, max_requests=4, max_tokens=6
+    )  # prompts longer than the budget are chunked
     greedy.return_log_probs = True
     greedy.skip_prompt_log_probs = True
     dynamic_out = DynamicInferenceEngine(controller, context).generate(PROMPTS, greedy)

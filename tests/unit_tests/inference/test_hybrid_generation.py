@@ -26,7 +26,7 @@ def _greedy_without_cache(model, prompt, num_tokens):
     for _ in range(num_tokens):
         logits = model(torch.tensor([sequence]), torch.arange(len(sequence))[None], None)
         sequence.append(int(logits[0, -1, : _tokenizer().vocab_size].argmax()))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 def _dynamic(model, block_size_tokens=4, num_blocks=32, max_requests=4, max_tokens=6):
@@ -37,17 +37,24 @@ def _dynamic(model, block_size_tokens=4, num_blocks=32, max_requests=4, max_toke
 
     config = model.config
     context = DynamicInferenceContext(
-        params_dtype=config.params_dtype, num_layers=config.num_layers, kv_channels=config.kv_channels,
-        num_attention_heads=config.num_query_groups, max_sequence_length=MAX_SEQ,
-        block_size_tokens=block_size_tokens, num_blocks=num_blocks, max_requests=max_requests, max_tokens=max_tokens,
+        params_dtype=config.params_dtype,
+        num_layers=config.num_layers,
+        kv_channels=config.kv_channels,
+        num_attention_heads=config.num_query_groups,
+        max_sequence_length=MAX_SEQ,
+        block_size_tokens=block_size_tokens,
+        num_blocks=num_blocks,
+        max_requests=max_requests,
+        max_tokens=max_tokens,
     )
     controller = TextGenerationController(GPTInferenceWrapper(model, context), _tokenizer())
     return DynamicInferenceEngine(controller, context), context
 
 
 def _free(context):
-    return (context.block_allocator.total_avail == context.block_allocator.total_count
-            and context.mamba_slots_in_use == 0)
+    return (
+        context.block_allocator.total_avail == context.block_allocator.total_count and context.mamba_slots_in_use == 0
+    )
 
 
 def _generate_both_ways(tp, pp, pattern):
@@ -93,8 +100,9 @@ def _alone_and_together():
         if i % 2 == 0:
             params = SamplingParams(top_k=1, num_tokens_to_generate=3 + i % 4, termination_id=-1)
         else:
-            params = SamplingParams(temperature=0.9, top_k=10, num_tokens_to_generate=5, seed=100 + i,
-                                    termination_id=-1)
+            params = SamplingParams(
+                temperature=0.9, top_k=10, num_tokens_to_generate=5, seed=100 + i, termination_id=-1
+            )
         requests.append((prompt, params))
     alone = []
     for i, (prompt, params) in enumerate(requests):
@@ -157,7 +165,15 @@ def test_megatron_llm_over_a_hybrid_model():
 def test_dynamic_context_needs_a_prepared_step_for_mamba_layers():
     from megatron.core.inference.contexts import DynamicInferenceContext
 
-    context = DynamicInferenceContext(params_dtype=torch.float32, num_layers=1, kv_channels=8, num_attention_heads=2,
-                                      max_sequence_length=8, block_size_tokens=4, num_blocks=4, device="cpu")
+    context = DynamicInferenceContext(
+        params_dtype=torch.float32,
+        num_layers=1,
+        kv_channels=8,
+        num_attention_heads=2,
+        max_sequence_length=8,
+        block_size_tokens=4,
+        num_blocks=4,
+        device="cpu",
+    )
     with pytest.raises(ValueError, match="call prepare_step"):
         context.is_decode_only()

@@ -19,15 +19,18 @@ from megatron.core.inference.text_generation_controllers.sampling import filtere
 from tests.unit_tests.test_utilities import run_distributed
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("temperature", -0.5, "temperature must be >= 0"),
-    ("top_k", -1, "top_k must be >= 0"),
-    ("top_p", 1.5, "top_p must be in [0, 1]"),
-    ("num_tokens_to_generate", -2, "num_tokens_to_generate must be >= 0"),
-    ("num_tokens_total", 0, "num_tokens_total must be >= 1"),
-    ("top_n_logprobs", -1, "top_n_logprobs must be >= 0"),
-    ("stop_words", "END", "stop_words must be a list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("temperature", -0.5, "temperature must be >= 0"),
+        ("top_k", -1, "top_k must be >= 0"),
+        ("top_p", 1.5, "top_p must be in [0, 1]"),
+        ("num_tokens_to_generate", -2, "num_tokens_to_generate must be >= 0"),
+        ("num_tokens_total", 0, "num_tokens_total must be >= 1"),
+        ("top_n_logprobs", -1, "top_n_logprobs must be >= 0"),
+        ("stop_words", "END", "stop_words must be a list of non-empty strings"),
+    ],
+)
 def test_sampling_params_refuse_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**{field: value})
@@ -66,8 +69,16 @@ def test_block_allocator_hands_out_and_takes_back_blocks():
 
 
 def _context(**overrides):
-    kwargs = dict(params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=4,
-                  max_sequence_length=32, block_size_tokens=4, num_blocks=16, tensor_model_parallel_size=1)
+    kwargs = dict(
+        params_dtype=torch.float32,
+        num_layers=2,
+        kv_channels=8,
+        num_attention_heads=4,
+        max_sequence_length=32,
+        block_size_tokens=4,
+        num_blocks=16,
+        tensor_model_parallel_size=1,
+    )
     kwargs.update(overrides)
     return DynamicInferenceContext(**kwargs)
 
@@ -98,8 +109,9 @@ def test_dynamic_context_sizes_and_its_errors():
 
 
 def test_requests_serialize_without_pickle():
-    request = DynamicInferenceRequest(request_id=3, prompt="1 2", prompt_tokens=[1, 2],
-                                      sampling_params=SamplingParams(top_k=1))
+    request = DynamicInferenceRequest(
+        request_id=3, prompt="1 2", prompt_tokens=[1, 2], sampling_params=SamplingParams(top_k=1)
+    )
     request.add_event(DynamicInferenceEventType.ADD_ENGINE)
     data = request.serialize()
     assert data["status"] == "WAITING_IN_QUEUE" and data["events"][0]["type"] == "ADD_ENGINE"
@@ -122,8 +134,9 @@ def _static_engine_extras():
     )
 
     model = build_model("llama")
-    engine = StaticInferenceEngine(TextGenerationController(GPTInferenceWrapper(model), tokenizer()),
-                                   max_batch_size=2, legacy=True)
+    engine = StaticInferenceEngine(
+        TextGenerationController(GPTInferenceWrapper(model), tokenizer()), max_batch_size=2, legacy=True
+    )
     params = SamplingParams(top_k=1, num_tokens_to_generate=4, termination_id=-1, return_log_probs=True)
     prompts = ["3 4 5 6", "9 9", "1"]  # three requests: two batches of at most two
     requests = engine.generate(prompts=prompts, sampling_params=params)
@@ -135,8 +148,9 @@ def _static_engine_extras():
         log_prob_errors.append(float((actual - expected).abs().max()))
 
     async def stream():
-        request_id = engine.add_request("7 8", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=3),
-                                        streaming=True)
+        request_id = engine.add_request(
+            "7 8", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=3), streaming=True
+        )
         generator = engine.get_stream_generator(request_id)
         runner = asyncio.ensure_future(engine.run_engine_async())
         seen = [len(r.generated_tokens) async for r in generator]
@@ -145,8 +159,11 @@ def _static_engine_extras():
 
     seen = asyncio.run(stream())
     errors = []
-    for bad in (lambda: engine.generate(prompts=[" ".join(["1"] * (MAX_SEQ + 1))], sampling_params=params),
-                lambda: engine.add_request(None), lambda: engine.add_request("1", encoder_prompt="x")):
+    for bad in (
+        lambda: engine.generate(prompts=[" ".join(["1"] * (MAX_SEQ + 1))], sampling_params=params),
+        lambda: engine.add_request(None),
+        lambda: engine.add_request("1", encoder_prompt="x"),
+    ):
         try:
             bad()
         except ValueError as error:
@@ -179,8 +196,9 @@ def _llm_bf16_and_engine_errors():
 
     out = {}
     model = build_model("gpt2")
-    llm = MegatronLLM(model=model, tokenizer=tokenizer(),
-                      inference_config=InferenceConfig(block_size_tokens=8, max_requests=2))
+    llm = MegatronLLM(
+        model=model, tokenizer=tokenizer(), inference_config=InferenceConfig(block_size_tokens=8, max_requests=2)
+    )
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=5, termination_id=-1)
     requests = llm.generate(["1 2 3", "4 5"], greedy)
     out["llm"] = [r.generated_tokens for r in requests]
@@ -198,22 +216,38 @@ def _llm_bf16_and_engine_errors():
     cache_k = next(iter(context.memory_buffer.values()))[0]
     out["bf16_dtype"] = str(cache_k.dtype)
     config = bf16.config
-    out["bf16_bytes"] = (context.kv_cache_bytes(),
-                         2 * config.num_layers * config.num_query_groups * config.kv_channels * 16 * 2)
+    out["bf16_bytes"] = (
+        context.kv_cache_bytes(),
+        2 * config.num_layers * config.num_query_groups * config.kv_channels * 16 * 2,
+    )
 
     errors = []
     context, controller = dynamic_setup(model)
     engine = DynamicInferenceEngine(controller, context)
     engine.add_request(1, [1, 2], greedy)
-    for bad in (lambda: engine.add_request(1, [3], greedy),
-                lambda: engine.add_request(2, [1, 500], greedy),
-                lambda: engine.add_request(3, 3.5, greedy),
-                lambda: engine.add_request(4, [1, 2], SamplingParams(num_tokens_total=1)),
-                lambda: engine.pop_request(1),
-                lambda: DynamicInferenceEngine(controller, None),
-                lambda: DynamicInferenceEngine(controller, dynamic_setup(model)[0].__class__(
-                    torch.float32, 2, 8, 8, 2 * MAX_SEQ, block_size_tokens=4, num_blocks=64,
-                    tensor_model_parallel_size=1, max_requests=4, max_tokens=8))):
+    for bad in (
+        lambda: engine.add_request(1, [3], greedy),
+        lambda: engine.add_request(2, [1, 500], greedy),
+        lambda: engine.add_request(3, 3.5, greedy),
+        lambda: engine.add_request(4, [1, 2], SamplingParams(num_tokens_total=1)),
+        lambda: engine.pop_request(1),
+        lambda: DynamicInferenceEngine(controller, None),
+        lambda: DynamicInferenceEngine(
+            controller,
+            dynamic_setup(model)[0].__class__(
+                torch.float32,
+                2,
+                8,
+                8,
+                2 * MAX_SEQ,
+                block_size_tokens=4,
+                num_blocks=64,
+                tensor_model_parallel_size=1,
+                max_requests=4,
+                max_tokens=8,
+            ),
+        ),
+    ):
         try:
             bad()
         except ValueError as error:
@@ -296,8 +330,11 @@ def _weight_layout(directory):
         with torch.no_grad():
             before_logits = model(ids, positions, None)
         before_state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-                   and m.weight is not None]
+        linears = [
+            m.weight
+            for m in model.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None
+        ]
         GPTInferenceWrapper(model)
         embedding = model.embedding.word_embeddings.weight
         with torch.no_grad():
@@ -314,10 +351,12 @@ def _weight_layout(directory):
         # A checkpoint saved from the re-laid-out model loads into a fresh one exactly.
         dist_checkpointing.save({"model": model.sharded_state_dict()}, f"{directory}/{variant}")
         fresh = build_model(variant, seed=99)
-        fresh.load_state_dict(dist_checkpointing.load({"model": fresh.sharded_state_dict()},
-                                                      f"{directory}/{variant}")["model"])
+        fresh.load_state_dict(
+            dist_checkpointing.load({"model": fresh.sharded_state_dict()}, f"{directory}/{variant}")["model"]
+        )
         out[variant]["checkpoint_exact"] = all(
-            torch.equal(before_state[k], v) for k, v in fresh.state_dict().items() if k in before_state)
+            torch.equal(before_state[k], v) for k, v in fresh.state_dict().items() if k in before_state
+        )
     plain = build_model("gpt2")
     ddp = DistributedDataParallel(plain.config, DistributedDataParallelConfig(), plain)
     out["ddp_changed"] = column_major_linear_weights_on_cpu(ddp)

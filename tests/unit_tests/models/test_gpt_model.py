@@ -92,8 +92,13 @@ def _stage_weights(tp: int, pp: int, vpp, variant: str):
     parallel_state.initialize_model_parallel(tp, pp, vpp)
     model_parallel_cuda_manual_seed(1234)
     spec = VARIANTS[variant]
-    overrides = {**spec["config"], "num_layers": 4, "pipeline_model_parallel_size": pp,
-                 "virtual_pipeline_model_parallel_size": vpp, "pipeline_dtype": torch.float32}
+    overrides = {
+        **spec["config"],
+        "num_layers": 4,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+        "pipeline_dtype": torch.float32,
+    }
     config = build_config(tp, False, overrides)
     weights = {}
     for vp_stage in range(vpp or 1):

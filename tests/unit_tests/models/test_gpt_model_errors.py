@@ -46,8 +46,9 @@ def _model_errors():
         _capture(lambda: LanguageModelEmbedding(config, VOCAB, 8)(tokens, tokens, tokentype_ids=tokens)),
         _capture(lambda: TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * 3))),
         _capture(lambda: TransformerBlock(config, "not a spec")),
-        _capture(lambda: GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8,
-                                  position_embedding_type="yarn")),
+        _capture(
+            lambda: GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8, position_embedding_type="yarn")
+        ),
         _capture(lambda: model(tokens, None, None, output_processor=print)),
         _capture(lambda: WrappedTorchNorm(config, 8, zero_centered_gamma=True)),
         _capture(lambda: WrappedTorchNorm(config, 8, normalization="BatchNorm")),

@@ -26,11 +26,26 @@ def _model(tp=1, ep=1, seed=1234):
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
-        moe_router_topk=2, moe_layer_freq=[1, 0], moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3,
-        moe_shared_expert_intermediate_size=16, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_layer_freq=[1, 0],
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=1e-3,
+        moe_shared_expert_intermediate_size=16,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type="alltoall",
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
@@ -38,8 +53,13 @@ def _model(tp=1, ep=1, seed=1234):
 
 def _batches(count):
     generator = torch.Generator().manual_seed(11)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(count)]
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+        )
+        for _ in range(count)
+    ]
 
 
 def _step(model, tokens, labels):
@@ -88,13 +108,24 @@ def _bf16(grouped):
     fresh_moe_state()
     model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
-        num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2, bf16=True,
-        pipeline_dtype=torch.bfloat16, moe_router_dtype="fp32", moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01, expert_model_parallel_size=2,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        bf16=True,
+        pipeline_dtype=torch.bfloat16,
+        moe_router_dtype="fp32",
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_aux_loss_coeff=0.01,
+        expert_model_parallel_size=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=grouped,
     )
-    model = Float16Module(config, GPTModel(config, get_gpt_decoder_block_spec(config, False), vocab_size=VOCAB,
-                                           max_sequence_length=SEQ))
+    model = Float16Module(
+        config, GPTModel(config, get_gpt_decoder_block_spec(config, False), vocab_size=VOCAB, max_sequence_length=SEQ)
+    )
     outputs = []
     model.module.decoder.layers[0].mlp.register_forward_hook(lambda m, i, o: outputs.append(o[0].dtype))
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -122,20 +153,43 @@ def _pipeline(pp, ep, num_microbatches):
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(
-        num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
-        moe_router_topk=2, moe_layer_freq=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall", pipeline_dtype=torch.float32,
+        num_layers=4,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_layer_freq=2,
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=1e-3,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type="alltoall",
+        pipeline_dtype=torch.float32,
     )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    model = GPTModel(config, get_gpt_decoder_block_spec(config, False), vocab_size=PIPE_VOCAB,
-                     max_sequence_length=PIPE_SEQ, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+    model = GPTModel(
+        config,
+        get_gpt_decoder_block_spec(config, False),
+        vocab_size=PIPE_VOCAB,
+        max_sequence_length=PIPE_SEQ,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+    )
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = num_microbatches // dp_size
     batches = microbatches(num_microbatches)[dp_rank * share : (dp_rank + 1) * share]
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=share,
-        seq_length=PIPE_SEQ, micro_batch_size=2,
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=share,
+        seq_length=PIPE_SEQ,
+        micro_batch_size=2,
     )
     grads = {global_name(name, model): grad / dp_size for name, grad in summed_full_gradients(model).items()}
     stages = [None] * pp

@@ -56,14 +56,18 @@ def _local_module(grads, tp_rank, tp, ep_rank, ep, etp_rank, etp):
 
 
 def _stats_match_single_process(etp):
-    Utils.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                    expert_tensor_parallel_size=etp)
+    Utils.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=etp
+    )
     grads = _global_grads()
     module, params = _local_module(
         grads,
-        parallel_state.get_tensor_model_parallel_rank(), 2,
-        parallel_state.get_expert_model_parallel_rank(), 2,
-        parallel_state.get_expert_tensor_parallel_rank(), etp,
+        parallel_state.get_tensor_model_parallel_rank(),
+        2,
+        parallel_state.get_expert_model_parallel_rank(),
+        2,
+        parallel_state.get_expert_tensor_parallel_rank(),
+        etp,
     )
     config = OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=MAX_NORM, log_num_zeros_in_grad=True)
     optimizer = get_megatron_optimizer(config, [module], config_overrides={})
@@ -77,8 +81,14 @@ def _stats_match_single_process(etp):
         (-param.detach() - _slice_of(grads, name, param) * coefficient).abs().max().item()
         for name, param in params.items()
     )
-    return grad_norm, expected_norm, num_zeros, expected_zeros, clip_error, dist.get_world_size(
-        parallel_state.get_expert_data_parallel_group())
+    return (
+        grad_norm,
+        expected_norm,
+        num_zeros,
+        expected_zeros,
+        clip_error,
+        dist.get_world_size(parallel_state.get_expert_data_parallel_group()),
+    )
 
 
 def _slice_of(grads, name, param):
@@ -87,8 +97,11 @@ def _slice_of(grads, name, param):
     if full.shape == param.shape:
         return full
     is_expert = name.startswith("expert")
-    rank = (parallel_state.get_expert_tensor_parallel_rank() if is_expert
-            else parallel_state.get_tensor_model_parallel_rank())
+    rank = (
+        parallel_state.get_expert_tensor_parallel_rank()
+        if is_expert
+        else parallel_state.get_tensor_model_parallel_rank()
+    )
     return full.chunk(full.shape[0] // param.shape[0])[rank]
 
 

@@ -63,8 +63,17 @@ def _overrides_drive_groups_and_schedule():
     overrides[ParamKey(name="layers.2.weight")] = {"eps": 1e-3, "wd_mult": 0.5}
     optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
-        lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=10, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0,
+        max_lr=1.0,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=10,
+        lr_decay_style="linear",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
     )
     scheduler.step(5)
     by_name = _groups_by_name(optimizer, model)
@@ -74,9 +83,14 @@ def _overrides_drive_groups_and_schedule():
         if name in ("layers.0.weight", "layers.1.weight", "layers.1.bias", "layers.2.weight", "norm.weight")
     }
     with pytest.raises(ValueError, match="conflicting parameter-group overrides: max_lr=0.5 and max_lr=0.25"):
-        get_megatron_optimizer(config, [model], config_overrides={
-            ParamKey(name="layers.1.*"): {"max_lr": 0.5}, ParamKey(name="*.bias"): {"max_lr": 0.25},
-        })
+        get_megatron_optimizer(
+            config,
+            [model],
+            config_overrides={
+                ParamKey(name="layers.1.*"): {"max_lr": 0.5},
+                ParamKey(name="*.bias"): {"max_lr": 0.25},
+            },
+        )
     with pytest.raises(ValueError, match="sets optimizer='sgd' but the optimizer has optimizer='adam'"):
         get_megatron_optimizer(config, [model], config_overrides={ParamKey(name="*"): {"optimizer": "sgd"}})
     with pytest.raises(ValueError, match="sets 'params', which is protected"):
@@ -99,28 +113,42 @@ def test_config_overrides_select_groups_that_the_scheduler_and_torch_follow():
 
 def _qk_layernorm_and_mup_overrides():
     Utils.initialize_model_parallel()
-    q_norm, bias, matrix, embedding = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((4,), (4,), (4, 4),
-                                                                                            (8, 4)))
-    named = {"attn.q_layernorm.weight": q_norm, "attn.linear_qkv.bias": bias, "attn.linear_qkv.weight": matrix,
-             "embedding.word_embeddings.weight": embedding}
+    q_norm, bias, matrix, embedding = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((4,), (4,), (4, 4), (8, 4)))
+    named = {
+        "attn.q_layernorm.weight": q_norm,
+        "attn.linear_qkv.bias": bias,
+        "attn.linear_qkv.weight": matrix,
+        "embedding.word_embeddings.weight": embedding,
+    }
 
     def decays(config):
         keys = get_standard_config_overrides(config)
-        return {name: not any(key.matches(p, name) and o.get("wd_mult") == 0.0 for key, o in keys.items())
-                for name, p in named.items()}
+        return {
+            name: not any(key.matches(p, name) and o.get("wd_mult") == 0.0 for key, o in keys.items())
+            for name, p in named.items()
+        }
 
     mup = get_mup_config_overrides(OptimizerConfig(lr=1.0, min_lr=0.1, adam_eps=1e-8), mup_width_mult=4.0)
     mup_of = {name: [o for key, o in mup.items() if key.matches(p, name)] for name, p in named.items()}
     sgd_mup = get_mup_config_overrides(OptimizerConfig(lr=1.0), mup_width_mult=4.0, optimizer_type="sgd")
     sgd_of = {name: [o for key, o in sgd_mup.items() if key.matches(p, name)] for name, p in named.items()}
-    return (decays(OptimizerConfig()), decays(OptimizerConfig(apply_wd_to_qk_layernorm=True)), mup_of, sgd_of,
-            get_mup_config_overrides(OptimizerConfig(lr=1.0), 1.0))
+    return (
+        decays(OptimizerConfig()),
+        decays(OptimizerConfig(apply_wd_to_qk_layernorm=True)),
+        mup_of,
+        sgd_of,
+        get_mup_config_overrides(OptimizerConfig(lr=1.0), 1.0),
+    )
 
 
 def test_qk_layernorm_weight_decay_and_mup_overrides():
     default, with_qk, mup, sgd, unit_width = run_distributed(1, _qk_layernorm_and_mup_overrides)[0]
-    assert default == {"attn.q_layernorm.weight": False, "attn.linear_qkv.bias": False,
-                       "attn.linear_qkv.weight": True, "embedding.word_embeddings.weight": True}
+    assert default == {
+        "attn.q_layernorm.weight": False,
+        "attn.linear_qkv.bias": False,
+        "attn.linear_qkv.weight": True,
+        "embedding.word_embeddings.weight": True,
+    }
     assert with_qk["attn.q_layernorm.weight"] and not with_qk["attn.linear_qkv.bias"]
     # Adam: hidden matrices get lr / width and eps / width; embeddings and vectors keep theirs.
     assert mup["attn.linear_qkv.weight"] == [{"max_lr": 0.25, "min_lr": 0.025, "eps": 2.5e-9}]
@@ -145,8 +173,13 @@ def test_adam_and_sgd_config_classes():
 
 
 def test_optimizer_config_takes_megatrons_dtype_names_and_inert_knobs():
-    config = OptimizerConfig(main_grads_dtype="fp32", exp_avg_dtype="fp32", fp8_recipe="delayed",
-                             muon_momentum=0.9, optimizer_offload_fraction=1.0)
+    config = OptimizerConfig(
+        main_grads_dtype="fp32",
+        exp_avg_dtype="fp32",
+        fp8_recipe="delayed",
+        muon_momentum=0.9,
+        optimizer_offload_fraction=1.0,
+    )
     assert config.main_grads_dtype is torch.float32 and config.exp_avg_dtype is torch.float32
 
 
@@ -160,8 +193,12 @@ def _steps(optimizer):
 def _spike_is_skipped():
     Utils.initialize_model_parallel()
     results = {}
-    cases = (("fp32", None, False, False), ("bf16", "bf16", False, False), ("bf16-distopt", "bf16", True, False),
-             ("chained", None, False, True))
+    cases = (
+        ("fp32", None, False, False),
+        ("bf16", "bf16", False, False),
+        ("bf16-distopt", "bf16", True, False),
+        ("chained", None, False, True),
+    )
     for name, precision, distributed, chained in cases:
         config = model_config(**({precision: True} if precision else {}))
         module = TinyLM()
@@ -170,8 +207,9 @@ def _spike_is_skipped():
                 param.allreduce = False
         module = module if precision is None else Float16Module(config, module)
         model = wrap(module, DistributedDataParallelConfig(use_distributed_optimizer=distributed), config)
-        opt_config = OptimizerConfig(lr=1e-2, bf16=precision == "bf16", use_distributed_optimizer=distributed,
-                                     grad_norm_skip_threshold=1e3)
+        opt_config = OptimizerConfig(
+            lr=1e-2, bf16=precision == "bf16", use_distributed_optimizer=distributed, grad_norm_skip_threshold=1e3
+        )
         optimizer = get_megatron_optimizer(opt_config, [model])
         assert isinstance(optimizer, ChainedOptimizer) == chained
         train_data_parallel(model, optimizer, 1, 4, 1)
@@ -181,15 +219,21 @@ def _spike_is_skipped():
         steps_after_spike = _steps(optimizer)
         normal = train_data_parallel(model, optimizer, 1, 4, 1)[0]
         moved = any(not torch.equal(a, b) for a, b in zip(before.values(), weights(model).values()))
-        results[name] = (spike > 1e3, unchanged, steps_before == steps_after_spike == [1.0], normal < 1e3, moved,
-                         _steps(optimizer))
+        results[name] = (
+            spike > 1e3,
+            unchanged,
+            steps_before == steps_after_spike == [1.0],
+            normal < 1e3,
+            moved,
+            _steps(optimizer),
+        )
     return results
 
 
 def test_grad_norm_above_the_threshold_skips_the_step():
-    for name, (spiked, unchanged, adam_untouched, normal, moved, steps) in run_distributed(
-        2, _spike_is_skipped
-    )[0].items():
+    for name, (spiked, unchanged, adam_untouched, normal, moved, steps) in run_distributed(2, _spike_is_skipped)[
+        0
+    ].items():
         assert spiked and unchanged and adam_untouched, name  # weights and Adam's moments/step left alone
         assert normal and moved and steps == [2.0], name  # the next ordinary step trains
 
@@ -197,8 +241,9 @@ def test_grad_norm_above_the_threshold_skips_the_step():
 def _skip_reports_the_norm():
     Utils.initialize_model_parallel()
     model = wrap(TinyLM(), DistributedDataParallelConfig())
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, grad_norm_skip_threshold=1.0,
-                                                       log_num_zeros_in_grad=True), [model])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-2, grad_norm_skip_threshold=1.0, log_num_zeros_in_grad=True), [model]
+    )
     model.zero_grad_buffer()
     model.module.layers[1].weight.main_grad.fill_(1.0)
     return optimizer.step()
@@ -255,8 +300,18 @@ def _state_helpers():
     distopt_model = wrap(TinyLM(), DistributedDataParallelConfig(use_distributed_optimizer=True))
     distopt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [distopt_model])
     with pytest.raises(ValueError, match=r"not supported yet: several distributed-optimizer instances"):
-        DistributedOptimizer(distopt.optimizer, distopt.config, None, None, [distopt_model], {0: distopt_model.buffers},
-                             distopt.data_parallel_group, None, 0, 1)
+        DistributedOptimizer(
+            distopt.optimizer,
+            distopt.config,
+            None,
+            None,
+            [distopt_model],
+            {0: distopt_model.buffers},
+            distopt.data_parallel_group,
+            None,
+            0,
+            1,
+        )
     return len(loading["optimizer"]["state"]), distopt.optimizer_state_keys
 
 

@@ -31,8 +31,13 @@ TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
 def _opt_config(precision=None, distributed=False, **overrides) -> OptimizerConfig:
     flags = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     return OptimizerConfig(
-        lr=1e-2, weight_decay=0.1, clip_grad=0.5, use_distributed_optimizer=distributed, initial_loss_scale=1024,
-        **flags, **overrides,
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=0.5,
+        use_distributed_optimizer=distributed,
+        initial_loss_scale=1024,
+        **flags,
+        **overrides,
     )
 
 
@@ -54,20 +59,22 @@ def _half_precision_matches_fp32_master():
             optimizer = get_megatron_optimizer(_opt_config(precision, distributed), [model])
             norms = train_data_parallel(model, optimizer, STEPS, GLOBAL_BATCH, MICROBATCHES)
             final = {k: v.float() for k, v in model.state_dict().items()}
-            results.append({
-                "precision": precision,
-                "optimizer": type(optimizer).__name__,
-                "model_dtypes": {p.dtype for p in model.parameters()},
-                "main_dtypes": {p.dtype for p in optimizer.get_parameters()},
-                "grad_dtypes": {b.grad_data.dtype for b in model.buffers},
-                "all_steps_taken": all(n is not None for n in norms),
-                "error": max_relative_error(final, expected),
-                "error_vs_update": max(
-                    max_relative_error({k: final[k]}, {k: expected[k]})
-                    / max_relative_error({k: expected[k]}, {k: initial[k]})
-                    for k in expected
-                ),
-            })
+            results.append(
+                {
+                    "precision": precision,
+                    "optimizer": type(optimizer).__name__,
+                    "model_dtypes": {p.dtype for p in model.parameters()},
+                    "main_dtypes": {p.dtype for p in optimizer.get_parameters()},
+                    "grad_dtypes": {b.grad_data.dtype for b in model.buffers},
+                    "all_steps_taken": all(n is not None for n in norms),
+                    "error": max_relative_error(final, expected),
+                    "error_vs_update": max(
+                        max_relative_error({k: final[k]}, {k: expected[k]})
+                        / max_relative_error({k: expected[k]}, {k: initial[k]})
+                        for k in expected
+                    ),
+                }
+            )
     return results
 
 
@@ -155,8 +162,9 @@ def test_dynamic_scaler_hysteresis_floor_growth_and_state_round_trip():
     ],
 )
 def test_dynamic_scaler_rejects_bad_settings(kwargs, message):
-    settings = dict(initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3,
-                    hysteresis=2)
+    settings = dict(
+        initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2
+    )
     with pytest.raises(ValueError, match=message):
         DynamicGradScaler(**{**settings, **kwargs})
 

@@ -31,19 +31,27 @@ def _param_groups():
     optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
     names = {p: n for n, p in model.named_parameters()}
     groups = [
-        (sorted(names[p] for p in g["params"]), {k: g[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr",
-                                                                    "max_lr", "min_lr", "lr", "weight_decay")})
+        (
+            sorted(names[p] for p in g["params"]),
+            {k: g[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr", "lr", "weight_decay")},
+        )
         for g in optimizer.param_groups
     ]
     custom = get_megatron_optimizer(
-        OptimizerConfig(lr=1.0, optimizer="sgd", decoupled_weight_decay=False), [model],
+        OptimizerConfig(lr=1.0, optimizer="sgd", decoupled_weight_decay=False),
+        [model],
         config_overrides={ParamKey(name="output"): {"wd_mult": 0.0}},
     )
     adam_l2 = get_megatron_optimizer(OptimizerConfig(lr=1.0, decoupled_weight_decay=False), [model])
-    return groups, [sorted(names[p] for p in g["params"]) for g in custom.param_groups], [
-        type(custom.optimizer).__name__, type(adam_l2.optimizer).__name__,
-        type(get_megatron_optimizer(OptimizerConfig(lr=1.0), [model]).optimizer).__name__,
-    ]
+    return (
+        groups,
+        [sorted(names[p] for p in g["params"]) for g in custom.param_groups],
+        [
+            type(custom.optimizer).__name__,
+            type(adam_l2.optimizer).__name__,
+            type(get_megatron_optimizer(OptimizerConfig(lr=1.0), [model]).optimizer).__name__,
+        ],
+    )
 
 
 def test_param_groups_weight_decay_decoupled_lr_and_lr_mult():
@@ -52,12 +60,14 @@ def test_param_groups_weight_decay_decoupled_lr_and_lr_mult():
     all_names = sorted(n for names, _ in groups for n in names)
     assert len(all_names) == 12
     # Matrices decay; biases and norms (1-D) do not; embedding/output get the decoupled lr; layers.3 gets lr_mult.
-    assert by_first["layers.0.weight"] == dict(wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=False, max_lr=1.0,
-                                              min_lr=0.1, lr=1.0, weight_decay=0.2)
+    assert by_first["layers.0.weight"] == dict(
+        wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=False, max_lr=1.0, min_lr=0.1, lr=1.0, weight_decay=0.2
+    )
     assert by_first["layers.0.bias"]["wd_mult"] == 0.0 and by_first["layers.0.bias"]["weight_decay"] == 0.0
     assert [names for names, _ in groups if "norm.weight" in names][0].count("norm.bias") == 1
-    assert by_first["embedding.weight"] == dict(wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=True, max_lr=0.5,
-                                               min_lr=0.05, lr=0.5, weight_decay=0.2)
+    assert by_first["embedding.weight"] == dict(
+        wd_mult=1.0, lr_mult=1.0, is_decoupled_lr=True, max_lr=0.5, min_lr=0.05, lr=0.5, weight_decay=0.2
+    )
     assert [names for names, _ in groups if "embedding.weight" in names][0] == ["embedding.weight", "output"]
     assert by_first["layers.3.weight"]["lr_mult"] == 3.0 and by_first["layers.3.weight"]["lr"] == 3.0
     # Custom overrides replace the standard ones entirely.
@@ -75,8 +85,11 @@ def _state_round_trip():
         def build():
             config = model_config(**({precision: True} if precision else {}))
             module = TinyLM() if precision is None else Float16Module(config, TinyLM())
-            model = wrap(module, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                               use_distributed_optimizer=distributed), config)
+            model = wrap(
+                module,
+                DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+                config,
+            )
             opt_config = OptimizerConfig(lr=1e-2, bf16=precision == "bf16", use_distributed_optimizer=distributed)
             return model, get_megatron_optimizer(opt_config, [model])
 
@@ -194,15 +207,24 @@ def test_get_megatron_optimizer_rejects_bad_requests():
         (dict(optimizer="lion"), r"not supported yet: the lion optimizer \(optimizer='lion'\)"),
         (dict(optimizer="muon"), r"not supported yet: the muon optimizer \(optimizer='muon'\)"),
         (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
-        (dict(optimizer_cpu_offload=True), r"not supported yet: CPU offload of the optimizer \(optimizer_cpu_offload=True\)"),
-        (dict(use_precision_aware_optimizer=True),
-         r"not supported yet: precision-aware optimizer \(use_precision_aware_optimizer=True\)"),
+        (
+            dict(optimizer_cpu_offload=True),
+            r"not supported yet: CPU offload of the optimizer \(optimizer_cpu_offload=True\)",
+        ),
+        (
+            dict(use_precision_aware_optimizer=True),
+            r"not supported yet: precision-aware optimizer \(use_precision_aware_optimizer=True\)",
+        ),
         (dict(exp_avg_dtype=torch.bfloat16), r"not supported yet: .* \(exp_avg_dtype=torch.bfloat16\)"),
         (dict(main_params_dtype="fp16"), r"not supported yet: .* \(main_params_dtype=torch.float16\)"),
-        (dict(use_layer_wise_distributed_optimizer=True),
-         r"not supported yet: layer-wise distributed optimizer \(use_layer_wise_distributed_optimizer=True\)"),
-        (dict(overlap_param_gather_with_optimizer_step=True),
-         r"not supported yet: overlapping .* \(overlap_param_gather_with_optimizer_step=True\)"),
+        (
+            dict(use_layer_wise_distributed_optimizer=True),
+            r"not supported yet: layer-wise distributed optimizer \(use_layer_wise_distributed_optimizer=True\)",
+        ),
+        (
+            dict(overlap_param_gather_with_optimizer_step=True),
+            r"not supported yet: overlapping .* \(overlap_param_gather_with_optimizer_step=True\)",
+        ),
         (dict(reuse_grad_buf_for_mxfp8_param_ag=True), r"not supported yet: mxfp8 .* \(reuse_grad_buf_for_mxfp8"),
         (dict(optimizer_cuda_graph=True), r"not supported yet: CUDA graph .* \(optimizer_cuda_graph=True\)"),
         (dict(grad_norm_skip_threshold=0.0), "grad_norm_skip_threshold must be positive"),
@@ -224,8 +246,11 @@ def _init_state_and_reload():
         config = model_config(bf16=True)
 
         def build():
-            model = wrap(Float16Module(config, TinyLM()),
-                         DistributedDataParallelConfig(use_distributed_optimizer=distributed), config)
+            model = wrap(
+                Float16Module(config, TinyLM()),
+                DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                config,
+            )
             opt_config = OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=distributed)
             return model, get_megatron_optimizer(opt_config, [model]), opt_config
 
@@ -243,12 +268,16 @@ def _init_state_and_reload():
         lazy.load_state_dict(fresh_weights)
         lazy_opt.reload_model_params()
         if distributed:
-            pairs = [(e.main_param, e.model_param.view(-1)[e.shard.param_start:e.shard.param_end])
-                     for e in lazy_opt._entries()]
+            pairs = [
+                (e.main_param, e.model_param.view(-1)[e.shard.param_start : e.shard.param_end])
+                for e in lazy_opt._entries()
+            ]
         else:
-            pairs = [(main, model_param.view(-1)) for mains, params in
-                     zip(lazy_opt.fp32_from_float16_groups, lazy_opt.float16_groups) for main, model_param in
-                     zip(mains, params)]
+            pairs = [
+                (main, model_param.view(-1))
+                for mains, params in zip(lazy_opt.fp32_from_float16_groups, lazy_opt.float16_groups)
+                for main, model_param in zip(mains, params)
+            ]
         main_follow = max((main.view(-1) - param.detach().float()).abs().max().item() for main, param in pairs)
         results[distributed] = (same, bytes_before_step == lazy_opt.state_bytes(), main_follow)
     return results

@@ -24,7 +24,14 @@ LAYOUTS = {
     "tp2_pp2": (4, 2, False, 2, None, "gpt2", 4, 3, {}),
     "tp2_pp2_sp": (4, 2, True, 2, None, "llama", 4, 3, {}),
     "pp4_uneven_first_last": (
-        4, 1, False, 4, None, "qk_norm", 6, 4,
+        4,
+        1,
+        False,
+        4,
+        None,
+        "qk_norm",
+        6,
+        4,
         {"num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 1},
     ),
 }

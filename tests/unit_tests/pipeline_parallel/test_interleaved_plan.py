@@ -30,7 +30,16 @@ def test_schedule_table_groups_microbatches_per_chunk():
     assert get_schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
     # A last, larger-than-pipeline group takes the remaining micro-batches.
     assert get_schedule_table(5, 2, 3) == [
-        (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 0),
+        (4, 0),
+        (3, 1),
+        (4, 1),
     ]
 
 

@@ -119,16 +119,21 @@ ERRORS = [
 def test_the_split_needs_no_process_groups():
     """The pure split (virtual stages in pipeline order) that the config-based functions above are built on."""
     assert layers_per_virtual_stage(8, 2, 2) == [2, 2, 2, 2]
-    assert layers_per_virtual_stage(10, 3, 2, num_layers_in_first_pipeline_stage=2,
-                                    num_layers_in_last_pipeline_stage=2) == [1, 3, 1, 1, 3, 1]
-    assert layers_per_virtual_stage(6, 4, account_for_embedding_in_pipeline_split=True,
-                                    account_for_loss_in_pipeline_split=True) == [1, 2, 2, 1]
+    assert layers_per_virtual_stage(
+        10, 3, 2, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2
+    ) == [1, 3, 1, 1, 3, 1]
+    assert layers_per_virtual_stage(
+        6, 4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True
+    ) == [1, 2, 2, 1]
 
 
-@pytest.mark.parametrize("num_layers, pp, message", [
-    (0, 2, "num_layers must be a positive integer, got 0"),
-    (4, 0, "pipeline_model_parallel_size must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, message",
+    [
+        (0, 2, "num_layers must be a positive integer, got 0"),
+        (4, 0, "pipeline_model_parallel_size must be a positive integer, got 0"),
+    ],
+)
 def test_the_split_needs_positive_sizes(num_layers, pp, message):
     with pytest.raises(ValueError, match=message):
         layers_per_virtual_stage(num_layers, pp)
@@ -146,4 +151,3 @@ def test_bad_layouts_are_explained(fields, message):
 def test_virtual_stages_need_a_valid_vp_stage(vp_stage):
     with pytest.raises(ValueError, match=rf"needs the model chunk's vp_stage \(0 .. 1\), got {vp_stage}"):
         get_num_layers_to_build(_config(8, 2, 2), vp_stage)
-

@@ -40,7 +40,10 @@ SCENARIOS = {
     "vpp2_pp2_m4": (2, 2, 4, 4, {}, {}),
     "vpp2_pp2_m6_dealloc": (2, 2, 8, 6, {"deallocate_pipeline_outputs": True}, {}),
     "vpp2_pp2_overlap_varlen": (
-        2, 2, 4, 4,
+        2,
+        2,
+        4,
+        4,
         {"overlap_p2p_comm": True, "batch_p2p_comm": False, "variable_seq_lengths": True},
         {"seq_lengths": [5, 2, 3, 4]},
     ),
@@ -280,7 +283,7 @@ def test_per_token_loss_hands_the_token_count_to_finalize():
         calculate_per_token_loss=True, finalize_model_grads_func=lambda chunks, num_tokens, **_: seen.append(num_tokens)
     )
     losses = _run_single(model)
-    assert seen[0] == sum(int(l["loss"][1]) for l in losses)
+    assert seen[0] == sum(int(entry["loss"][1]) for entry in losses)
 
 
 def test_legacy_loss_is_averaged_over_microbatches():
@@ -430,8 +433,12 @@ class _Sized:
 def test_tensor_shapes_use_explicit_groups():
     config = types.SimpleNamespace(sequence_parallel=True, hidden_size=8)  # all get_tensor_shapes reads
     shapes = get_tensor_shapes(
-        seq_length=16, micro_batch_size=2, decoder_seq_length=None, config=config,
-        tp_group=_Sized(2), cp_group=_Sized(4),
+        seq_length=16,
+        micro_batch_size=2,
+        decoder_seq_length=None,
+        config=config,
+        tp_group=_Sized(2),
+        cp_group=_Sized(4),
     )
     assert shapes == [(2, 2, 8)]  # 16 / cp 4 / tp 2
 
@@ -479,7 +486,15 @@ def test_forward_step_calc_loss_scales_as_megatron():
     assert out.item() == pytest.approx(4.0) and tokens.item() == 0 and store == [{"l": loss}]
     # (loss, num_tokens, dict): over the tokens and the micro-batches.
     out, tokens = schedules.forward_step_calc_loss(
-        None, loss, lambda o: (o, torch.tensor(4), {}), config, None, False, 3, store, cp_group_size=2,
+        None,
+        loss,
+        lambda o: (o, torch.tensor(4), {}),
+        config,
+        None,
+        False,
+        3,
+        store,
+        cp_group_size=2,
         is_last_stage=True,
     )
     assert out.item() == pytest.approx(0.5) and tokens.item() == 4
@@ -583,14 +598,23 @@ def test_forward_step_sets_the_moe_aux_loss_scale_on_every_stage(per_token, grad
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     config = types.SimpleNamespace(
-        num_moe_experts=4, calculate_per_token_loss=per_token,
+        num_moe_experts=4,
+        calculate_per_token_loss=per_token,
         grad_scale_func=None if grad_scale is None else (lambda ones: ones * grad_scale),
     )
     for is_last_stage in (False, True):
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(123.0))
         schedules.forward_step_calc_loss(
-            None, torch.tensor(1.0), lambda o: (o, torch.tensor(1), {}), config, None, False, 4, [],
-            cp_group_size=1, is_last_stage=is_last_stage,
+            None,
+            torch.tensor(1.0),
+            lambda o: (o, torch.tensor(1), {}),
+            config,
+            None,
+            False,
+            4,
+            [],
+            cp_group_size=1,
+            is_last_stage=is_last_stage,
         )
         assert MoEAuxLossAutoScaler.main_loss_backward_scale.item() == pytest.approx(expected), is_last_stage
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))

@@ -21,8 +21,14 @@ MIXER_SUBMODULES = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=R
 
 def config(tp: int = 1, **overrides) -> TransformerConfig:
     fields = dict(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, tensor_model_parallel_size=tp,
-        use_cpu_initialization=True, normalization="RMSNorm", hidden_dropout=0.0, is_hybrid_model=True,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        is_hybrid_model=True,
         **MAMBA_SIZES,
     )
     fields.update(overrides)
@@ -83,7 +89,4 @@ def whole(mixer: MambaMixer, name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def whole_parameters(mixer: MambaMixer, grads: bool = False) -> dict:
-    return {
-        name: whole(mixer, name, param.grad if grads else param)
-        for name, param in mixer.named_parameters()
-    }
+    return {name: whole(mixer, name, param.grad if grads else param) for name, param in mixer.named_parameters()}

@@ -1,7 +1,7 @@
 """The SSD recurrence written literally from its definition, one time step at a time (the tests' reference).
 
-    state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t B_t^T        (per head h; B, C of group h // (H / G))
-    y_t     = state_t C_t + D_h * x_t
+state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t B_t^T        (per head h; B, C of group h // (H / G))
+y_t     = state_t C_t + D_h * x_t
 """
 
 import torch

@@ -80,10 +80,10 @@ def _save(tp, directory):
     with torch.no_grad():
         for name, param in layer.named_parameters():
             # The same whole perturbation on every TP layout: drawn whole, added to this rank's part.
-            whole = helpers.whole(layer.mixer, name[len("mixer."):], param) if name.startswith("mixer.") else param
+            whole = helpers.whole(layer.mixer, name[len("mixer.") :], param) if name.startswith("mixer.") else param
             noise = torch.randn(whole.shape, generator=generator)
             if name.startswith("mixer."):
-                param.copy_(_local_part(layer.mixer, name[len("mixer."):], whole + noise))
+                param.copy_(_local_part(layer.mixer, name[len("mixer.") :], whole + noise))
             else:
                 param.add_(noise)
     dist_checkpointing.save(layer.sharded_state_dict(prefix=PREFIX), directory)
@@ -104,7 +104,7 @@ def _load(tp, directory):
     layer = helpers.build_layer(tp, seed=9, chunk_size=5)
     before = _whole_layer(layer)
     loaded = dist_checkpointing.load(layer.sharded_state_dict(prefix=PREFIX), directory)
-    layer.load_state_dict({key[len(PREFIX):]: value for key, value in loaded.items()})
+    layer.load_state_dict({key[len(PREFIX) :]: value for key, value in loaded.items()})
     return before, _whole_layer(layer), _layer_output(layer)
 
 
@@ -128,7 +128,10 @@ def test_split_factory_stores_flat_shards_of_each_segment():
     original = ShardedTensor.from_rank_offsets("w", local, (0, 2, 5), (1, tp_rank, tp_size), prepend_axis_num=1)
     whole_pieces = split_tensor_factory(original, sections, names).build()
     assert {name: piece.global_shape for name, piece in whole_pieces.items()} == {
-        "x": (5, 6, 1, row), "B": (5, 6, 1, row), "C": (5, 4, 1, row)}
+        "x": (5, 6, 1, row),
+        "B": (5, 6, 1, row),
+        "C": (5, 4, 1, row),
+    }
     assert whole_pieces["B"].global_offset == (2, 3, 0, 0)
     assert torch.equal(whole_pieces["B"].data, local[3:6])
     flat = local.flatten()

@@ -42,14 +42,22 @@ def _reference_mixer(params, x, mixer):
     z, xBC, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * ngroups * d_state, nheads], dim=-1)
     weight, bias, width = params["conv1d.weight"][:, 0], params["conv1d.bias"], mixer.d_conv
     conv = torch.stack(
-        [bias + sum(weight[:, k] * xBC[:, t + k - (width - 1)] for k in range(width) if t + k - (width - 1) >= 0)
-         for t in range(seqlen)], dim=1)
+        [
+            bias + sum(weight[:, k] * xBC[:, t + k - (width - 1)] for k in range(width) if t + k - (width - 1) >= 0)
+            for t in range(seqlen)
+        ],
+        dim=1,
+    )
     xBC = F.silu(conv)
     xs, B, C = torch.split(xBC, [d_inner, ngroups * d_state, ngroups * d_state], dim=-1)
     D = params["D"].view(nheads, headdim) if mixer.D_has_hdim else params["D"]
     y, _ = sequential_ssd(
-        xs.reshape(batch, seqlen, nheads, headdim), F.softplus(dt + params["dt_bias"]), -torch.exp(params["A_log"]),
-        B.reshape(batch, seqlen, ngroups, d_state), C.reshape(batch, seqlen, ngroups, d_state), D,
+        xs.reshape(batch, seqlen, nheads, headdim),
+        F.softplus(dt + params["dt_bias"]),
+        -torch.exp(params["A_log"]),
+        B.reshape(batch, seqlen, ngroups, d_state),
+        C.reshape(batch, seqlen, ngroups, d_state),
+        D,
     )
     y = y.reshape(batch, seqlen, d_inner)
     gate = F.silu(z)
@@ -100,7 +108,7 @@ def _mixer_run(tp, sequence_parallel):
     if sequence_parallel:
         local = helpers.SEQ // tp
         rank = mixer.tp_rank
-        x, upstream = x[rank * local:(rank + 1) * local], upstream[rank * local:(rank + 1) * local]
+        x, upstream = x[rank * local : (rank + 1) * local], upstream[rank * local : (rank + 1) * local]
     x = x.clone().requires_grad_(True)
     out, bias = mixer(x)
     out = out + bias
@@ -173,14 +181,22 @@ def _config(**overrides):
         (dict(mamba_head_dim=-4), "mamba_head_dim must be a positive integer, got -4"),
         (dict(mamba_num_groups=2.5), "mamba_num_groups must be a positive integer, got 2.5"),
         (dict(mamba_num_heads=0), "mamba_num_heads must be a positive integer or None, got 0"),
-        (dict(mamba_num_groups=4, mamba_num_heads=6),
-         r"mamba_num_heads \(6\) must be a multiple of mamba_num_groups \(4\)"),
-        (dict(mamba_num_groups=2, mamba_num_heads=6, tensor_model_parallel_size=4),
-         r"mamba_num_heads \(6\) must be divisible by tensor_model_parallel_size \(4\)"),
-        (dict(is_hybrid_model=True, mamba_num_groups=2, tensor_model_parallel_size=4),
-         r"mamba_num_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"),
-        (dict(mamba_training_ssm_states_dtype=torch.float16),
-         "mamba_training_ssm_states_dtype=torch.float16 is not supported"),
+        (
+            dict(mamba_num_groups=4, mamba_num_heads=6),
+            r"mamba_num_heads \(6\) must be a multiple of mamba_num_groups \(4\)",
+        ),
+        (
+            dict(mamba_num_groups=2, mamba_num_heads=6, tensor_model_parallel_size=4),
+            r"mamba_num_heads \(6\) must be divisible by tensor_model_parallel_size \(4\)",
+        ),
+        (
+            dict(is_hybrid_model=True, mamba_num_groups=2, tensor_model_parallel_size=4),
+            r"mamba_num_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)",
+        ),
+        (
+            dict(mamba_training_ssm_states_dtype=torch.float16),
+            "mamba_training_ssm_states_dtype=torch.float16 is not supported",
+        ),
     ],
 )
 def test_config_refuses_bad_mamba_sizes(overrides, message):
@@ -189,8 +205,13 @@ def test_config_refuses_bad_mamba_sizes(overrides, message):
 
 
 def test_config_accepts_mamba_fields_and_leaves_gpt_configs_alone():
-    config = _config(is_hybrid_model=True, mamba_num_groups=2, mamba_num_heads=8, use_mamba_mem_eff_path=False,
-                     mamba_training_ssm_states_dtype=torch.bfloat16)
+    config = _config(
+        is_hybrid_model=True,
+        mamba_num_groups=2,
+        mamba_num_heads=8,
+        use_mamba_mem_eff_path=False,
+        mamba_training_ssm_states_dtype=torch.bfloat16,
+    )
     assert config.mamba_num_heads == 8
     # Default groups (8) need not divide TP in a model without Mamba layers.
     assert _config(tensor_model_parallel_size=16, num_attention_heads=16).mamba_num_groups == 8
@@ -199,14 +220,34 @@ def test_config_accepts_mamba_fields_and_leaves_gpt_configs_alone():
 @pytest.mark.parametrize(
     "overrides,d_model,expand,tp,message",
     [
-        (dict(mamba_head_dim=6, mamba_num_groups=1), 16, 2, 1,
-         r"d_inner = expand \* d_model = 2 \* 16 = 32 is not divisible by mamba_head_dim \(6\)"),
-        (dict(mamba_head_dim=4, mamba_num_groups=3), 16, 2, 1,
-         r"number of heads \(8\) must be a multiple of mamba_num_groups \(3\)"),
-        (dict(mamba_head_dim=8, mamba_num_groups=1), 16, 2, 8,
-         r"heads \(4\) must be divisible by the tensor-parallel size \(8\)"),
-        (dict(mamba_head_dim=2, mamba_num_groups=2), 16, 2, 4,
-         r"mamba_num_groups \(2\) must be divisible by the tensor-parallel size \(4\)"),
+        (
+            dict(mamba_head_dim=6, mamba_num_groups=1),
+            16,
+            2,
+            1,
+            r"d_inner = expand \* d_model = 2 \* 16 = 32 is not divisible by mamba_head_dim \(6\)",
+        ),
+        (
+            dict(mamba_head_dim=4, mamba_num_groups=3),
+            16,
+            2,
+            1,
+            r"number of heads \(8\) must be a multiple of mamba_num_groups \(3\)",
+        ),
+        (
+            dict(mamba_head_dim=8, mamba_num_groups=1),
+            16,
+            2,
+            8,
+            r"heads \(4\) must be divisible by the tensor-parallel size \(8\)",
+        ),
+        (
+            dict(mamba_head_dim=2, mamba_num_groups=2),
+            16,
+            2,
+            4,
+            r"mamba_num_groups \(2\) must be divisible by the tensor-parallel size \(4\)",
+        ),
         (dict(mamba_head_dim=4), 16, 0, 1, "expand must be a positive integer, got 0"),
     ],
 )
@@ -244,9 +285,10 @@ def _mixer_argument_errors():
     mixer = helpers.build_mixer(1, seed=0)
     x = torch.zeros(helpers.SEQ, helpers.BATCH, helpers.HIDDEN)
     # inference_context misuse is checked in test_mamba_inference.py.
-    for kwargs, expected in ((dict(packed_seq_params=object()), "packed sequences (packed_seq_params)"),
-                             (dict(packed_seq_params=object(), inference_context=object()),
-                              "packed sequences (packed_seq_params)")):
+    for kwargs, expected in (
+        (dict(packed_seq_params=object()), "packed sequences (packed_seq_params)"),
+        (dict(packed_seq_params=object(), inference_context=object()), "packed sequences (packed_seq_params)"),
+    ):
         try:
             mixer(x, **kwargs)
             messages.append((expected, "no error"))
@@ -270,8 +312,16 @@ def _initial_values(use_cpu_initialization):
     helpers.Utils.initialize_model_parallel(1)
     model_parallel_cuda_manual_seed(3)
     torch.manual_seed(3)
-    mixer = helpers.MambaMixer(helpers.config(**overrides), helpers.MIXER_SUBMODULES, d_model=helpers.HIDDEN,
-                               A_init_range=(2, 4), dt_min=0.01, dt_max=0.05, dt_init_floor=0.02, conv_init=0.3)
+    mixer = helpers.MambaMixer(
+        helpers.config(**overrides),
+        helpers.MIXER_SUBMODULES,
+        d_model=helpers.HIDDEN,
+        A_init_range=(2, 4),
+        dt_min=0.01,
+        dt_max=0.05,
+        dt_init_floor=0.02,
+        conv_init=0.3,
+    )
     return {name: param.detach().clone() for name, param in mixer.named_parameters()}
 
 

@@ -66,7 +66,7 @@ def _train_save_continue(directory):
 def _load_and_step(directory):
     model, optimizer = _build(1, seed=5, distributed_optimizer=False)
     loaded = dist_checkpointing.load(_checkpoint(model, optimizer, is_loading=True), directory)
-    model.module.load_state_dict({key[len(PREFIX):]: value for key, value in loaded["model"].items()})
+    model.module.load_state_dict({key[len(PREFIX) :]: value for key, value in loaded["model"].items()})
     optimizer.load_state_dict(loaded["optimizer"])
     loaded_weights = _whole(model)
     _step(model, optimizer, 1)

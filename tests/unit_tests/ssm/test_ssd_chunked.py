@@ -46,8 +46,9 @@ def test_chunked_equals_sequential_fp32_forward_and_gradients(chunk_size, d_has_
     reference = _as(inputs, torch.float64, requires_grad=True)
     y_ref, state_ref = sequential_ssd(**reference)
     ours = _as(inputs, torch.float32, requires_grad=True)
-    y, state = ssd_chunked_scan(**{k: ours[k] for k in "x dt A B C".split()}, chunk_size=chunk_size, D=ours["D"],
-                                return_final_states=True)
+    y, state = ssd_chunked_scan(
+        **{k: ours[k] for k in "x dt A B C".split()}, chunk_size=chunk_size, D=ours["D"], return_final_states=True
+    )
     assert y.dtype == torch.float32 and y.shape == y_ref.shape
     assert _max_rel(y, y_ref) < 1e-5
     assert _max_rel(state, state_ref) < 1e-5
@@ -85,8 +86,18 @@ def test_dt_bias_softplus_gate_and_initial_state():
     y_ref, state_ref = sequential_ssd(**{**inputs, "dt": F.softplus(dt_raw + dt_bias)}, initial_state=initial)
     y_ref = y_ref * F.silu(z)
     y, state = ssd_chunked_scan(
-        inputs["x"], dt_raw, inputs["A"], inputs["B"], inputs["C"], 6, D=inputs["D"], z=z, dt_bias=dt_bias,
-        initial_states=initial, dt_softplus=True, return_final_states=True,
+        inputs["x"],
+        dt_raw,
+        inputs["A"],
+        inputs["B"],
+        inputs["C"],
+        6,
+        D=inputs["D"],
+        z=z,
+        dt_bias=dt_bias,
+        initial_states=initial,
+        dt_softplus=True,
+        return_final_states=True,
     )
     assert _max_rel(y, y_ref) < 1e-10
     assert _max_rel(state, state_ref) < 1e-10
@@ -105,8 +116,14 @@ def test_negative_controls_dropping_d_or_the_state_changes_the_output():
     assert _max_rel(memoryless, y_ref) > 1e-2
     # No state passed between chunks: chunk size 8 then differs from the full recurrence.
     per_chunk = torch.cat(
-        [ssd_chunked_scan(**{k: v[:, s:s + 8] if k != "A" else v for k, v in args.items()}, chunk_size=8,
-                          D=inputs["D"]) for s in range(0, SEQLEN, 8)], dim=1)
+        [
+            ssd_chunked_scan(
+                **{k: v[:, s : s + 8] if k != "A" else v for k, v in args.items()}, chunk_size=8, D=inputs["D"]
+            )
+            for s in range(0, SEQLEN, 8)
+        ],
+        dim=1,
+    )
     assert _max_rel(per_chunk, y_ref) > 1e-2
 
 

@@ -72,8 +72,11 @@ def test_any_leading_shape_and_the_callers_logits_are_left_alone():
 
 
 def test_target_shape_must_match_the_logits():
-    with pytest.raises(ValueError, match=r"target shape \(4, 2\) must equal the logits shape without its vocabulary "
-                       r"dimension \(4, 3\) \(logits are \(4, 3, 16\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"target shape \(4, 2\) must equal the logits shape without its vocabulary "
+        r"dimension \(4, 3\) \(logits are \(4, 3, 16\)\)",
+    ):
         vocab_parallel_cross_entropy(torch.zeros(4, 3, 16), torch.zeros(4, 2, dtype=torch.long))
 
 

@@ -46,8 +46,11 @@ def test_without_groups_the_data_comes_back():
 
 
 def test_dtype_must_match():
-    with pytest.raises(TypeError, match=r"broadcast_data: 'tokens' has dtype torch.int64, expected torch.float32; "
-                       "cast it first"):
+    with pytest.raises(
+        TypeError,
+        match=r"broadcast_data: 'tokens' has dtype torch.int64, expected torch.float32; "
+        "cast it first",
+    ):
         broadcast_data(["tokens"], _batch(0), torch.float32)
 
 
@@ -57,6 +60,9 @@ def test_key_must_be_present():
 
 
 def test_at_most_five_dimensions():
-    with pytest.raises(ValueError, match=r"broadcast_data: 'deep' has 6 dimensions \(shape \(1, 1, 1, 1, 1, 2\)\); "
-                       "at most 5 are supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"broadcast_data: 'deep' has 6 dimensions \(shape \(1, 1, 1, 1, 1, 2\)\); "
+        "at most 5 are supported",
+    ):
         broadcast_data(["deep"], {"deep": torch.zeros(1, 1, 1, 1, 1, 2, dtype=torch.int64)}, torch.int64)

@@ -141,8 +141,9 @@ def _run_layers(sequence_parallel: bool):
     torch.manual_seed(SEED + 3)
     if sp:
         with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
-            RowParallelLinear(FFN, H, config=config, init_method=INIT, bias=True, input_is_parallel=False,
-                              skip_bias_add=True)
+            RowParallelLinear(
+                FFN, H, config=config, init_method=INIT, bias=True, input_is_parallel=False, skip_bias_add=True
+            )
     else:
         row = RowParallelLinear(
             FFN, H, config=config, init_method=INIT, bias=True, input_is_parallel=False, skip_bias_add=True
@@ -217,8 +218,14 @@ def test_tp1_layers_match_plain_torch(tp1_results):
     b1, b2 = torch.linspace(-1, 1, FFN).requires_grad_(), torch.linspace(1, 2, H).requires_grad_()
     out = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
     (out * data["grad_h"]).sum().backward()
-    for name, expected in [("out", out), ("x_grad", x.grad), ("fc1_weight_grad", w1.grad),
-                           ("fc1_bias_grad", b1.grad), ("fc2_weight_grad", w2.grad), ("fc2_bias_grad", b2.grad)]:
+    for name, expected in [
+        ("out", out),
+        ("x_grad", x.grad),
+        ("fc1_weight_grad", w1.grad),
+        ("fc1_bias_grad", b1.grad),
+        ("fc2_weight_grad", w2.grad),
+        ("fc2_bias_grad", b2.grad),
+    ]:
         assert_rel_close(mlp[name], expected.detach(), what=f"mlp.{name}")
 
     swiglu = tp1_results["swiglu"]
@@ -226,8 +233,13 @@ def test_tp1_layers_match_plain_torch(tp1_results):
     b = torch.cat([torch.linspace(-1, 0, FFN), torch.linspace(0, 1, FFN)]).requires_grad_()
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
     (F.silu(gate) * up * data["grad_ffn"]).sum().backward()
-    for name, expected in [("gate", gate), ("up", up), ("x_grad", x.grad), ("weight_grad", w.grad),
-                           ("bias_grad", b.grad)]:
+    for name, expected in [
+        ("gate", gate),
+        ("up", up),
+        ("x_grad", x.grad),
+        ("weight_grad", w.grad),
+        ("bias_grad", b.grad),
+    ]:
         assert_rel_close(swiglu[name], expected.detach(), what=f"swiglu.{name}")
 
     embedding = tp1_results["embedding"]
@@ -292,8 +304,13 @@ def _check_sharded_init_and_errors(tp):
         raise AssertionError("init_method called although perform_initialization=False")
 
     skipped = RowParallelLinear(
-        FFN, H, config=dataclasses.replace(config, perform_initialization=False), init_method=must_not_run,
-        bias=False, input_is_parallel=True, skip_bias_add=False,
+        FFN,
+        H,
+        config=dataclasses.replace(config, perform_initialization=False),
+        init_method=must_not_run,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
     )
     assert skipped.bias is None and skipped.weight.shape == (H, FFN // tp) and skipped.weight.partition_dim == 1
 
@@ -302,21 +319,37 @@ def _check_sharded_init_and_errors(tp):
     assert param_is_not_tensor_parallel_duplicate(replicated) == (tp_rank() == 0)
     assert param_is_not_tensor_parallel_duplicate(layer.weight)
 
-    with pytest.raises(ValueError, match=rf"ColumnParallelLinear: output_size={tp + 1} is not divisible by the "
-                       rf"tensor-parallel size {tp}; choose sizes"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ColumnParallelLinear: output_size={tp + 1} is not divisible by the "
+        rf"tensor-parallel size {tp}; choose sizes",
+    ):
         ColumnParallelLinear(H, tp + 1, config=config, init_method=INIT)
-    with pytest.raises(ValueError, match=rf"ColumnParallelLinear: output_size={2 * tp} is not divisible by the "
-                       rf"tensor-parallel size {tp} x stride 4"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ColumnParallelLinear: output_size={2 * tp} is not divisible by the "
+        rf"tensor-parallel size {tp} x stride 4",
+    ):
         ColumnParallelLinear(H, 2 * tp, config=config, init_method=INIT, stride=4)
-    with pytest.raises(ValueError, match=rf"RowParallelLinear: input_size={tp + 1} is not divisible by the "
-                       rf"tensor-parallel size {tp}"):
-        RowParallelLinear(tp + 1, H, config=config, init_method=INIT, bias=True, input_is_parallel=True,
-                          skip_bias_add=False)
-    with pytest.raises(ValueError, match=rf"vocabulary size {tp + 1} is not divisible by the tensor-parallel size "
-                       rf"{tp}; pad it"):
+    with pytest.raises(
+        ValueError,
+        match=rf"RowParallelLinear: input_size={tp + 1} is not divisible by the "
+        rf"tensor-parallel size {tp}",
+    ):
+        RowParallelLinear(
+            tp + 1, H, config=config, init_method=INIT, bias=True, input_is_parallel=True, skip_bias_add=False
+        )
+    with pytest.raises(
+        ValueError,
+        match=rf"vocabulary size {tp + 1} is not divisible by the tensor-parallel size "
+        rf"{tp}; pad it",
+    ):
         VocabParallelEmbedding(tp + 1, H, init_method=INIT, config=config)
-    with pytest.raises(ValueError, match=rf"weight passed to forward\(\) has shape \({FFN}, {H}\), expected "
-                       rf"\({FFN // tp}, {H}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"weight passed to forward\(\) has shape \({FFN}, {H}\), expected "
+        rf"\({FFN // tp}, {H}\)",
+    ):
         layer(torch.ones(S, B, H), weight=torch.ones(FFN, H))
     return True
 
@@ -329,8 +362,9 @@ def test_sharded_initialisation_and_size_errors():
 
 
 def test_forward_needs_a_weight_when_none_was_allocated():
-    layer = ColumnParallelLinear(H, FFN, config=ModelParallelConfig(), init_method=INIT,
-                                 skip_weight_param_allocation=True)
+    layer = ColumnParallelLinear(
+        H, FFN, config=ModelParallelConfig(), init_method=INIT, skip_weight_param_allocation=True
+    )
     with pytest.raises(ValueError, match=r"skip_weight_param_allocation=True, so forward\(\) needs the weight"):
         layer(torch.ones(S, B, H))
 

@@ -101,8 +101,11 @@ def _check_mappings(tp):
     assert torch.equal(y, torch.stack([_value(k, (tp, 2))[r] for k in ranks]))
 
     # Sizes that do not split over the group are refused with the sizes named.
-    with pytest.raises(ValueError, match=rf"dimension 0 \(sequence\) of size 3 \(tensor shape \(3, 2\)\) is not "
-                       rf"divisible by the tensor-parallel size {tp}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"dimension 0 \(sequence\) of size 3 \(tensor shape \(3, 2\)\) is not "
+        rf"divisible by the tensor-parallel size {tp}",
+    ):
         scatter_to_sequence_parallel_region(torch.ones(3, 2))
     with pytest.raises(ValueError, match=rf"last dimension of size 3 .* tensor-parallel size {tp}"):
         scatter_to_tensor_model_parallel_region(torch.ones(2, 3))

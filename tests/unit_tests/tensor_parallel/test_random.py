@@ -91,8 +91,11 @@ def test_add_refuses_duplicates_and_fork_refuses_unknown_streams():
         tracker.add("stream", 12)
     with pytest.raises(ValueError, match="RNG seed 11 is already used by another stream; give stream 'other'"):
         tracker.add("other", 11)
-    with pytest.raises(KeyError, match=r"RNG stream 'missing' was never added \(known: \['stream'\]\); call "
-                       r"model_parallel_cuda_manual_seed"):
+    with pytest.raises(
+        KeyError,
+        match=r"RNG stream 'missing' was never added \(known: \['stream'\]\); call "
+        r"model_parallel_cuda_manual_seed",
+    ):
         with tracker.fork("missing"):
             pass
     tracker.reset()
@@ -180,7 +183,12 @@ def _checkpointed_mlp_results(tp):
     torch.manual_seed(9)
     fc1 = ColumnParallelLinear(H, FFN, config=config, init_method=init_method_normal(0.5))
     fc2 = RowParallelLinear(
-        FFN, H, config=config, init_method=init_method_normal(0.5), bias=True, input_is_parallel=True,
+        FFN,
+        H,
+        config=config,
+        init_method=init_method_normal(0.5),
+        bias=True,
+        input_is_parallel=True,
         skip_bias_add=False,
     )
 
@@ -224,8 +232,11 @@ def _checkpointed_mlp_results(tp):
             "fc2_bias_grad": fc2.bias.grad,
         }
 
-    with pytest.raises(TypeError, match="distribute_saved_activations=True splits the first argument across the "
-                       "tensor-parallel group, so it must be a tensor; got float"):
+    with pytest.raises(
+        TypeError,
+        match="distribute_saved_activations=True splits the first argument across the "
+        "tensor-parallel group, so it must be a tensor; got float",
+    ):
         checkpoint(lambda scale, x: x * scale, True, 2.0, data.clone().requires_grad_())
     return results if dist.get_rank() == 0 else None
 

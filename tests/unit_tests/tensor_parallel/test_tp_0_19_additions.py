@@ -75,7 +75,10 @@ def _check_new_mappings(tp):
     )
     assert torch.equal(g, _value(r, (sum(sizes), 3), 0.5)[start : start + sizes[r]])
     y, g = _forward_backward(
-        reduce_scatter_to_sequence_parallel_region, _value(r, (sum(sizes), 3)), _value(r, rows, 0.5), input_split_sizes=sizes
+        reduce_scatter_to_sequence_parallel_region,
+        _value(r, (sum(sizes), 3)),
+        _value(r, rows, 0.5),
+        input_split_sizes=sizes,
     )
     assert torch.equal(y, sum(_value(k, (sum(sizes), 3)) for k in ranks)[start : start + sizes[r]])
     assert torch.equal(g, torch.cat([_value(k, (sizes[k], 3), 0.5) for k in ranks]))
@@ -150,7 +153,13 @@ def _frozen_weight_tp(sequence_parallel):
     local_w = weight.chunk(2, dim=0)[r]
     x = (full_x.chunk(2, dim=0)[r] if sequence_parallel else full_x).clone().requires_grad_()
     y = linear_with_frozen_weight(
-        x, local_w, None, False, allreduce_dgrad=not sequence_parallel, sequence_parallel=sequence_parallel, tp_group=None
+        x,
+        local_w,
+        None,
+        False,
+        allreduce_dgrad=not sequence_parallel,
+        sequence_parallel=sequence_parallel,
+        tp_group=None,
     )
     y.sum().backward()
     reference_x = full_x.clone().requires_grad_()
@@ -235,8 +244,8 @@ def test_cross_entropy_building_blocks_compose_to_the_loss_and_gradient():
     original = logits.clone()
     as_float, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
     assert as_float.dtype == torch.float32 and torch.equal(logits_max, as_float.max(dim=-1).values)
-    target_mask, masked_target_1d, predicted, sum_exp, exp_logits = VocabParallelCrossEntropy.calculate_predicted_logits(
-        as_float, target, logits_max, 0, 7
+    target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+        VocabParallelCrossEntropy.calculate_predicted_logits(as_float, target, logits_max, 0, 7)
     )
     assert torch.equal(logits, original)  # the input is left unchanged
     assert not target_mask.any() and torch.equal(masked_target_1d, target.reshape(-1))

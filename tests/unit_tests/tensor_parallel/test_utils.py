@@ -28,9 +28,12 @@ def test_split_along_last_dim_gives_views_or_contiguous_copies():
 def test_vocab_ranges():
     assert VocabUtility.vocab_range_from_per_partition_vocab_size(8, rank=2, world_size=4) == (16, 24)
     assert VocabUtility.vocab_range_from_global_vocab_size(32, rank=3, world_size=4) == (24, 32)
-    with pytest.raises(ValueError, match=r"vocabulary size 30 is not divisible by the tensor-parallel size 4; pad "
-                       r"it \(Megatron pads to a multiple of make_vocab_size_divisible_by \* "
-                       r"tensor_model_parallel_size\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocabulary size 30 is not divisible by the tensor-parallel size 4; pad "
+        r"it \(Megatron pads to a multiple of make_vocab_size_divisible_by \* "
+        r"tensor_model_parallel_size\)",
+    ):
         VocabUtility.vocab_range_from_global_vocab_size(30, rank=0, world_size=4)
 
 
@@ -50,8 +53,11 @@ def _split_and_gather_1d(tp):
     per_rank = 24 // tp
     assert torch.equal(chunk, torch.arange(tp_rank() * per_rank, (tp_rank() + 1) * per_rank, dtype=torch.float32))
     assert torch.equal(gather_split_1d_tensor(chunk).view(2, 3, 4), tensor)
-    with pytest.raises(ValueError, match=rf"cannot split a tensor of 5 elements \(shape \(5,\)\) into {tp} equal "
-                       "tensor-parallel chunks"):
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot split a tensor of 5 elements \(shape \(5,\)\) into {tp} equal "
+        "tensor-parallel chunks",
+    ):
         split_tensor_into_1d_equal_chunks(torch.ones(5))
     return True
 

@@ -64,8 +64,9 @@ def make_args(**values):
 
 
 def test_gpt2_round_trip_and_special_ids(files):
-    tokenizer = build_tokenizer(make_args(tokenizer_type="GPT2BPETokenizer", vocab_file=files.vocab_file,
-                                          merge_file=files.merge_file))
+    tokenizer = build_tokenizer(
+        make_args(tokenizer_type="GPT2BPETokenizer", vocab_file=files.vocab_file, merge_file=files.merge_file)
+    )
     for text in TEXTS:
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
     with open(files.vocab_file) as file:
@@ -165,8 +166,9 @@ def test_huggingface_bad_config(files, tmp_path):
 
 
 def test_sentencepiece_tokenizer_adds_megatron_special_tokens(files):
-    tokenizer = build_tokenizer(make_args(tokenizer_type="SentencePieceTokenizer", tokenizer_model=files.sp_model,
-                                          vocab_extra_ids=2))
+    tokenizer = build_tokenizer(
+        make_args(tokenizer_type="SentencePieceTokenizer", tokenizer_model=files.sp_model, vocab_extra_ids=2)
+    )
     vocab = tokenizer.vocab
     # The model (320 pieces) has <s>=1 and </s>=2 but no pad: <CLS> <SEP> <EOD> <MASK> <PAD> and 2 sentinels follow.
     assert [vocab[t] for t in ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "<PAD>"]] == [320, 321, 322, 323, 324]
@@ -217,8 +219,13 @@ def test_missing_optional_library_names_the_pip_package(files, monkeypatch):
 
 
 def tiktoken_args(path, **overrides):
-    values = dict(tokenizer_type="TikTokenizer", tokenizer_model=path, vocab_size=TIKTOKEN_VOCAB_SIZE,
-                  tiktoken_pattern="v2", tiktoken_num_special_tokens=1000)
+    values = dict(
+        tokenizer_type="TikTokenizer",
+        tokenizer_model=path,
+        vocab_size=TIKTOKEN_VOCAB_SIZE,
+        tiktoken_pattern="v2",
+        tiktoken_num_special_tokens=1000,
+    )
     values.update(overrides)
     return make_args(**values)
 
@@ -247,10 +254,15 @@ def test_tiktoken_json_and_tiktoken_formats_agree(files):
 
 
 def test_tiktoken_options(files):
-    custom = build_tokenizer(tiktoken_args(files.tiktoken_file, tiktoken_special_tokens=["<s>", "<pad>", "</s>",
-                                                                                         "<unk>"],
-                                           tiktoken_num_special_tokens=8, vocab_size=8 + 256 + 2,
-                                           tiktoken_pattern="v1"))
+    custom = build_tokenizer(
+        tiktoken_args(
+            files.tiktoken_file,
+            tiktoken_special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+            tiktoken_num_special_tokens=8,
+            vocab_size=8 + 256 + 2,
+            tiktoken_pattern="v1",
+        )
+    )
     assert (custom.bos, custom.pad, custom.eod, custom.unk) == (0, 1, 2, 3)
     assert custom.vocab["<SPECIAL_4>"] == 4
     assert b"the" not in custom.vocab and b"he" in custom.vocab  # the vocabulary is cut at vocab_size
@@ -261,8 +273,10 @@ def test_tiktoken_options(files):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(tiktoken_special_tokens=["<s>", "</s>"]),
-         r"must include \['<unk>', '<s>', '</s>'\]; missing \['<unk>'\]"),
+        (
+            dict(tiktoken_special_tokens=["<s>", "</s>"]),
+            r"must include \['<unk>', '<s>', '</s>'\]; missing \['<unk>'\]",
+        ),
         (dict(tiktoken_special_tokens=["<unk>", "<s>", "</s>", "<s>"]), "each token may appear only once"),
         (dict(tiktoken_num_special_tokens=2), "--tiktoken-num-special-tokens 2 is less than the 3 special tokens"),
         (dict(vocab_size=786), r"--vocab-size 786 leaves no room for the 1000 special tokens"),
@@ -330,8 +344,9 @@ def test_build_tokenizer_rejects_unknown_type():
 
 
 def test_build_tokenizer_sets_padded_vocab_size_unless_given():
-    args = make_args(tokenizer_type="NullTokenizer", vocab_size=1000, make_vocab_size_divisible_by=64,
-                     tensor_model_parallel_size=2)
+    args = make_args(
+        tokenizer_type="NullTokenizer", vocab_size=1000, make_vocab_size_divisible_by=64, tensor_model_parallel_size=2
+    )
     build_tokenizer(args)
     assert args.padded_vocab_size == 1024
     args = make_args(tokenizer_type="NullTokenizer", vocab_size=1000, padded_vocab_size=4096)
@@ -342,8 +357,13 @@ def test_build_tokenizer_sets_padded_vocab_size_unless_given():
 def test_build_tokenizer_from_megatron_core_019_path_and_keyword_overrides(files):
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build_019
 
-    args = make_args(tokenizer_type="GPT2BPETokenizer", vocab_file="/nowhere/vocab.json", merge_file=files.merge_file,
-                     make_vocab_size_divisible_by=128, tensor_model_parallel_size=1)
+    args = make_args(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file="/nowhere/vocab.json",
+        merge_file=files.merge_file,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+    )
     tokenizer = build_019(args, vocab_file=files.vocab_file)  # the keyword wins over args.vocab_file
     assert tokenizer.unique_identifiers["tokenizer_path"] == [files.vocab_file, files.merge_file]
     assert args.vocab_file == "/nowhere/vocab.json"  # args itself is not changed, apart from the padded size
@@ -354,15 +374,20 @@ def test_build_tokenizer_from_megatron_core_019_path_and_keyword_overrides(files
 
 
 def test_every_tokenizer_is_a_megatron_tokenizer_base(files):
-    for tokenizer in (GPT2BPETokenizer(files.vocab_file, files.merge_file), NullTokenizer(10),
-                      TikTokenizer(files.tiktoken_file)):
+    for tokenizer in (
+        GPT2BPETokenizer(files.vocab_file, files.merge_file),
+        NullTokenizer(10),
+        TikTokenizer(files.tiktoken_file),
+    ):
         assert isinstance(tokenizer, MegatronTokenizer) and isinstance(tokenizer, MegatronTokenizerBase)
 
 
 def test_vocab_size_with_padding():
     assert vocab_size_with_padding(50257, make_args()) == 50304
-    assert vocab_size_with_padding(50257, make_args(make_vocab_size_divisible_by=128,
-                                                    tensor_model_parallel_size=4)) == 50688
+    assert (
+        vocab_size_with_padding(50257, make_args(make_vocab_size_divisible_by=128, tensor_model_parallel_size=4))
+        == 50688
+    )
     assert vocab_size_with_padding(512, make_args(make_vocab_size_divisible_by=128)) == 512
     assert vocab_size_with_padding(7, make_args(make_vocab_size_divisible_by=1)) == 7
     with pytest.raises(ValueError, match="--make-vocab-size-divisible-by must be a positive integer, got 0"):
@@ -378,8 +403,13 @@ def test_unique_identifiers_describe_the_tokenizer(files):
         [("class", "GPT2BPETokenizer"), ("tokenizer_path", [files.vocab_file, files.merge_file])]
     )
     null = NullTokenizer(10)
-    assert list(null.unique_identifiers.items()) == [("class", "NullTokenizer"), ("tokenizer_path", []),
-                                                     ("vocab_size", "10")]
+    assert list(null.unique_identifiers.items()) == [
+        ("class", "NullTokenizer"),
+        ("tokenizer_path", []),
+        ("vocab_size", "10"),
+    ]
     json.dumps(tokenizer.unique_identifiers)  # datasets serialise it into their cache descriptions
-    assert os.path.basename(files.sp_model) in SentencePieceTokenizer(files.sp_model).unique_identifiers[
-        "tokenizer_path"][0]
+    assert (
+        os.path.basename(files.sp_model)
+        in SentencePieceTokenizer(files.sp_model).unique_identifiers["tokenizer_path"][0]
+    )

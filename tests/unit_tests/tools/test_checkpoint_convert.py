@@ -31,12 +31,38 @@ def convert(*arguments, model_type="GPT"):
 def finetune(load_flags, save_dir, lr, tokenizer_dir, nproc=4, entry_point=None):
     """Two iterations of pretrain_gpt.py (or ``entry_point``) on ``nproc`` ranks; the model flags, the layout and
     the tokenizer type come from the checkpoint."""
-    flags = [*load_flags, "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args",
-             "--tokenizer-model", tokenizer_dir, "--mock-data", "--micro-batch-size", "1",
-             "--global-batch-size", "2", "--train-iters", "2", "--lr", str(lr), "--min-lr", "0",
-             "--log-interval", "1", "--eval-iters", "0", "--save", save_dir, "--save-interval", "2", *CPU_FLAGS]
-    command = torchrun_command(flags, nproc=nproc) if entry_point is None else torchrun_command(
-        flags, nproc=nproc, entry_point=entry_point)
+    flags = [
+        *load_flags,
+        "--use-checkpoint-args",
+        "--use-mp-args-from-checkpoint-args",
+        "--tokenizer-model",
+        tokenizer_dir,
+        "--mock-data",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--lr",
+        str(lr),
+        "--min-lr",
+        "0",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--save",
+        save_dir,
+        "--save-interval",
+        "2",
+        *CPU_FLAGS,
+    ]
+    command = (
+        torchrun_command(flags, nproc=nproc)
+        if entry_point is None
+        else torchrun_command(flags, nproc=nproc, entry_point=entry_point)
+    )
     return run(command, timeout=300)
 
 
@@ -78,8 +104,10 @@ def _megatron_logits(megatron_dir, input_ids):
     args = load_common_state_dict(checkpoint_dir)["args"]
     settings = settings_from_checkpoint_args(argparse.Namespace(**{**vars(args), "tokenizer_type": None}))
     model_class, kwargs = model_class_and_kwargs(settings)
-    model = model_class(transformer_config_from_settings(settings, use_cpu_initialization=True),
-                        **{**kwargs, "vocab_size": args.padded_vocab_size}).eval()
+    model = model_class(
+        transformer_config_from_settings(settings, use_cpu_initialization=True),
+        **{**kwargs, "vocab_size": args.padded_vocab_size},
+    ).eval()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint_dir)
     model.load_state_dict(state["model"])
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
@@ -94,8 +122,20 @@ def test_convert_finetune_and_export(hf_source):
 
     root, hf_dir = hf_source
     megatron_dir = str(root / "megatron")
-    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
-                     "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    result = convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "core",
+        "--load-dir",
+        hf_dir,
+        "--save-dir",
+        megatron_dir,
+        "--target-tensor-parallel-size",
+        "2",
+        "--target-pipeline-parallel-size",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     tokenizer_dir = os.path.join(megatron_dir, "hf_tokenizer")
     assert sorted(os.listdir(tokenizer_dir)) == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
@@ -136,17 +176,35 @@ def test_hybrid_convert_finetune_and_export(tmp_path):
     vocab = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
     save_hf_model("nemotron_h", hf_dir, vocab_size=vocab)
     megatron_dir = str(tmp_path / "megatron")
-    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
-                     "--target-tensor-parallel-size", "2", model_type="hybrid")
+    result = convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "core",
+        "--load-dir",
+        hf_dir,
+        "--save-dir",
+        megatron_dir,
+        "--target-tensor-parallel-size",
+        "2",
+        model_type="hybrid",
+    )
     assert result.returncode == 0, result.stderr
     tuned_dir = str(tmp_path / "tuned")
-    result = finetune(["--load", megatron_dir, "--finetune"], tuned_dir, 1e-2, os.path.join(megatron_dir,
-                      "hf_tokenizer"), nproc=2, entry_point=REPO_ROOT / "pretrain_hybrid.py")
+    result = finetune(
+        ["--load", megatron_dir, "--finetune"],
+        tuned_dir,
+        1e-2,
+        os.path.join(megatron_dir, "hf_tokenizer"),
+        nproc=2,
+        entry_point=REPO_ROOT / "pretrain_hybrid.py",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "successfully loaded checkpoint" in result.stdout and "iteration        2/       2" in result.stdout
     tuned_hf = str(tmp_path / "tuned_hf")
-    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf,
-                     model_type="hybrid")
+    result = convert(
+        "--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf, model_type="hybrid"
+    )
     assert result.returncode == 0, result.stderr
     with open(os.path.join(tuned_hf, "config.json")) as file:
         config = json.load(file)
@@ -163,8 +221,9 @@ def test_hybrid_convert_finetune_and_export(tmp_path):
     actual = run_distributed(1, _megatron_logits, tuned_dir, input_ids)[0][..., :vocab]
     assert ((actual - expected).norm() / expected.norm()).item() <= 1e-5
     # --model-type GPT for the hybrid checkpoint is refused before anything is written
-    result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir",
-                     str(tmp_path / "wrong"))
+    result = convert(
+        "--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", str(tmp_path / "wrong")
+    )
     assert result.returncode == 1 and "which converts as --model-type hybrid" in result.stderr
     assert not (tmp_path / "wrong").exists()
 
@@ -179,21 +238,39 @@ def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path
     root, _ = hf_source
     megatron_dir = str(root / "megatron")  # written by the test above, or now
     if not os.path.isdir(megatron_dir):
-        assert convert("--loader", "hf", "--saver", "core", "--load-dir", hf_source[1], "--save-dir",
-                       megatron_dir).returncode == 0
-    args = argparse.Namespace(load=str(tmp_path / "empty"), pretrained_checkpoint=megatron_dir, ckpt_step=None,
-                              num_layers=None, hidden_size=None, add_qkv_bias=False)
+        assert (
+            convert(
+                "--loader", "hf", "--saver", "core", "--load-dir", hf_source[1], "--save-dir", megatron_dir
+            ).returncode
+            == 0
+        )
+    args = argparse.Namespace(
+        load=str(tmp_path / "empty"),
+        pretrained_checkpoint=megatron_dir,
+        ckpt_step=None,
+        num_layers=None,
+        hidden_size=None,
+        add_qkv_bias=False,
+    )
     load_args_from_checkpoint(args)
     assert (args.num_layers, args.hidden_size, args.add_qkv_bias, args.swiglu) == (2, 32, True, True)
 
 
-@pytest.mark.parametrize("arguments, match", [
-    (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
-    (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
-    (["--loader", "hf", "--saver", "core", "--model-type", "BERT"], "--model-type BERT: only GPT and hybrid models"),
-    (["--loader", "hf", "--saver", "core", "--model-type", "hybrid"],
-     "holds a qwen2 model (Qwen2ForCausalLM), which converts as --model-type GPT"),
-])
+@pytest.mark.parametrize(
+    "arguments, match",
+    [
+        (["--loader", "core", "--saver", "core"], "--loader core --saver core: supported are --loader hf --saver core"),
+        (["--loader", "hf", "--saver", "hf"], "--loader hf --saver hf: supported are"),
+        (
+            ["--loader", "hf", "--saver", "core", "--model-type", "BERT"],
+            "--model-type BERT: only GPT and hybrid models",
+        ),
+        (
+            ["--loader", "hf", "--saver", "core", "--model-type", "hybrid"],
+            "holds a qwen2 model (Qwen2ForCausalLM), which converts as --model-type GPT",
+        ),
+    ],
+)
 def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
     from tools.checkpoint.convert import main
 
@@ -226,8 +303,18 @@ def test_mixtral_convert_finetune_at_tp2_ep2_and_export(tmp_path):
     vocab = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
     save_hf_model("mixtral", hf_dir, vocab_size=vocab)
     megatron_dir, back_dir = str(tmp_path / "megatron"), str(tmp_path / "back")
-    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
-                     "--target-tensor-parallel-size", "2")
+    result = convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "core",
+        "--load-dir",
+        hf_dir,
+        "--save-dir",
+        megatron_dir,
+        "--target-tensor-parallel-size",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     result = convert("--loader", "core", "--saver", "hf", "--load-dir", megatron_dir, "--save-dir", back_dir)
     assert result.returncode == 0, result.stderr
@@ -236,8 +323,12 @@ def test_mixtral_convert_finetune_at_tp2_ep2_and_export(tmp_path):
 
     tuned_dir, tuned_hf = str(tmp_path / "tuned"), str(tmp_path / "tuned_hf")
     tokenizer_dir = os.path.join(megatron_dir, "hf_tokenizer")
-    result = finetune(["--load", megatron_dir, "--finetune", "--expert-model-parallel-size", "2",
-                       "--sequence-parallel"], tuned_dir, 1e-2, tokenizer_dir)
+    result = finetune(
+        ["--load", megatron_dir, "--finetune", "--expert-model-parallel-size", "2", "--sequence-parallel"],
+        tuned_dir,
+        1e-2,
+        tokenizer_dir,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "successfully loaded checkpoint" in result.stdout and "iteration        2/       2" in result.stdout
     result = convert("--loader", "core", "--saver", "hf", "--load-dir", tuned_dir, "--save-dir", tuned_hf)

@@ -29,11 +29,22 @@ def test_finetune_directly_from_a_hugging_face_directory(hf_source, tmp_path):  
         assert file.read().strip() == "2"  # an ordinary Megatron checkpoint to resume from
 
     megatron_dir = str(tmp_path / "converted")
-    result = convert("--loader", "hf", "--saver", "core", "--load-dir", hf_dir, "--save-dir", megatron_dir,
-                     "--target-tensor-parallel-size", "2")
+    result = convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "core",
+        "--load-dir",
+        hf_dir,
+        "--save-dir",
+        megatron_dir,
+        "--target-tensor-parallel-size",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
-    converted = finetune(["--load", megatron_dir, "--finetune", *layout], str(tmp_path / "tuned"), 1e-2, hf_dir,
-                         nproc=2)
+    converted = finetune(
+        ["--load", megatron_dir, "--finetune", *layout], str(tmp_path / "tuned"), 1e-2, hf_dir, nproc=2
+    )
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
     assert _first_loss(direct.stdout) == _first_loss(converted.stdout)
 
@@ -49,15 +60,31 @@ def test_pretrain_hybrid_directly_from_a_nemotron_h_directory(tmp_path):
     from tests.unit_tests.tools.test_checkpoint_convert import REPO_ROOT, _load
 
     hf_dir = write_huggingface_dir(tmp_path / "hf")
-    save_hf_model("nemotron_h", hf_dir, vocab_size=Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
-                  .get_vocab_size())
-    direct = finetune(["--load", hf_dir, "--tensor-model-parallel-size", "2"], str(tmp_path / "direct"), 0.0,
-                      hf_dir, nproc=2, entry_point=REPO_ROOT / "pretrain_hybrid.py")
+    save_hf_model(
+        "nemotron_h", hf_dir, vocab_size=Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_vocab_size()
+    )
+    direct = finetune(
+        ["--load", hf_dir, "--tensor-model-parallel-size", "2"],
+        str(tmp_path / "direct"),
+        0.0,
+        hf_dir,
+        nproc=2,
+        entry_point=REPO_ROOT / "pretrain_hybrid.py",
+    )
     assert direct.returncode == 0, direct.stdout[-3000:] + direct.stderr[-3000:]
     assert "loading the Hugging Face model" in direct.stdout  # fine-tuning semantics without --finetune too
     exported = str(tmp_path / "exported")
-    result = convert("--loader", "core", "--saver", "hf", "--load-dir", str(tmp_path / "direct"), "--save-dir",
-                     exported, model_type="hybrid")
+    result = convert(
+        "--loader",
+        "core",
+        "--saver",
+        "hf",
+        "--load-dir",
+        str(tmp_path / "direct"),
+        "--save-dir",
+        exported,
+        model_type="hybrid",
+    )
     assert result.returncode == 0, result.stderr
     source, back = _load(hf_dir), _load(exported)
     assert sorted(back) == sorted(source)
@@ -79,9 +106,13 @@ def test_model_flags_must_match_the_hugging_face_config(hf_source):  # noqa: F81
 
     _, hf_dir = hf_source
     check_args_match_hf(_run_args(hf_dir), hf_dir)  # the same model: accepted
-    with pytest.raises(CheckpointingException, match=re.escape(
+    with pytest.raises(
+        CheckpointingException,
+        match=re.escape(
             f"--load {hf_dir}: this run's model is not the Hugging Face model: --hidden-size is 64, the HF config "
-            "gives 32; --add-qkv-bias is False, the HF config gives True (pass --use-checkpoint-args")):
+            "gives 32; --add-qkv-bias is False, the HF config gives True (pass --use-checkpoint-args"
+        ),
+    ):
         check_args_match_hf(_run_args(hf_dir, hidden_size=64, add_qkv_bias=False), hf_dir)
     # without --group-query-attention every head is its own group: 4 groups, not the HF model's 2
     with pytest.raises(CheckpointingException, match="--num-query-groups is 4, the HF config gives 2"):
@@ -105,10 +136,18 @@ def test_use_checkpoint_args_reads_the_hugging_face_config(hf_source, tmp_path, 
 
     _, hf_dir = hf_source
     paths = {"load": str(tmp_path / "empty"), "pretrained_checkpoint": None, flag: hf_dir}
-    args = argparse.Namespace(**paths, ckpt_step=None, num_layers=None, hidden_size=None, add_qkv_bias=False,
-                              tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
-                              make_vocab_size_divisible_by=128, use_mp_args_from_checkpoint_args=True,
-                              tokenizer_model=None)
+    args = argparse.Namespace(
+        **paths,
+        ckpt_step=None,
+        num_layers=None,
+        hidden_size=None,
+        add_qkv_bias=False,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        make_vocab_size_divisible_by=128,
+        use_mp_args_from_checkpoint_args=True,
+        tokenizer_model=None,
+    )
     load_args_from_checkpoint(args)
     assert (args.num_layers, args.hidden_size, args.add_qkv_bias, args.swiglu) == (2, 32, True, True)
     assert (args.tensor_model_parallel_size, args.tokenizer_type) == (2, "HuggingFaceTokenizer")
@@ -130,14 +169,42 @@ def test_pretrain_gpt_refuses_model_flags_other_than_the_hugging_face_model(hf_s
     from tests.unit_tests.tools.test_checkpoint_convert import run
 
     _, hf_dir = hf_source
-    flags = ["--load", hf_dir, "--finetune", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
-             "4", "--seq-length", "16", "--max-position-embeddings", "64", "--tokenizer-type",
-             "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--mock-data", "--micro-batch-size", "1",
-             "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", *CPU_FLAGS]
+    flags = [
+        "--load",
+        hf_dir,
+        "--finetune",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "64",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        hf_dir,
+        "--mock-data",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-3",
+        "--eval-iters",
+        "0",
+        *CPU_FLAGS,
+    ]
     result = run(torchrun_command(flags, nproc=1), timeout=300)
     assert result.returncode != 0
-    assert (f"--load {hf_dir}: this run's model is not the Hugging Face model: --hidden-size is 64, the HF config "
-            "gives 32;") in result.stdout + result.stderr
+    assert (
+        f"--load {hf_dir}: this run's model is not the Hugging Face model: --hidden-size is 64, the HF config gives 32;"
+    ) in result.stdout + result.stderr
     assert "iteration        1/" not in result.stdout
 
 
@@ -154,8 +221,10 @@ def test_a_hybrid_hugging_face_model_is_not_loaded_into_a_gpt_model(tmp_path):
     args = _run_args(hf_dir, is_hybrid_model=True, fp16=False, bf16=False)
     set_args(args)
     try:
-        with pytest.raises(CheckpointingException, match=f"--load {hf_dir}: a hybrid model, this run built Linear; "
-                                                         "train it with pretrain_hybrid.py"):
+        with pytest.raises(
+            CheckpointingException,
+            match=f"--load {hf_dir}: a hybrid model, this run built Linear; train it with pretrain_hybrid.py",
+        ):
             load_hf_checkpoint([torch.nn.Linear(1, 1)], None, hf_dir)
     finally:
         unset_global_variables()

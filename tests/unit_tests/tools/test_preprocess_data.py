@@ -35,8 +35,9 @@ DOCUMENTS = [
 
 
 def run_tool(script, *arguments):
-    return subprocess.run([sys.executable, str(script), *map(str, arguments)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, arguments)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
 
 
 def write_jsonl(path, records):
@@ -50,8 +51,8 @@ def read_documents(prefix):
     """Each document as the concatenation of its sequences, plus the sequence lengths per document."""
     dataset = IndexedDataset(str(prefix))
     bounds = dataset.document_indices
-    tokens = [[int(t) for s in dataset[int(a):int(b)] for t in s] for a, b in zip(bounds[:-1], bounds[1:])]
-    lengths = [dataset.sequence_lengths[int(a):int(b)].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+    tokens = [[int(t) for s in dataset[int(a) : int(b)] for t in s] for a, b in zip(bounds[:-1], bounds[1:])]
+    lengths = [dataset.sequence_lengths[int(a) : int(b)].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
     return tokens, lengths, dataset
 
 
@@ -63,8 +64,12 @@ def tokenizer_files(tmp_path_factory):
         gpt2=["--vocab-file", vocab_file, "--merge-file", merge_file],
         hf=["--tokenizer-model", write_huggingface_dir(root / "hf")],
         sp=["--tokenizer-model", write_sentencepiece_model(root / "sp.model")],
-        tiktoken=["--tokenizer-model", write_tiktoken_file(root / "vocab.tiktoken"),
-                  "--vocab-size", 1000 + 256 + len(TIKTOKEN_MERGES)],
+        tiktoken=[
+            "--tokenizer-model",
+            write_tiktoken_file(root / "vocab.tiktoken"),
+            "--vocab-size",
+            1000 + 256 + len(TIKTOKEN_MERGES),
+        ],
     )
 
 
@@ -93,8 +98,19 @@ def tokenizer_for(tokenizer_type, flags):
 )
 def test_each_tokenizer_end_to_end(tmp_path, corpus, tokenizer_files, tokenizer_type, files_attribute):
     flags = getattr(tokenizer_files, files_attribute)
-    result = run_tool(PREPROCESS, "--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type",
-                      tokenizer_type, *flags, "--append-eod", "--workers", 1)
+    result = run_tool(
+        PREPROCESS,
+        "--input",
+        corpus,
+        "--output-prefix",
+        tmp_path / "out",
+        "--tokenizer-type",
+        tokenizer_type,
+        *flags,
+        "--append-eod",
+        "--workers",
+        1,
+    )
     assert result.returncode == 0, result.stderr
     tokenizer = tokenizer_for(tokenizer_type, flags)
     encoded = [tokenizer.tokenize(text) for text in DOCUMENTS]
@@ -108,8 +124,20 @@ def test_each_tokenizer_end_to_end(tmp_path, corpus, tokenizer_files, tokenizer_
 
 def test_null_tokenizer_end_to_end(tmp_path):
     corpus = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2 3"}, {"text": "70000 4"}])
-    result = run_tool(PREPROCESS, "--input", corpus, "--output-prefix", tmp_path / "ids", "--tokenizer-type",
-                      "NullTokenizer", "--vocab-size", 100000, "--append-eod", "--workers", 1)
+    result = run_tool(
+        PREPROCESS,
+        "--input",
+        corpus,
+        "--output-prefix",
+        tmp_path / "ids",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        100000,
+        "--append-eod",
+        "--workers",
+        1,
+    )
     assert result.returncode == 0, result.stderr
     tokens, _, dataset = read_documents(tmp_path / "ids_text_document")
     assert tokens == [[1, 2, 3, 100000], [70000, 4, 100000]]
@@ -118,28 +146,61 @@ def test_null_tokenizer_end_to_end(tmp_path):
 
 def test_vocab_size_defaults_per_tokenizer(tmp_path, tokenizer_files):
     corpus = write_jsonl(tmp_path / "ids.jsonl", [{"text": "785"}, {"text": "787"}])
-    result = run_tool(PREPROCESS, "--input", corpus, "--output-prefix", tmp_path / "ids", "--tokenizer-type",
-                      "NullTokenizer", "--append-eod", "--workers", 1)
+    result = run_tool(
+        PREPROCESS,
+        "--input",
+        corpus,
+        "--output-prefix",
+        tmp_path / "ids",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--append-eod",
+        "--workers",
+        1,
+    )
     assert result.returncode == 0, result.stderr
     assert "skipping malformed line" in result.stderr and "ids [787] are outside [0, 787)" in result.stderr
     assert read_documents(tmp_path / "ids_text_document")[0] == [[785, 786]]  # default 786 ids plus EOD 786
 
     # Megatron-LM's 786 is NullTokenizer's; TikTokenizer keeps its own 2**17 (so int32 tokens).
-    result = run_tool(PREPROCESS, "--input", tmp_path / "ids.jsonl", "--output-prefix", tmp_path / "tik",
-                      "--tokenizer-type", "TikTokenizer", tokenizer_files.tiktoken[0], tokenizer_files.tiktoken[1],
-                      "--workers", 1)
+    result = run_tool(
+        PREPROCESS,
+        "--input",
+        tmp_path / "ids.jsonl",
+        "--output-prefix",
+        tmp_path / "tik",
+        "--tokenizer-type",
+        "TikTokenizer",
+        tokenizer_files.tiktoken[0],
+        tokenizer_files.tiktoken[1],
+        "--workers",
+        1,
+    )
     assert result.returncode == 0, result.stderr
     assert IndexedDataset(str(tmp_path / "tik_text_document")).dtype == np.int32
 
 
 def gpt2_run(tokenizer_files, corpus, prefix, *extra):
-    return run_tool(PREPROCESS, "--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                    "GPT2BPETokenizer", *tokenizer_files.gpt2, "--append-eod", *extra)
+    return run_tool(
+        PREPROCESS,
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        *tokenizer_files.gpt2,
+        "--append-eod",
+        *extra,
+    )
 
 
 def test_workers_and_sequential_partitions_give_identical_bytes(tmp_path, corpus, tokenizer_files):
-    runs = {"w1": ["--workers", 1], "w2": ["--workers", 2],
-            "p2": ["--workers", 2, "--partitions", 2, "--keep-sequential-samples"]}
+    runs = {
+        "w1": ["--workers", 1],
+        "w2": ["--workers", 2],
+        "p2": ["--workers", 2, "--partitions", 2, "--keep-sequential-samples"],
+    }
     for name, flags in runs.items():
         result = gpt2_run(tokenizer_files, corpus, tmp_path / name, *flags)
         assert result.returncode == 0, result.stderr
@@ -160,15 +221,18 @@ def test_round_robin_partitions_group_documents_by_partition(tmp_path, corpus, t
 
 
 def test_malformed_lines_are_skipped_and_counted(tmp_path, tokenizer_files):
-    corpus = write_jsonl(tmp_path / "messy.jsonl", [
-        {"text": "good one"},
-        "{not json",
-        "",
-        "[1, 2]",
-        {"title": "no text key"},
-        {"text": 42},
-        {"text": "good two"},
-    ])
+    corpus = write_jsonl(
+        tmp_path / "messy.jsonl",
+        [
+            {"text": "good one"},
+            "{not json",
+            "",
+            "[1, 2]",
+            {"title": "no text key"},
+            {"text": 42},
+            {"text": "good two"},
+        ],
+    )
     with open(corpus, "ab") as file:
         file.write(b'{"text": "bad \xff utf8"}\n')
     for workers in (1, 2):
@@ -195,8 +259,10 @@ def test_strict_stops_at_the_first_malformed_line_and_writes_nothing(tmp_path, t
 
 def test_split_sentences_and_keep_newlines(tmp_path, tokenizer_files):
     corpus = write_jsonl(tmp_path / "s.jsonl", [{"text": "One. Two!\nThree?"}])
-    for flag, expected_sentences in (([], ["One.", "Two!", "Three?"]), (["--keep-newlines"], ["One. ", "Two!\n",
-                                                                                              "Three?"])):
+    for flag, expected_sentences in (
+        ([], ["One.", "Two!", "Three?"]),
+        (["--keep-newlines"], ["One. ", "Two!\n", "Three?"]),
+    ):
         prefix = tmp_path / ("kept" if flag else "plain")
         result = gpt2_run(tokenizer_files, corpus, prefix, "--split-sentences", *flag, "--workers", 1)
         assert result.returncode == 0, result.stderr
@@ -252,8 +318,17 @@ def test_bad_paths(tmp_path, corpus, tokenizer_files):
     assert result.returncode == 2 and "missing_dir does not exist" in result.stderr
     result = gpt2_run(tokenizer_files, tmp_path / "nothing*.jsonl", tmp_path / "x", "--workers", 1)
     assert result.returncode == 1 and "nothing*.jsonl: no input files" in result.stderr
-    result = run_tool(PREPROCESS, "--input", corpus, "--output-prefix", tmp_path / "x", "--tokenizer-type",
-                      "GPT2BPETokenizer", "--workers", 1)
+    result = run_tool(
+        PREPROCESS,
+        "--input",
+        corpus,
+        "--output-prefix",
+        tmp_path / "x",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--workers",
+        1,
+    )
     assert result.returncode == 1 and "GPT2BPETokenizer needs --vocab-file" in result.stderr
     broken = tmp_path / "broken.jsonl.gz"
     broken.write_bytes(b"not gzip at all")
@@ -262,8 +337,10 @@ def test_bad_paths(tmp_path, corpus, tokenizer_files):
 
 
 def test_preprocess_imports_no_training_stack():
-    code = "import sys, tools.preprocess_data, tools.merge_datasets; print(sorted(m for m in sys.modules " \
-           "if m == 'torch' or m.startswith('megatron.training')))"
+    code = (
+        "import sys, tools.preprocess_data, tools.merge_datasets; print(sorted(m for m in sys.modules "
+        "if m == 'torch' or m.startswith('megatron.training')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -274,8 +351,13 @@ def test_preprocess_imports_no_training_stack():
 
 def test_regex_sentence_splitter():
     text = 'He said "Stop." Then he left! Did he?  Yes.\n\nThe end'
-    assert RegexSentenceSplitter(keep_newlines=False)(text) == ['He said "Stop."', "Then he left!", "Did he?", "Yes.",
-                                                                "The end"]
+    assert RegexSentenceSplitter(keep_newlines=False)(text) == [
+        'He said "Stop."',
+        "Then he left!",
+        "Did he?",
+        "Yes.",
+        "The end",
+    ]
     kept = RegexSentenceSplitter(keep_newlines=True)(text)
     assert "".join(kept) == text and kept[3] == "Yes.\n\n"
     assert RegexSentenceSplitter(keep_newlines=False)("") == []
@@ -285,8 +367,11 @@ def test_punkt_splitter_keep_newlines_keeps_whitespace():
     punkt = pytest.importorskip("nltk.tokenize.punkt")
     trained = punkt.PunktSentenceTokenizer("Mr. Smith went home. He slept well. " * 20)
     text = "First sentence here.\nSecond one follows. Third."
-    assert punkt_splitter(trained, keep_newlines=False)(text) == ["First sentence here.", "Second one follows.",
-                                                                  "Third."]
+    assert punkt_splitter(trained, keep_newlines=False)(text) == [
+        "First sentence here.",
+        "Second one follows.",
+        "Third.",
+    ]
     kept = punkt_splitter(trained, keep_newlines=True)(text)
     assert kept == ["First sentence here.\n", "Second one follows. ", "Third."]
 

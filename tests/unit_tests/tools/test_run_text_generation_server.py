@@ -8,9 +8,24 @@ import pytest
 from megatron.training.global_vars import unset_global_variables
 from tools.run_text_generation_server import _check_serving_args, max_sequence_length, parse_server_args
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
-         "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-         "--distributed-backend", "gloo"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "100",
+    "--distributed-backend",
+    "gloo",
+]
 
 
 @pytest.fixture
@@ -32,20 +47,27 @@ def test_serving_flags_parse_without_data_or_training_length(parse, tmp_path):
     _check_serving_args(args)
     assert (args.port, args.host, args.temperature, args.top_k, args.top_p) == (5000, "0.0.0.0", 1.0, 1, 0.0)
     assert (args.skip_train, args.no_load_optim, args.no_load_rng, args.exit_on_missing_checkpoint) == (
-        True, True, True, True)
+        True,
+        True,
+        True,
+        True,
+    )
     assert args.micro_batch_size == 1 and args.inference_max_requests == 4
     assert max_sequence_length(args) == 48
     assert max_sequence_length(parse()) == 64  # the default 2560 is capped by --max-position-embeddings
 
 
-@pytest.mark.parametrize("flags,load,message", [
-    ((), False, "--load is required"),
-    (("--port", "70000"), True, "--port 70000: not a TCP port"),
-    (("--temperature", "-1"), True, "need temperature >= 0"),
-    (("--top_p", "1.5"), True, "0 <= top_p <= 1"),
-    (("--inference-max-requests", "0"), True, "need at least 1 request"),
-    (("--chat-template", "/no/such/template.jinja"), True, "--chat-template /no/such/template.jinja: no such file"),
-])
+@pytest.mark.parametrize(
+    "flags,load,message",
+    [
+        ((), False, "--load is required"),
+        (("--port", "70000"), True, "--port 70000: not a TCP port"),
+        (("--temperature", "-1"), True, "need temperature >= 0"),
+        (("--top_p", "1.5"), True, "0 <= top_p <= 1"),
+        (("--inference-max-requests", "0"), True, "need at least 1 request"),
+        (("--chat-template", "/no/such/template.jinja"), True, "--chat-template /no/such/template.jinja: no such file"),
+    ],
+)
 def test_bad_serving_flags_are_refused_with_the_flag_named(parse, flags, load, message):
     args = parse(*flags, load=load)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -68,8 +90,11 @@ def test_the_listening_socket_names_a_port_in_use_and_port_0_gets_a_free_one():
     with listen_socket("127.0.0.1", 0) as first:
         port = first.getsockname()[1]
         assert port > 0
-        with pytest.raises(OSError, match=rf"--host 127.0.0.1 --port {port}: cannot listen there .*pick another "
-                                          r"--port \(0: any free port\)"):
+        with pytest.raises(
+            OSError,
+            match=rf"--host 127.0.0.1 --port {port}: cannot listen there .*pick another "
+            r"--port \(0: any free port\)",
+        ):
             listen_socket("127.0.0.1", port)
 
 
@@ -84,9 +109,21 @@ def test_a_port_in_use_stops_the_server_before_it_loads_anything(tmp_path):
     with listen_socket("127.0.0.1", 0) as taken:
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, str(REPO_ROOT / "tools" / "run_text_generation_server.py"), *MODEL,
-             "--load", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
-            capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                str(REPO_ROOT / "tools" / "run_text_generation_server.py"),
+                *MODEL,
+                "--load",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode != 0
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in result.stderr + result.stdout
     assert "checkpoint" not in (result.stderr + result.stdout).lower()

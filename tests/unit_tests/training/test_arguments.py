@@ -36,12 +36,40 @@ BUILTIN_PREFIX = os.path.join(
     os.path.dirname(__file__), "..", "..", "..", "megatron", "training", "builtin_data", "shakespeare_text_document"
 )
 # Every switch that would otherwise be turned off on this machine, so most tests run without the fallback warning.
-QUIET = ["--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-         "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
-         "--no-persist-layer-norm", "--no-rope-fusion"]
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"] + QUIET
+QUIET = [
+    "--distributed-backend",
+    "gloo",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-rope-fusion",
+]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "100",
+] + QUIET
 
 
 def parse(*extra, base=BASE):
@@ -56,7 +84,7 @@ def validated(*extra, world_size=1, base=BASE, defaults=None):
 
 def without(flag, base=BASE, takes_value=True):
     index = base.index(flag)
-    return base[:index] + base[index + 1 + int(takes_value):]
+    return base[:index] + base[index + 1 + int(takes_value) :]
 
 
 # ---- the flag list and Megatron-LM's defaults ---------------------------------------------------------------------
@@ -74,64 +102,187 @@ def test_help_flag_list_matches_the_golden_file():
 
 MEGATRON_DEFAULTS = {
     # parallelism
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False,
-    "context_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
-    "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
-    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
-    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
-    "use_distributed_optimizer": False, "overlap_grad_reduce": False, "overlap_param_gather": False,
-    "overlap_p2p_comm": True, "align_param_gather": True, "align_grad_reduce": True, "ddp_bucket_size": None,
-    "num_distributed_optimizer_instances": 1, "data_parallel_sharding_strategy": "optim_grads_params",
-    "distributed_backend": "nccl", "distributed_timeout_minutes": 10,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "sequence_parallel": False,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,
+    "num_layers_per_virtual_pipeline_stage": None,
+    "num_virtual_stages_per_pipeline_rank": None,
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+    "use_distributed_optimizer": False,
+    "overlap_grad_reduce": False,
+    "overlap_param_gather": False,
+    "overlap_p2p_comm": True,
+    "align_param_gather": True,
+    "align_grad_reduce": True,
+    "ddp_bucket_size": None,
+    "num_distributed_optimizer_instances": 1,
+    "data_parallel_sharding_strategy": "optim_grads_params",
+    "distributed_backend": "nccl",
+    "distributed_timeout_minutes": 10,
     # model shape / architecture
-    "num_layers": None, "hidden_size": None, "ffn_hidden_size": None, "num_attention_heads": None,
-    "group_query_attention": False, "num_query_groups": 1, "kv_channels": None, "seq_length": None,
-    "max_position_embeddings": None, "position_embedding_type": "learned_absolute", "rotary_base": 10000,
-    "rotary_percent": 1.0, "use_rope_scaling": False, "rope_scaling_factor": 8.0, "normalization": "LayerNorm",
-    "layernorm_epsilon": 1e-5, "layernorm_zero_centered_gamma": False, "swiglu": False, "squared_relu": False,
-    "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
-    "untie_embeddings_and_output_weights": False, "make_vocab_size_divisible_by": 128, "hidden_dropout": 0.1,
-    "attention_dropout": 0.1, "init_method_std": 0.02, "attention_backend": AttnBackend.auto,
-    "recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None,
-    "recompute_activations": False, "num_experts": None,
+    "num_layers": None,
+    "hidden_size": None,
+    "ffn_hidden_size": None,
+    "num_attention_heads": None,
+    "group_query_attention": False,
+    "num_query_groups": 1,
+    "kv_channels": None,
+    "seq_length": None,
+    "max_position_embeddings": None,
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "rotary_percent": 1.0,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "normalization": "LayerNorm",
+    "layernorm_epsilon": 1e-5,
+    "layernorm_zero_centered_gamma": False,
+    "swiglu": False,
+    "squared_relu": False,
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False,
+    "make_vocab_size_divisible_by": 128,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+    "init_method_std": 0.02,
+    "attention_backend": AttnBackend.auto,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_activations": False,
+    "num_experts": None,
     # mixed precision and fused kernels
-    "bf16": False, "fp16": False, "loss_scale": None, "initial_loss_scale": 2**32, "min_loss_scale": 1.0,
-    "loss_scale_window": 1000, "hysteresis": 2, "attention_softmax_in_fp32": False,
-    "accumulate_allreduce_grads_in_fp32": False, "grad_reduce_in_bf16": False, "fp16_lm_cross_entropy": False,
-    "gradient_accumulation_fusion": True, "masked_softmax_fusion": True, "bias_gelu_fusion": True,
-    "bias_swiglu_fusion": True, "bias_dropout_fusion": True, "apply_rope_fusion": True,
+    "bf16": False,
+    "fp16": False,
+    "loss_scale": None,
+    "initial_loss_scale": 2**32,
+    "min_loss_scale": 1.0,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "attention_softmax_in_fp32": False,
+    "accumulate_allreduce_grads_in_fp32": False,
+    "grad_reduce_in_bf16": False,
+    "fp16_lm_cross_entropy": False,
+    "gradient_accumulation_fusion": True,
+    "masked_softmax_fusion": True,
+    "bias_gelu_fusion": True,
+    "bias_swiglu_fusion": True,
+    "bias_dropout_fusion": True,
+    "apply_rope_fusion": True,
     # optimizer and schedules
-    "optimizer": "adam", "lr": None, "min_lr": 0.0, "decoupled_lr": None, "decoupled_min_lr": None,
-    "weight_decay": 0.01, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
-    "sgd_momentum": 0.9, "lr_decay_style": "linear", "lr_decay_iters": None, "lr_decay_samples": None,
-    "lr_warmup_fraction": None, "lr_warmup_iters": 0, "lr_warmup_samples": 0, "lr_warmup_init": 0.0,
-    "lr_wsd_decay_style": "exponential", "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None,
-    "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
-    "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
+    "optimizer": "adam",
+    "lr": None,
+    "min_lr": 0.0,
+    "decoupled_lr": None,
+    "decoupled_min_lr": None,
+    "weight_decay": 0.01,
+    "clip_grad": 1.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_eps": 1e-8,
+    "sgd_momentum": 0.9,
+    "lr_decay_style": "linear",
+    "lr_decay_iters": None,
+    "lr_decay_samples": None,
+    "lr_warmup_fraction": None,
+    "lr_warmup_iters": 0,
+    "lr_warmup_samples": 0,
+    "lr_warmup_init": 0.0,
+    "lr_wsd_decay_style": "exponential",
+    "lr_wsd_decay_iters": None,
+    "lr_wsd_decay_samples": None,
+    "start_weight_decay": None,
+    "end_weight_decay": None,
+    "weight_decay_incr_style": "constant",
+    "override_opt_param_scheduler": False,
+    "use_checkpoint_opt_param_scheduler": False,
     # batch and iterations
-    "micro_batch_size": None, "global_batch_size": None, "rampup_batch_size": None, "train_iters": None,
-    "train_samples": None, "exit_interval": None, "exit_duration_in_mins": None, "exit_signal_handler": False,
-    "manual_gc": False, "empty_unused_memory_level": 0, "eval_iters": 100, "eval_interval": None,
-    "skip_train": False, "seed": 1234, "data_parallel_random_init": False,
+    "micro_batch_size": None,
+    "global_batch_size": None,
+    "rampup_batch_size": None,
+    "train_iters": None,
+    "train_samples": None,
+    "exit_interval": None,
+    "exit_duration_in_mins": None,
+    "exit_signal_handler": False,
+    "manual_gc": False,
+    "empty_unused_memory_level": 0,
+    "eval_iters": 100,
+    "eval_interval": None,
+    "skip_train": False,
+    "seed": 1234,
+    "data_parallel_random_init": False,
     # data and tokenizer
-    "data_path": None, "split": None, "train_data_path": None, "valid_data_path": None, "test_data_path": None,
-    "data_args_path": None, "per_split_data_args_path": None, "data_cache_path": None, "mock_data": False,
-    "mmap_bin_files": True, "num_workers": 2, "dataloader_type": None, "reset_position_ids": False,
-    "reset_attention_mask": False, "eod_mask_loss": False, "create_attention_mask_in_dataloader": True,
-    "num_dataset_builder_threads": 1, "mid_level_dataset_surplus": 0.005, "tokenizer_type": None,
-    "tokenizer_model": None, "vocab_file": None, "merge_file": None, "vocab_size": None, "vocab_extra_ids": 0,
+    "data_path": None,
+    "split": None,
+    "train_data_path": None,
+    "valid_data_path": None,
+    "test_data_path": None,
+    "data_args_path": None,
+    "per_split_data_args_path": None,
+    "data_cache_path": None,
+    "mock_data": False,
+    "mmap_bin_files": True,
+    "num_workers": 2,
+    "dataloader_type": None,
+    "reset_position_ids": False,
+    "reset_attention_mask": False,
+    "eod_mask_loss": False,
+    "create_attention_mask_in_dataloader": True,
+    "num_dataset_builder_threads": 1,
+    "mid_level_dataset_surplus": 0.005,
+    "tokenizer_type": None,
+    "tokenizer_model": None,
+    "vocab_file": None,
+    "merge_file": None,
+    "vocab_size": None,
+    "vocab_extra_ids": 0,
     # checkpointing
-    "save": None, "load": None, "save_interval": None, "no_save_optim": None, "no_save_rng": None,
-    "no_load_optim": None, "no_load_rng": None, "finetune": False, "pretrained_checkpoint": None,
-    "use_checkpoint_args": False, "exit_on_missing_checkpoint": False, "ckpt_format": "torch_dist",
-    "async_save": False, "ckpt_fully_parallel_save": True, "ckpt_fully_parallel_load": False,
+    "save": None,
+    "load": None,
+    "save_interval": None,
+    "no_save_optim": None,
+    "no_save_rng": None,
+    "no_load_optim": None,
+    "no_load_rng": None,
+    "finetune": False,
+    "pretrained_checkpoint": None,
+    "use_checkpoint_args": False,
+    "exit_on_missing_checkpoint": False,
+    "ckpt_format": "torch_dist",
+    "async_save": False,
+    "ckpt_fully_parallel_save": True,
+    "ckpt_fully_parallel_load": False,
     # logging
-    "log_interval": 100, "log_throughput": False, "log_params_norm": False, "log_num_zeros_in_grad": False,
-    "timing_log_level": 0, "timing_log_option": "minmax", "tensorboard_dir": None, "tensorboard_log_interval": 1,
-    "tensorboard_queue_size": 1000, "log_timers_to_tensorboard": False, "log_validation_ppl_to_tensorboard": False,
-    "log_memory_to_tensorboard": False, "log_loss_scale_to_tensorboard": True, "wandb_project": None,
-    "wandb_exp_name": None, "wandb_save_dir": None, "wandb_entity": None, "check_for_nan_in_loss_and_grad": True,
-    "barrier_with_L1_time": True, "spec": None, "yaml_cfg": None,
+    "log_interval": 100,
+    "log_throughput": False,
+    "log_params_norm": False,
+    "log_num_zeros_in_grad": False,
+    "timing_log_level": 0,
+    "timing_log_option": "minmax",
+    "tensorboard_dir": None,
+    "tensorboard_log_interval": 1,
+    "tensorboard_queue_size": 1000,
+    "log_timers_to_tensorboard": False,
+    "log_validation_ppl_to_tensorboard": False,
+    "log_memory_to_tensorboard": False,
+    "log_loss_scale_to_tensorboard": True,
+    "wandb_project": None,
+    "wandb_exp_name": None,
+    "wandb_save_dir": None,
+    "wandb_entity": None,
+    "check_for_nan_in_loss_and_grad": True,
+    "barrier_with_L1_time": True,
+    "spec": None,
+    "yaml_cfg": None,
 }
 
 
@@ -147,29 +298,32 @@ def test_defaults_that_differ_from_megatron_lm_on_purpose():
     assert (args.dry_run, args.peak_flops) == (False, None)  # this project's additions
 
 
-@pytest.mark.parametrize("argv, dest, value", [
-    (["--override-opt_param-scheduler"], "override_opt_param_scheduler", True),
-    (["--override-opt-param-scheduler"], "override_opt_param_scheduler", True),
-    (["--use-checkpoint-opt-param-scheduler"], "use_checkpoint_opt_param_scheduler", True),
-    (["--persistent-save-interval", "7"], "save_interval", 7),
-    (["--disable-bias-linear"], "add_bias_linear", False),
-    (["--no-rope-fusion"], "apply_rope_fusion", False),
-    (["--norm-epsilon", "1e-6"], "layernorm_epsilon", 1e-6),
-    (["--apply-layernorm-1p"], "layernorm_zero_centered_gamma", True),
-    (["--microbatch-group-size-per-virtual-pipeline-stage", "3"], "microbatch_group_size_per_vp_stage", 3),
-    (["--no-overlap-p2p-communication"], "overlap_p2p_comm", False),
-    (["--use-mcore-models"], "deprecated_use_mcore_models", True),
-    (["--attention-backend", "flash"], "attention_backend", AttnBackend.flash),
-    (["--data-path", "0.3", "a", "0.7", "b"], "data_path", ["0.3", "a", "0.7", "b"]),
-    (["--no-create-attention-mask-in-dataloader"], "create_attention_mask_in_dataloader", False),
-    (["--no-mmap-bin-files"], "mmap_bin_files", False),
-    (["--data-cache-path", "/tmp/c"], "data_cache_path", "/tmp/c"),
-    (["--ddp-bucket-size", "1000"], "ddp_bucket_size", 1000),
-    (["--no-ckpt-fully-parallel-save"], "ckpt_fully_parallel_save", False),
-    (["--no-barrier-with-level-1-timing"], "barrier_with_L1_time", False),
-    (["--num-experts", "8"], "num_experts", 8),
-    (["--recompute-modules", "core_attn", "mlp"], "recompute_modules", ["core_attn", "mlp"]),
-])
+@pytest.mark.parametrize(
+    "argv, dest, value",
+    [
+        (["--override-opt_param-scheduler"], "override_opt_param_scheduler", True),
+        (["--override-opt-param-scheduler"], "override_opt_param_scheduler", True),
+        (["--use-checkpoint-opt-param-scheduler"], "use_checkpoint_opt_param_scheduler", True),
+        (["--persistent-save-interval", "7"], "save_interval", 7),
+        (["--disable-bias-linear"], "add_bias_linear", False),
+        (["--no-rope-fusion"], "apply_rope_fusion", False),
+        (["--norm-epsilon", "1e-6"], "layernorm_epsilon", 1e-6),
+        (["--apply-layernorm-1p"], "layernorm_zero_centered_gamma", True),
+        (["--microbatch-group-size-per-virtual-pipeline-stage", "3"], "microbatch_group_size_per_vp_stage", 3),
+        (["--no-overlap-p2p-communication"], "overlap_p2p_comm", False),
+        (["--use-mcore-models"], "deprecated_use_mcore_models", True),
+        (["--attention-backend", "flash"], "attention_backend", AttnBackend.flash),
+        (["--data-path", "0.3", "a", "0.7", "b"], "data_path", ["0.3", "a", "0.7", "b"]),
+        (["--no-create-attention-mask-in-dataloader"], "create_attention_mask_in_dataloader", False),
+        (["--no-mmap-bin-files"], "mmap_bin_files", False),
+        (["--data-cache-path", "/tmp/c"], "data_cache_path", "/tmp/c"),
+        (["--ddp-bucket-size", "1000"], "ddp_bucket_size", 1000),
+        (["--no-ckpt-fully-parallel-save"], "ckpt_fully_parallel_save", False),
+        (["--no-barrier-with-level-1-timing"], "barrier_with_L1_time", False),
+        (["--num-experts", "8"], "num_experts", 8),
+        (["--recompute-modules", "core_attn", "mlp"], "recompute_modules", ["core_attn", "mlp"]),
+    ],
+)
 def test_flag_names_and_dests_are_megatron_lms(argv, dest, value):
     assert getattr(parse_args_list(argv), dest) == value
 
@@ -224,12 +378,15 @@ def test_model_shape_defaults():
     assert args.ffn_hidden_size == 10880
 
 
-@pytest.mark.parametrize("flags, vpp", [
-    (["--num-layers-per-virtual-pipeline-stage", "2"], 2),
-    (["--num-virtual-stages-per-pipeline-rank", "4"], 4),
-    (["--num-layers-per-virtual-pipeline-stage", "4"], None),  # one chunk per rank: not interleaved
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "flags, vpp",
+    [
+        (["--num-layers-per-virtual-pipeline-stage", "2"], 2),
+        (["--num-virtual-stages-per-pipeline-rank", "4"], 4),
+        (["--num-layers-per-virtual-pipeline-stage", "4"], None),  # one chunk per rank: not interleaved
+        ([], None),
+    ],
+)
 def test_virtual_pipeline_size_from_either_flag(flags, vpp):
     args = validated("--num-layers", 8, "--pipeline-model-parallel-size", 2, *flags, world_size=2)
     assert args.virtual_pipeline_model_parallel_size == vpp
@@ -238,9 +395,19 @@ def test_virtual_pipeline_size_from_either_flag(flags, vpp):
 
 
 def test_uneven_first_and_last_stages():
-    args = validated("--num-layers", 12, "--pipeline-model-parallel-size", 4, "--decoder-first-pipeline-num-layers", 2,
-                     "--decoder-last-pipeline-num-layers", 2, "--num-virtual-stages-per-pipeline-rank", 2,
-                     world_size=4)
+    args = validated(
+        "--num-layers",
+        12,
+        "--pipeline-model-parallel-size",
+        4,
+        "--decoder-first-pipeline-num-layers",
+        2,
+        "--decoder-last-pipeline-num-layers",
+        2,
+        "--num-virtual-stages-per-pipeline-rank",
+        2,
+        world_size=4,
+    )
     assert args.virtual_pipeline_model_parallel_size == 2
     config = core_transformer_config_from_args(args)
     assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (2, 2)
@@ -301,67 +468,188 @@ ERRORS = [
     ([], dict(base=without("--num-layers")), "missing required arguments: --num-layers; give each a value"),
     (["--hidden-size", "0"], {}, r"--hidden-size must be a positive integer, got 0"),
     (["--eval-iters", "-1"], {}, r"--eval-iters must be an integer >= 0, got -1"),
-    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], dict(world_size=6),
-     r"world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x --pipeline-model-parallel-size "
-     r"\(2\) x --context-parallel-size \(1\) = 4"),
-    (["--context-parallel-size", "3"], dict(world_size=3),
-     r"--seq-length 32 is not divisible by 2 x --context-parallel-size = 6"),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length",
-      "20"], dict(world_size=8), r"--sequence-parallel splits each CP rank's 10 tokens over "
-     r"--tensor-model-parallel-size 4, which does not divide them; use a --seq-length divisible by 8"),
-    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "2"], dict(world_size=2),
-     r"--hierarchical-context-parallel-sizes 2 2 multiply to 4, not --context-parallel-size 2"),
+    (
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        dict(world_size=6),
+        r"world size \(6\) is not divisible by --tensor-model-parallel-size \(2\) x --pipeline-model-parallel-size "
+        r"\(2\) x --context-parallel-size \(1\) = 4",
+    ),
+    (
+        ["--context-parallel-size", "3"],
+        dict(world_size=3),
+        r"--seq-length 32 is not divisible by 2 x --context-parallel-size = 6",
+    ),
+    (
+        [
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "4",
+            "--sequence-parallel",
+            "--seq-length",
+            "20",
+        ],
+        dict(world_size=8),
+        r"--sequence-parallel splits each CP rank's 10 tokens over "
+        r"--tensor-model-parallel-size 4, which does not divide them; use a --seq-length divisible by 8",
+    ),
+    (
+        ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "2"],
+        dict(world_size=2),
+        r"--hierarchical-context-parallel-sizes 2 2 multiply to 4, not --context-parallel-size 2",
+    ),
     (["--cp-comm-type", "ring"], {}, r"--cp-comm-type ring is not one of p2p, all_gather, a2a, a2a\+p2p"),
-    (["--cp-comm-type", "p2p", "a2a"], {}, r"--cp-comm-type has 2 values; give one, or one per layer "
-     r"\(--num-layers 4\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2), "give only one of them"),
+    (
+        ["--cp-comm-type", "p2p", "a2a"],
+        {},
+        r"--cp-comm-type has 2 values; give one, or one per layer "
+        r"\(--num-layers 4\)",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+        ],
+        dict(world_size=2),
+        "give only one of them",
+    ),
     (["--num-virtual-stages-per-pipeline-rank", "2"], {}, r"needs --pipeline-model-parallel-size > 1"),
-    (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], dict(world_size=2),
-     r"--num-layers \(5\) is not divisible by --pipeline-model-parallel-size \(2\)"),
-    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], dict(world_size=2),
-     r"--num-layers \(4\) \+ embedding/loss \(1\) = 5 is not divisible by --pipeline-model-parallel-size \(2\)"),
+    (
+        ["--num-layers", "5", "--pipeline-model-parallel-size", "2"],
+        dict(world_size=2),
+        r"--num-layers \(5\) is not divisible by --pipeline-model-parallel-size \(2\)",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"],
+        dict(world_size=2),
+        r"--num-layers \(4\) \+ embedding/loss \(1\) = 5 is not divisible by --pipeline-model-parallel-size \(2\)",
+    ),
     (["--decoder-first-pipeline-num-layers", "1"], {}, r"need --pipeline-model-parallel-size > 1"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-      "--account-for-loss-in-pipeline-split"], dict(world_size=2), "cannot be combined with --account-for"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-      "--decoder-last-pipeline-num-layers", "1"], dict(world_size=2),
-     r"--num-layers \(4\) does not match --decoder-first-pipeline-num-layers \(1\) \+ "
-     r"--decoder-last-pipeline-num-layers \(1\) on 2 pipeline stages; make them add up to at most --num-layers"),
-    (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
-      "--decoder-last-pipeline-num-layers", "2"], dict(world_size=4),
-     "the 5 layers left after --decoder-first/last-pipeline-num-layers do not divide evenly over the other 2 "
-     "pipeline stages"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1"], dict(world_size=2),
-     "set the virtual pipeline size with --num-virtual-stages-per-pipeline-rank"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], dict(world_size=2),
-     r"each pipeline stage has 2 layers, not divisible by --num-layers-per-virtual-pipeline-stage \(3\)"),
-    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-      "--no-overlap-p2p-communication"], dict(world_size=2), r"needs --pipeline-model-parallel-size > 2 \(got 2\)"),
-    (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
-      "--num-virtual-stages-per-pipeline-rank", "2"], dict(world_size=2),
-     r"pipeline stage 0 has 3 layers, not divisible by --num-virtual-stages-per-pipeline-rank \(2\)"),
-    (["--global-batch-size", "5"], {},
-     r"--global-batch-size \(5\) must be a multiple of --micro-batch-size \(2\) x data-parallel size \(1\) = 2"),
-    (["--global-batch-size", "4", "--decrease-batch-size-if-needed"], dict(world_size=4),
-     r"--global-batch-size \(4\) must be a multiple of .* = 8"),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+            "--account-for-loss-in-pipeline-split",
+        ],
+        dict(world_size=2),
+        "cannot be combined with --account-for",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+            "--decoder-last-pipeline-num-layers",
+            "1",
+        ],
+        dict(world_size=2),
+        r"--num-layers \(4\) does not match --decoder-first-pipeline-num-layers \(1\) \+ "
+        r"--decoder-last-pipeline-num-layers \(1\) on 2 pipeline stages; make them add up to at most --num-layers",
+    ),
+    (
+        [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+            "--decoder-last-pipeline-num-layers",
+            "2",
+        ],
+        dict(world_size=4),
+        "the 5 layers left after --decoder-first/last-pipeline-num-layers do not divide evenly over the other 2 "
+        "pipeline stages",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+        dict(world_size=2),
+        "set the virtual pipeline size with --num-virtual-stages-per-pipeline-rank",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+        dict(world_size=2),
+        r"each pipeline stage has 2 layers, not divisible by --num-layers-per-virtual-pipeline-stage \(3\)",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            "--no-overlap-p2p-communication",
+        ],
+        dict(world_size=2),
+        r"needs --pipeline-model-parallel-size > 2 \(got 2\)",
+    ),
+    (
+        [
+            "--num-layers",
+            "6",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--decoder-first-pipeline-num-layers",
+            "3",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+        ],
+        dict(world_size=2),
+        r"pipeline stage 0 has 3 layers, not divisible by --num-virtual-stages-per-pipeline-rank \(2\)",
+    ),
+    (
+        ["--global-batch-size", "5"],
+        {},
+        r"--global-batch-size \(5\) must be a multiple of --micro-batch-size \(2\) x data-parallel size \(1\) = 2",
+    ),
+    (
+        ["--global-batch-size", "4", "--decrease-batch-size-if-needed"],
+        dict(world_size=4),
+        r"--global-batch-size \(4\) must be a multiple of .* = 8",
+    ),
     (["--swiglu", "--squared-relu"], {}, "--swiglu and --squared-relu choose different MLP activations"),
     (["--swiglu", "--hidden-size", "16"], {}, "--swiglu with --hidden-size 16 gives an FFN size of 0"),
     (["--hidden-size", "66"], {}, r"--hidden-size \(66\) is not divisible by --num-attention-heads \(4\)"),
-    (["--tensor-model-parallel-size", "3", "--hidden-size", "48", "--ffn-hidden-size", "96"], dict(world_size=3),
-     r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(3\)"),
-    (["--group-query-attention", "--num-query-groups", "3"], {},
-     r"--num-attention-heads \(4\) must be a multiple of --num-query-groups \(3\)"),
-    (["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "1"], dict(world_size=2),
-     r"--num-query-groups \(1\) must be divisible by --tensor-model-parallel-size \(2\)"),
-    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "99"], dict(world_size=2),
-     r"--ffn-hidden-size \(99\) must be divisible by --tensor-model-parallel-size \(2\)"),
+    (
+        ["--tensor-model-parallel-size", "3", "--hidden-size", "48", "--ffn-hidden-size", "96"],
+        dict(world_size=3),
+        r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(3\)",
+    ),
+    (
+        ["--group-query-attention", "--num-query-groups", "3"],
+        {},
+        r"--num-attention-heads \(4\) must be a multiple of --num-query-groups \(3\)",
+    ),
+    (
+        ["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "1"],
+        dict(world_size=2),
+        r"--num-query-groups \(1\) must be divisible by --tensor-model-parallel-size \(2\)",
+    ),
+    (
+        ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "99"],
+        dict(world_size=2),
+        r"--ffn-hidden-size \(99\) must be divisible by --tensor-model-parallel-size \(2\)",
+    ),
     (["--hidden-dropout", "1.0"], {}, r"--hidden-dropout must be in \[0, 1\), got 1.0"),
-    ([], dict(base=without("--max-position-embeddings")),
-     "--max-position-embeddings is required with --position-embedding-type learned_absolute"),
-    (["--max-position-embeddings", "16"], {},
-     r"--seq-length \(32\) is larger than --max-position-embeddings \(16\)"),
+    (
+        [],
+        dict(base=without("--max-position-embeddings")),
+        "--max-position-embeddings is required with --position-embedding-type learned_absolute",
+    ),
+    (["--max-position-embeddings", "16"], {}, r"--seq-length \(32\) is larger than --max-position-embeddings \(16\)"),
     (["--use-rope-scaling"], {}, "--use-rope-scaling needs --position-embedding-type rope"),
     (["--rotary-percent", "0"], {}, r"--rotary-percent must be in \(0, 1\], got 0.0"),
     (["--fp16", "--bf16"], {}, "--fp16 and --bf16 are both set; choose one"),
@@ -371,13 +659,29 @@ ERRORS = [
     (["--recompute-method", "uniform"], {}, "apply to --recompute-granularity full only"),
     (["--recompute-modules", "mlp"], {}, "--recompute-modules applies to --recompute-granularity selective only"),
     (["--distribute-saved-activations"], {}, "--distribute-saved-activations needs --tensor-model-parallel-size > 1"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--distribute-saved-activations",
-      "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-     dict(world_size=2), "cannot be combined with --sequence-parallel"),
+    (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--distribute-saved-activations",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        dict(world_size=2),
+        "cannot be combined with --sequence-parallel",
+    ),
     (["--train-samples", "100"], {}, "--train-iters or --train-samples, not both"),
     (["--lr-decay-samples", "100"], {}, "--lr-decay-samples counts samples, but --train-iters counts iterations"),
-    (["--train-samples", "100", "--lr-warmup-iters", "5"], dict(base=without("--train-iters")),
-     "--lr-warmup-iters counts iterations, but --train-samples counts samples"),
+    (
+        ["--train-samples", "100", "--lr-warmup-iters", "5"],
+        dict(base=without("--train-iters")),
+        "--lr-warmup-iters counts iterations, but --train-samples counts samples",
+    ),
     ([], dict(base=without("--train-iters")), "give the training length: --train-iters N or --train-samples N"),
     (["--lr-warmup-fraction", "1.5"], {}, r"--lr-warmup-fraction must be in \[0, 1\], got 1.5"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], {}, "give the warm-up once"),
@@ -385,26 +689,50 @@ ERRORS = [
     (["--min-lr", "0.1"], {}, r"--min-lr \(0.1\) is larger than --lr \(0.001\)"),
     (["--lr-decay-style", "WSD"], {}, "--lr-decay-style WSD needs the length of its annealing phase"),
     (["--start-weight-decay", "0.1"], {}, "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style"),
-    (["--weight-decay-incr-style", "linear"], {},
-     "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+    (
+        ["--weight-decay-incr-style", "linear"],
+        {},
+        "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay",
+    ),
     (["--overlap-param-gather"], {}, "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad"),
-    (["--num-distributed-optimizer-instances", "2"], {},
-     r"not supported yet: several distributed-optimizer instances \(--num-distributed-optimizer-instances 2\)"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], {},
-     r"not supported yet: FSDP \(Megatron FSDP / torch FSDP2\) \(--use-megatron-fsdp\)"),
+    (
+        ["--num-distributed-optimizer-instances", "2"],
+        {},
+        r"not supported yet: several distributed-optimizer instances \(--num-distributed-optimizer-instances 2\)",
+    ),
+    (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+        {},
+        r"not supported yet: FSDP \(Megatron FSDP / torch FSDP2\) \(--use-megatron-fsdp\)",
+    ),
     (["--data-path", BUILTIN_PREFIX, "--data-args-path", "x"], {}, "--data-path and --data-args-path both give"),
-    (["--train-data-path", BUILTIN_PREFIX, "--per-split-data-args-path", "x"], {},
-     "--train/valid/test-data-path and --per-split-data-args-path both give the data"),
+    (
+        ["--train-data-path", BUILTIN_PREFIX, "--per-split-data-args-path", "x"],
+        {},
+        "--train/valid/test-data-path and --per-split-data-args-path both give the data",
+    ),
     (["--data-path", BUILTIN_PREFIX], {}, "give one source of data, got --mock-data and --data-path"),
     ([], dict(base=without("--mock-data", takes_value=False)), "no data: give --data-path PREFIX"),
-    (["--train-data-path", BUILTIN_PREFIX, "--split", "1,1,1"], dict(base=without("--mock-data", takes_value=False)),
-     "--split does not apply to --train/valid/test-data-path"),
-    (["--data-args-path", "/no/such/list.txt"], dict(base=without("--mock-data", takes_value=False)),
-     "--data-args-path /no/such/list.txt: file not found"),
-    (["--data-path", "/no/such/prefix"], dict(base=without("--mock-data", takes_value=False)),
-     "--data-path: no dataset at /no/such/prefix"),
-    (["--valid-data-path", "0.5", BUILTIN_PREFIX, "x", BUILTIN_PREFIX],
-     dict(base=without("--mock-data", takes_value=False)), "--valid-data-path: cannot tell weights from prefixes"),
+    (
+        ["--train-data-path", BUILTIN_PREFIX, "--split", "1,1,1"],
+        dict(base=without("--mock-data", takes_value=False)),
+        "--split does not apply to --train/valid/test-data-path",
+    ),
+    (
+        ["--data-args-path", "/no/such/list.txt"],
+        dict(base=without("--mock-data", takes_value=False)),
+        "--data-args-path /no/such/list.txt: file not found",
+    ),
+    (
+        ["--data-path", "/no/such/prefix"],
+        dict(base=without("--mock-data", takes_value=False)),
+        "--data-path: no dataset at /no/such/prefix",
+    ),
+    (
+        ["--valid-data-path", "0.5", BUILTIN_PREFIX, "x", BUILTIN_PREFIX],
+        dict(base=without("--mock-data", takes_value=False)),
+        "--valid-data-path: cannot tell weights from prefixes",
+    ),
     ([], dict(base=without("--tokenizer-type")), "--tokenizer-type is required"),
     (["--tokenizer-type", "GPT2BPETokenizer"], {}, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], {}, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
@@ -432,16 +760,30 @@ def test_range_and_required_checks_name_real_flags():
         validated("--microbatch-group-size-per-virtual-pipeline-stage", 0)
 
 
-@pytest.mark.parametrize("extra, world_size", [
-    (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], 2),
-    (["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split"], 2),
-    (["--decoder-last-pipeline-num-layers", "1"], 1),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-      "--account-for-embedding-in-pipeline-split"], 2),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"], 2),
-    (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "1"], 4),
-    (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2),
-])
+@pytest.mark.parametrize(
+    "extra, world_size",
+    [
+        (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], 2),
+        (["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split"], 2),
+        (["--decoder-last-pipeline-num-layers", "1"], 1),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--account-for-embedding-in-pipeline-split",
+            ],
+            2,
+        ),
+        (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"], 2),
+        (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "1"], 4),
+        (
+            ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+            2,
+        ),
+    ],
+)
 def test_pipeline_split_errors_name_flags_not_config_fields(extra, world_size):
     """transformer_block's split errors name TransformerConfig fields; validate_args renames each to its flag."""
     flags = {option for action in build_parser()._actions for option in action.option_strings}
@@ -469,8 +811,15 @@ def test_gpu_only_settings_are_turned_off_with_one_warning(monkeypatch):
     assert "Transformer Engine is not installed, using local" in message
     assert "--no-masked-softmax-fusion" in message and "--no-gradient-accumulation-fusion" in message
     assert (args.distributed_backend, args.transformer_impl) == ("gloo", "local")
-    switches = ("masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
-                "apply_rope_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
+    switches = (
+        "masked_softmax_fusion",
+        "bias_gelu_fusion",
+        "bias_swiglu_fusion",
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "cross_entropy_loss_fusion",
+    )
     assert not any(getattr(args, name) for name in switches)
     assert args.no_persist_layer_norm is True
 
@@ -486,21 +835,44 @@ def test_nothing_to_turn_off_means_no_warning():
 
 
 def test_transformer_config_from_args():
-    args = validated("--swiglu", "--group-query-attention", "--num-query-groups", 2, "--norm-epsilon", 1e-6,
-                     "--apply-layernorm-1p", "--normalization", "RMSNorm", "--bf16", "--attention-backend", "unfused",
-                     "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", 1)
+    args = validated(
+        "--swiglu",
+        "--group-query-attention",
+        "--num-query-groups",
+        2,
+        "--norm-epsilon",
+        1e-6,
+        "--apply-layernorm-1p",
+        "--normalization",
+        "RMSNorm",
+        "--bf16",
+        "--attention-backend",
+        "unfused",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        1,
+    )
     config = core_transformer_config_from_args(args)
     assert isinstance(config, TransformerConfig)
     assert (config.activation_func, config.gated_linear_unit, config.ffn_hidden_size) == (F.silu, True, 128)
     assert (config.num_query_groups, config.kv_channels) == (2, 16)
     assert (config.layernorm_epsilon, config.layernorm_zero_centered_gamma, config.normalization) == (
-        1e-6, True, "RMSNorm")
+        1e-6,
+        True,
+        "RMSNorm",
+    )
     assert (config.params_dtype, config.pipeline_dtype, config.bf16) == (torch.bfloat16, torch.bfloat16, True)
     assert config.attention_backend == AttnBackend.unfused
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
     assert (config.deallocate_pipeline_outputs, config.batch_p2p_comm) == (True, True)
     assert (config.bias_activation_fusion, config.persist_layer_norm, config.masked_softmax_fusion) == (
-        False, False, False)
+        False,
+        False,
+        False,
+    )
 
 
 def test_transformer_config_activation_heads_and_class():
@@ -516,9 +888,23 @@ def test_transformer_config_activation_heads_and_class():
 
 
 def test_ddp_and_optimizer_configs_from_args():
-    args = validated("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                     "--ddp-bucket-size", 1000, "--ddp-average-in-collective", "--bf16", "--adam-beta2", 0.95,
-                     "--min-lr", 1e-4, "--clip-grad", 0.5, "--loss-scale", 128)
+    args = validated(
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        1000,
+        "--ddp-average-in-collective",
+        "--bf16",
+        "--adam-beta2",
+        0.95,
+        "--min-lr",
+        1e-4,
+        "--clip-grad",
+        0.5,
+        "--loss-scale",
+        128,
+    )
     ddp = core_ddp_config_from_args(args)
     assert (ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather) == (True, True, True)
     assert (ddp.bucket_size, ddp.average_in_collective, ddp.grad_reduce_in_fp32) == (1000, True, True)
@@ -534,8 +920,16 @@ def test_gpt_dataset_config_for_mock_data_and_data_path():
     config = core_gpt_dataset_config_from_args(validated("--eod-mask-loss", "--seed", 5), tokenizer)
     assert (config.mock, config.split, config.random_seed, config.sequence_length) == (True, "1,1,1", 5, 32)
     assert (config.eod_mask_loss, config.create_attention_mask, config.tokenizer) == (True, True, tokenizer)
-    args = validated("--data-path", BUILTIN_PREFIX, "--split", "98,2,0", "--no-create-attention-mask-in-dataloader",
-                     "--data-cache-path", "/tmp/cache", base=without("--mock-data", takes_value=False))
+    args = validated(
+        "--data-path",
+        BUILTIN_PREFIX,
+        "--split",
+        "98,2,0",
+        "--no-create-attention-mask-in-dataloader",
+        "--data-cache-path",
+        "/tmp/cache",
+        base=without("--mock-data", takes_value=False),
+    )
     config = core_gpt_dataset_config_from_args(args, tokenizer)
     assert (config.blend, config.mock) == (([BUILTIN_PREFIX], None), False)
     assert (config.split_matrix[2], config.create_attention_mask, config.path_to_cache) == (None, False, "/tmp/cache")
@@ -552,10 +946,13 @@ def test_blends_from_files(tmp_path):
     assert get_blend_and_blend_per_split(args) == (None, [(["t"], None), None, (["s"], None)])
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"train": ["a"]}), "no valid, test key; give all three"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"train": ["a"]}), "no valid, test key; give all three"),
+    ],
+)
 def test_bad_per_split_data_args_file(tmp_path, content, message):
     (tmp_path / "splits.json").write_text(content)
     with pytest.raises(ValueError, match=f"--per-split-data-args-path {tmp_path}/splits.json: {message}"):
@@ -596,12 +993,25 @@ def test_flags_generated_from_documented_fields():
     parser = argparse.ArgumentParser()
     for name in ("count", "ratio", "enabled", "fused", "color", "sizes"):
         add_field_argument(parser, Example, name)
-    args = parser.parse_args(["--count", "5", "--ratio", "0.5", "--enabled", "--no-fused", "--color", "blue",
-                              "--sizes", "1", "2"])
-    assert vars(args) == {"count": 5, "ratio": 0.5, "enabled": True, "fused": False, "color": Color.blue,
-                          "sizes": [1, 2]}
-    assert vars(parser.parse_args([])) == {"count": 3, "ratio": None, "enabled": False, "fused": True,
-                                           "color": Color.red, "sizes": None}
+    args = parser.parse_args(
+        ["--count", "5", "--ratio", "0.5", "--enabled", "--no-fused", "--color", "blue", "--sizes", "1", "2"]
+    )
+    assert vars(args) == {
+        "count": 5,
+        "ratio": 0.5,
+        "enabled": True,
+        "fused": False,
+        "color": Color.blue,
+        "sizes": [1, 2],
+    }
+    assert vars(parser.parse_args([])) == {
+        "count": 3,
+        "ratio": None,
+        "enabled": False,
+        "fused": True,
+        "color": Color.red,
+        "sizes": None,
+    }
     helps = {action.dest: action.help for action in parser._actions}
     assert helps["ratio"] == "A ratio over two lines."
     assert helps["fused"] == "Turn off (on by default): fuse the things."
@@ -614,11 +1024,14 @@ def test_field_docs_include_inherited_fields():
     assert docs["num_layers"].startswith("Number of transformer layers")
 
 
-@pytest.mark.parametrize("name, error, message", [
-    ("undocumented", ValueError, "Example.undocumented has no docstring to use as --help text"),
-    ("func", TypeError, r"cannot derive a command-line type for Example.func"),
-    ("missing", ValueError, "Example has no field 'missing'"),
-])
+@pytest.mark.parametrize(
+    "name, error, message",
+    [
+        ("undocumented", ValueError, "Example.undocumented has no docstring to use as --help text"),
+        ("func", TypeError, r"cannot derive a command-line type for Example.func"),
+        ("missing", ValueError, "Example has no field 'missing'"),
+    ],
+)
 def test_fields_that_cannot_become_flags(name, error, message):
     import argparse
 

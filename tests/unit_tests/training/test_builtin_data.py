@@ -37,8 +37,14 @@ def hf_tokenizer(vocab_path, merges_path):
 
 def test_shipped_files_exist():
     prefix = builtin_data.data_prefix()
-    for path in [builtin_data.vocab_file(), builtin_data.merge_file(), builtin_data.corpus_jsonl(),
-                 prefix + ".bin", prefix + ".idx", str(builtin_data.BUILTIN_DIR / "README.md")]:
+    for path in [
+        builtin_data.vocab_file(),
+        builtin_data.merge_file(),
+        builtin_data.corpus_jsonl(),
+        prefix + ".bin",
+        prefix + ".idx",
+        str(builtin_data.BUILTIN_DIR / "README.md"),
+    ]:
         assert Path(path).is_file(), path
         assert Path(path).parent == builtin_data.BUILTIN_DIR
 
@@ -113,8 +119,11 @@ def gpt2_reference_encoder(vocab_path, merges_path):
     vocab = json.loads(Path(vocab_path).read_text(encoding="utf-8"))
     merge_lines = Path(merges_path).read_text(encoding="utf-8").split("\n")[1:-1]
     ranks = {tuple(line.split(" ")): rank for rank, line in enumerate(merge_lines)}
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     byte_to_char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
     pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -127,7 +136,7 @@ def gpt2_reference_encoder(vocab_path, merges_path):
                 break
             merged, i = [], 0
             while i < len(symbols):
-                if tuple(symbols[i:i + 2]) == best:
+                if tuple(symbols[i : i + 2]) == best:
                     merged.append(best[0] + best[1])
                     i += 2
                 else:
@@ -181,13 +190,18 @@ def test_ensure_preprocessed_rebuilds_missing_files(tmp_path, monkeypatch):
 
     assert prefix == str(tmp_path / "builtin" / "shakespeare_text_document")
     assert sorted(p.name for p in (tmp_path / "builtin").iterdir()) == [
-        "merges.txt", "shakespeare.jsonl.gz", "shakespeare_text_document.bin", "shakespeare_text_document.idx",
-        "vocab.json"]
+        "merges.txt",
+        "shakespeare.jsonl.gz",
+        "shakespeare_text_document.bin",
+        "shakespeare_text_document.idx",
+        "vocab.json",
+    ]
     assert Path(prefix + ".idx").read_bytes()[17] == 8  # uint16 dtype code
     dataset = IndexedDataset(prefix)
     tokenizer = builtin_data.build_tokenizer()
     assert [dataset[i].tolist() for i in range(len(dataset))] == [
-        tokenizer.tokenize(text) + [tokenizer.eod] for text in documents]
+        tokenizer.tokenize(text) + [tokenizer.eod] for text in documents
+    ]
 
 
 def test_ensure_preprocessed_writes_to_cache_dir(tmp_path, monkeypatch):
@@ -213,7 +227,10 @@ def test_ensure_preprocessed_leaves_no_partial_files_on_bad_corpus(tmp_path, mon
     with pytest.raises(ValueError, match=r"shakespeare\.jsonl\.gz:2"):
         builtin_data.ensure_preprocessed()
     assert sorted(p.name for p in (tmp_path / "builtin").iterdir()) == [
-        "merges.txt", "shakespeare.jsonl.gz", "vocab.json"]
+        "merges.txt",
+        "shakespeare.jsonl.gz",
+        "vocab.json",
+    ]
 
 
 # ---------------------------------------------------------------- tools/train_tokenizer.py
@@ -237,8 +254,9 @@ def test_train_tokenizer_is_deterministic_and_loads_as_byte_level_bpe(tmp_path):
     train_tokenizer = load_tool("train_tokenizer")
     corpus = write_jsonl(tmp_path / "tiny.jsonl.gz", [{"body": t} for t in TINY_TEXTS], compress=True)
     for run in ["a", "b"]:
-        train_tokenizer.main(["--input", str(corpus), "--json-keys", "body", "--vocab-size", "300",
-                              "--output-dir", str(tmp_path / run)])
+        train_tokenizer.main(
+            ["--input", str(corpus), "--json-keys", "body", "--vocab-size", "300", "--output-dir", str(tmp_path / run)]
+        )
     for name in ["vocab.json", "merges.txt"]:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
@@ -255,8 +273,19 @@ def test_train_tokenizer_is_deterministic_and_loads_as_byte_level_bpe(tmp_path):
 def test_train_tokenizer_special_tokens_come_first(tmp_path):
     train_tokenizer = load_tool("train_tokenizer")
     corpus = write_jsonl(tmp_path / "tiny.jsonl", [{"text": t} for t in TINY_TEXTS])
-    train_tokenizer.main(["--input", str(corpus), "--vocab-size", "280", "--output-dir", str(tmp_path / "out"),
-                          "--special-tokens", "<|endoftext|>", "<pad>"])
+    train_tokenizer.main(
+        [
+            "--input",
+            str(corpus),
+            "--vocab-size",
+            "280",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--special-tokens",
+            "<|endoftext|>",
+            "<pad>",
+        ]
+    )
     vocab = json.loads((tmp_path / "out" / "vocab.json").read_text(encoding="utf-8"))
     assert vocab["<|endoftext|>"] == 0 and vocab["<pad>"] == 1
 
@@ -339,7 +368,8 @@ def test_make_builtin_corpus_splits_sections_and_strips_markdown(tmp_path):
         "The Tiny Tragedy\nACT I\nSCENE I. A street.\n\n"
         "Enter SAMPSON and GREGORY,\nwith swords\n\n"
         "SAMPSON:\nGregory, o' my word, [Aside] we'll not carry coals.\n\n"
-        "GREGORY:\nNo, for then we should be colliers.\n")
+        "GREGORY:\nNo, for then we should be colliers.\n"
+    )
     assert documents[2]["text"] == "The Tiny Tragedy\nSCENE II. The same.\n\nExeunt\n"
     assert all(d["play"] == "The Tiny Tragedy" for d in documents)
 

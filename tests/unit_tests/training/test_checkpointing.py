@@ -30,11 +30,14 @@ from tests.unit_tests.training.test_arguments import validated
 def test_legacy_per_rank_names():
     assert get_checkpoint_name("/c", 3) == "/c/iter_0000003/mp_rank_00/model_optim_rng.pt"
     assert get_checkpoint_name("/c", 3, pipeline_parallel=True, tensor_rank=1, pipeline_rank=2) == (
-        "/c/iter_0000003/mp_rank_01_002/model_optim_rng.pt")
+        "/c/iter_0000003/mp_rank_01_002/model_optim_rng.pt"
+    )
     assert get_checkpoint_name("/c", 3, True, True, 1, 2, True, 4, basename="x.pt") == (
-        "/c/release/mp_rank_01_002_004/x.pt")
+        "/c/release/mp_rank_01_002_004/x.pt"
+    )
     assert get_distributed_optimizer_checkpoint_name("/c/iter_0000003/mp_rank_00/model_optim_rng.pt") == (
-        "/c/iter_0000003/mp_rank_00/distrib_optim.pt")
+        "/c/iter_0000003/mp_rank_00/distrib_optim.pt"
+    )
     assert [member.name for member in CheckpointType] == ["LEGACY", "LOCAL", "GLOBAL", "TORCH_DCP", "FSDP_DTENSOR"]
 
 
@@ -66,8 +69,9 @@ def test_cleanup_keeps_the_newest_non_persistent_checkpoints(tmp_path, do_async)
 def test_check_checkpoint_args_names_what_differs(monkeypatch):
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(num_layers=4, hidden_size=64))
     check_checkpoint_args(types.SimpleNamespace(num_layers=4, hidden_size=64, unrelated=1))
-    with pytest.raises(CheckpointingException, match="saved for another model: hidden_size: checkpoint 32, this "
-                                                     "run 64"):
+    with pytest.raises(
+        CheckpointingException, match="saved for another model: hidden_size: checkpoint 32, this run 64"
+    ):
         check_checkpoint_args(types.SimpleNamespace(num_layers=4, hidden_size=32))
     check_checkpoint_args(types.SimpleNamespace(num_layers=4, hidden_size=32), skip_args={"hidden_size"})
 
@@ -96,8 +100,19 @@ def _setup(root, seed, *extra):
     from megatron.training.training import setup_model_and_optimizer
     import pretrain_gpt
 
-    args = validated("--tensor-model-parallel-size", 2, "--save", root, "--seed", seed,
-                     "--save-interval", 10, "--use-distributed-optimizer", *extra, world_size=2)
+    args = validated(
+        "--tensor-model-parallel-size",
+        2,
+        "--save",
+        root,
+        "--seed",
+        seed,
+        "--save-interval",
+        10,
+        "--use-distributed-optimizer",
+        *extra,
+        world_size=2,
+    )
     args.rank = torch.distributed.get_rank()
     global_vars.set_args(args)
     initialize_megatron()
@@ -119,11 +134,23 @@ def _train_one_step(model, optimizer, scheduler):
     def batches():
         while True:
             tokens = torch.randint(0, 100, (2, 33), generator=generator)
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 32),
-                   "position_ids": torch.arange(32).repeat(2, 1)}
+            yield {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "loss_mask": torch.ones(2, 32),
+                "position_ids": torch.arange(32).repeat(2, 1),
+            }
 
-    losses, skipped, _, _ = train_step(pretrain_gpt.forward_step, batches(), model, optimizer, scheduler, config,
-                                       get_forward_backward_func(), iteration=0)
+    losses, skipped, _, _ = train_step(
+        pretrain_gpt.forward_step,
+        batches(),
+        model,
+        optimizer,
+        scheduler,
+        config,
+        get_forward_backward_func(),
+        iteration=0,
+    )
     assert skipped == 0 and "lm loss" in losses and model[0].iteration == 1
 
 
@@ -157,10 +184,17 @@ def _round_trip(root):
         iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")
         same_after = all(torch.equal(saved[n], p) for n, p in _weights(model).items())
         return (
-            strategy_kept, common["rerun_state_machine"] == {"mode": RerunMode.DISABLED},
-            common["content_metadata"], different_before, same_after, iteration, flops,
-            loaded[0]["mode"], loaded[0]["sharded"]["current_iteration"],
-            checkpointing.get_loaded_iteration(), checkpointing.get_checkpoint_version(),
+            strategy_kept,
+            common["rerun_state_machine"] == {"mode": RerunMode.DISABLED},
+            common["content_metadata"],
+            different_before,
+            same_after,
+            iteration,
+            flops,
+            loaded[0]["mode"],
+            loaded[0]["sharded"]["current_iteration"],
+            checkpointing.get_loaded_iteration(),
+            checkpointing.get_checkpoint_version(),
         )
     finally:
         global_vars.unset_global_variables()
@@ -171,8 +205,11 @@ def test_round_trip_carries_rerun_state_machine_and_content_metadata(tmp_path):
     from megatron.core.rerun_state_machine import RerunMode
 
     results = run_distributed(2, _round_trip, str(tmp_path))
-    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": False,
-                "distrib_optim_sharding_type": "fully_sharded_model_space"}
+    metadata = {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": False,
+        "distrib_optim_sharding_type": "fully_sharded_model_space",
+    }
     assert results == [(True, True, metadata, True, True, 7, 1234.0, RerunMode.DISABLED, 2, 7, 3.0)] * 2
 
 
@@ -190,8 +227,9 @@ def _release_non_persistent_and_skip_load(root):
         model[0].load_state_dict = lambda *a, **k: calls.append("model")
         optimizer.load_state_dict = lambda *a, **k: calls.append("optimizer")
         # The tensors are read in place either way; skipping leaves out the modules' own load_state_dict.
-        iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save",
-                                                     skip_load_to_model_and_opt=True)
+        iteration, _ = checkpointing.load_checkpoint(
+            model, optimizer, scheduler, load_arg="save", skip_load_to_model_and_opt=True
+        )
         untouched = calls == []
         del model[0].load_state_dict, optimizer.load_state_dict
         iteration_again, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")

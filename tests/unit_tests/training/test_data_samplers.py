@@ -70,8 +70,11 @@ def test_pretraining_sampler_errors(args, message):
 
 def random_epoch(total, consumed, micro_batch_size, data_parallel_size, data_sharding):
     return [
-        list(MegatronPretrainingRandomSampler(None, total, consumed, micro_batch_size, rank, data_parallel_size,
-                                              data_sharding))
+        list(
+            MegatronPretrainingRandomSampler(
+                None, total, consumed, micro_batch_size, rank, data_parallel_size, data_sharding
+            )
+        )
         for rank in range(data_parallel_size)
     ]
 
@@ -144,8 +147,11 @@ def test_data_loader_special_cases_and_errors():
     dataset = SquaresDataset()
     assert build_pretraining_data_loader(None, 0, micro_batch_size=1) is None
     assert build_pretraining_data_loader(dataset, 0, dataloader_type="external", micro_batch_size=1) is dataset
-    with pytest.raises(ValueError, match=r"dataloader_type must be one of \('single', 'cyclic', 'external'\) "
-                                         r"\(--dataloader-type\), got 'random'"):
+    with pytest.raises(
+        ValueError,
+        match=r"dataloader_type must be one of \('single', 'cyclic', 'external'\) "
+        r"\(--dataloader-type\), got 'random'",
+    ):
         build_pretraining_data_loader(dataset, 0, dataloader_type="random", micro_batch_size=1)
     with pytest.raises(ValueError, match=r"num_workers must be >= 0, got -1"):
         build_pretraining_data_loader(dataset, 0, micro_batch_size=1, num_workers=-1)

@@ -20,8 +20,16 @@ from tests.unit_tests.test_utilities import run_distributed
 def gpt_args(**overrides):
     """Megatron-LM args of a GPT-3-style model (MHA, GELU, f = 4h), as validate_args leaves them."""
     args = dict(
-        num_layers=96, hidden_size=12288, ffn_hidden_size=4 * 12288, num_attention_heads=96, kv_channels=128,
-        group_query_attention=False, num_query_groups=1, seq_length=2048, swiglu=False, padded_vocab_size=51200,
+        num_layers=96,
+        hidden_size=12288,
+        ffn_hidden_size=4 * 12288,
+        num_attention_heads=96,
+        kv_channels=128,
+        group_query_attention=False,
+        num_query_groups=1,
+        seq_length=2048,
+        swiglu=False,
+        padded_vocab_size=51200,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -29,8 +37,16 @@ def gpt_args(**overrides):
 
 def llama3_8b_args(**overrides):
     args = dict(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, kv_channels=128,
-        group_query_attention=True, num_query_groups=8, seq_length=8192, swiglu=True, padded_vocab_size=128256,
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        kv_channels=128,
+        group_query_attention=True,
+        num_query_groups=8,
+        seq_length=8192,
+        swiglu=True,
+        padded_vocab_size=128256,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -49,8 +65,15 @@ def test_gpt3_175b_without_causal_halving_is_the_papers_model_flops():
 
 def test_papers_worked_example_gpt2_small():
     """papers.md: B=8, s=1024, L=12, h=768, V=50304 gives 7.0013e12 model FLOPs per iteration."""
-    args = gpt_args(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12, kv_channels=64,
-                    seq_length=1024, padded_vocab_size=50304)
+    args = gpt_args(
+        num_layers=12,
+        hidden_size=768,
+        ffn_hidden_size=3072,
+        num_attention_heads=12,
+        kv_channels=64,
+        seq_length=1024,
+        padded_vocab_size=50304,
+    )
     assert num_floating_point_operations(args, 8, causal_attention=False) == pytest.approx(7.0013e12, rel=1e-4)
 
 
@@ -75,8 +98,8 @@ def test_matches_megatron_closed_form_with_gqa_swiglu_and_causal_mask():
     """Megatron-LM's expression: 12 B s L h^2 ((1 + g/n + s/(2h)) q/h + 3/2 f/h + V/(2 L h))."""
     args = llama3_8b_args(seq_length=4096, kv_channels=160)
     b, s, layers, h, n, g, q = 16, 4096, 32, 4096, 32, 8, 160 * 32
-    expected = 12 * b * s * layers * h**2 * (
-        (1 + g / n + s / (2 * h)) * q / h + 1.5 * 14336 / h + 128256 / (2 * layers * h)
+    expected = (
+        12 * b * s * layers * h**2 * ((1 + g / n + s / (2 * h)) * q / h + 1.5 * 14336 / h + 128256 / (2 * layers * h))
     )
     assert num_floating_point_operations(args, b) == pytest.approx(expected, rel=1e-12)
 
@@ -85,8 +108,13 @@ def test_moe_layers_count_top_k_routed_and_shared_experts():
     dense = llama3_8b_args()
     mlp_per_layer_per_token = 6 * 2 * 4096 * 1.5  # per unit of MLP width
     base = num_floating_point_operations(dense, 1) - 32 * 14336 * mlp_per_layer_per_token * 8192
-    moe = llama3_8b_args(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=1024,
-                         moe_shared_expert_intermediate_size=512, moe_layer_freq=2)
+    moe = llama3_8b_args(
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=1024,
+        moe_shared_expert_intermediate_size=512,
+        moe_layer_freq=2,
+    )
     # Layers 0, 2, ..., 30 are MoE (2 x 1024 routed + 512 shared), the other 16 dense (14336).
     width = 16 * (2 * 1024 + 512) + 16 * 14336
     assert num_floating_point_operations(moe, 1) == pytest.approx(base + width * mlp_per_layer_per_token * 8192)
@@ -103,10 +131,14 @@ def test_moe_layers_count_top_k_routed_and_shared_experts():
         ({"padded_vocab_size": None}, "args.padded_vocab_size is not set; build the tokenizer"),
         ({"num_query_groups": None}, "args.num_query_groups is not set; pass --num-query-groups"),
         ({"num_experts": 8, "moe_ffn_hidden_size": None}, "args.moe_ffn_hidden_size is not set"),
-        ({"num_experts": 8, "moe_ffn_hidden_size": 64, "moe_layer_freq": [1, 0]},
-         r"--moe-layer-freq pattern \[1, 0\] must have one 0/1 entry per layer \(32 layers\)"),
-        ({"num_experts": 8, "moe_ffn_hidden_size": 64, "moe_layer_freq": 0},
-         "--moe-layer-freq must be a positive integer or a list of 0/1, got 0"),
+        (
+            {"num_experts": 8, "moe_ffn_hidden_size": 64, "moe_layer_freq": [1, 0]},
+            r"--moe-layer-freq pattern \[1, 0\] must have one 0/1 entry per layer \(32 layers\)",
+        ),
+        (
+            {"num_experts": 8, "moe_ffn_hidden_size": 64, "moe_layer_freq": 0},
+            "--moe-layer-freq must be a positive integer or a list of 0/1, got 0",
+        ),
     ],
 )
 def test_missing_or_bad_args_are_named(overrides, message):
@@ -131,11 +163,19 @@ def _count_gpt_flops(swiglu: bool):
     model_parallel_cuda_manual_seed(1)
     activation = dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else {}
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, **activation,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=96,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        **activation,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
-                     position_embedding_type="rope")
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32, position_embedding_type="rope"
+    )
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).expand(3, 32)
     # The math backend runs attention as plain matmuls, which the counter sees (it has no rule for the fused CPU
@@ -150,8 +190,16 @@ def _count_gpt_flops(swiglu: bool):
 def test_formula_counts_what_the_model_computes(swiglu):
     """Every matmul of our GPT's forward and backward, counted by torch, equals the non-halved formula."""
     args = SimpleNamespace(
-        num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, kv_channels=8,
-        group_query_attention=True, num_query_groups=4, seq_length=32, swiglu=swiglu, padded_vocab_size=256,
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=8,
+        kv_channels=8,
+        group_query_attention=True,
+        num_query_groups=4,
+        seq_length=32,
+        swiglu=swiglu,
+        padded_vocab_size=256,
     )
     counted = run_distributed(1, _count_gpt_flops, swiglu)[0]
     assert counted == pytest.approx(num_floating_point_operations(args, 3, causal_attention=False), rel=1e-6)
@@ -204,8 +252,13 @@ def test_cpu_matmul_peak_is_a_real_rate():
     assert math.isfinite(peak) and peak > 0
 
 
-@pytest.mark.parametrize("kwargs, message", [({"n": 0}, "n must be a positive integer, got 0"),
-                                             ({"repeats": 1.5}, "repeats must be a positive integer, got 1.5")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n": 0}, "n must be a positive integer, got 0"),
+        ({"repeats": 1.5}, "repeats must be a positive integer, got 1.5"),
+    ],
+)
 def test_cpu_matmul_peak_rejects_bad_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         measured_cpu_matmul_peak_flops(**kwargs)

@@ -101,8 +101,18 @@ def test_tensorboard_writer_on_the_last_rank_only(monkeypatch, tmp_path):
 def test_wandb_writer_on_the_last_rank(monkeypatch, tmp_path):
     calls = []
     wandb = fake_module(monkeypatch, "wandb", init=lambda **kwargs: calls.append(kwargs))
-    args = validated("--wandb-project", "proj", "--wandb-exp-name", "run1", "--wandb-entity", "team", "--save",
-                     tmp_path, "--save-interval", 5)
+    args = validated(
+        "--wandb-project",
+        "proj",
+        "--wandb-exp-name",
+        "run1",
+        "--wandb-entity",
+        "team",
+        "--save",
+        tmp_path,
+        "--save-interval",
+        5,
+    )
     set_global_variables(args)
     assert get_wandb_writer() is wandb
     (kwargs,) = calls
@@ -111,11 +121,17 @@ def test_wandb_writer_on_the_last_rank(monkeypatch, tmp_path):
     assert kwargs["config"]["wandb_project"] == "proj"
 
 
-@pytest.mark.parametrize("module, flags, message", [
-    ("torch.utils.tensorboard", ("--tensorboard-dir", "/tmp/tb"), "the tensorboard package is not installed"),
-    ("wandb", ("--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "/tmp/w"),
-     "the wandb package is not installed"),
-])
+@pytest.mark.parametrize(
+    "module, flags, message",
+    [
+        ("torch.utils.tensorboard", ("--tensorboard-dir", "/tmp/tb"), "the tensorboard package is not installed"),
+        (
+            "wandb",
+            ("--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "/tmp/w"),
+            "the wandb package is not installed",
+        ),
+    ],
+)
 def test_missing_logging_package_warns_and_logs_nothing(monkeypatch, module, flags, message):
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
     with pytest.warns(UserWarning, match=message):

@@ -53,39 +53,107 @@ def test_deprecated_ratios_warn_and_make_the_pattern():
     assert args.hybrid_layer_pattern == "MM*MM*MM" and args.hybrid_attention_ratio == 0.0
 
 
-@pytest.mark.parametrize("extra, base, message", [
-    (["--hybrid-layer-pattern", "M*-M-"], BASE,
-     "--num-layers (4) does not match the 5 layers of --hybrid-layer-pattern 'M*-M-'; leave --num-layers out"),
-    (["--hybrid-layer-pattern", "M*", "--hybrid-override-pattern", "M*"], NO_LAYERS,
-     "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given"),
-    (["--hybrid-layer-pattern", "M*", "--hybrid-mlp-ratio", "0.5"], NO_LAYERS,
-     "--hybrid-layer-pattern cannot be used together with --hybrid-attention-ratio or --hybrid-mlp-ratio"),
-    (["--hybrid-attention-ratio", "0.5"], NO_LAYERS, "--hybrid-attention-ratio / --hybrid-mlp-ratio need --num-layers"),
-    (["--hybrid-attention-ratio", "0.6", "--hybrid-mlp-ratio", "0.6"], BASE,
-     "--hybrid-attention-ratio (0.6) + --hybrid-mlp-ratio (0.6) must be at most 1"),
-    (["--is-hybrid-model"], NO_LAYERS, "a hybrid model needs --hybrid-layer-pattern (or --num-layers"),
-    (["--hybrid-layer-pattern", "M*EM"], NO_LAYERS,
-     "--hybrid-layer-pattern 'M*EM' has MoE layers ('E') but --num-experts is not set; pass --num-experts"),
-    (["--hybrid-layer-pattern", "M*GM"], NO_LAYERS, "not supported yet: Gated DeltaNet layers ('G')"),
-    (["--hybrid-layer-pattern", "M*Q"], NO_LAYERS, "'Q' at position 2 is not a layer symbol"),
-    (["--hybrid-layer-pattern", "M*-|M-"], NO_LAYERS,
-     "has 2 '|'-separated pipeline segments but --pipeline-model-parallel-size is 1"),
-    (["--hybrid-layer-pattern", "M*|-|M-", "--pipeline-model-parallel-size", "2"], NO_LAYERS,
-     "has 3 '|'-separated segments, not divisible by --pipeline-model-parallel-size (2)"),
-    (["--hybrid-layer-pattern", "M*|M-", "--pipeline-model-parallel-size", "2",
-      "--decoder-first-pipeline-num-layers", "1"], NO_LAYERS, "do not also give --decoder-first-pipeline-num-layers"),
-    (["--hybrid-layer-pattern", "M*|M-|M-|M*", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1"], NO_LAYERS,
-     "do not also give\n--num-layers-per-virtual-pipeline-stage".replace("\n", " ")),
-    (["--hybrid-layer-pattern", "M*|M-|M-|M*", "--pipeline-model-parallel-size", "2",
-      "--num-virtual-stages-per-pipeline-rank", "4"], NO_LAYERS,
-     "--num-virtual-stages-per-pipeline-rank (4) does not match --hybrid-layer-pattern"),
-    (["--hybrid-layer-pattern", "M*M-", "--pipeline-model-parallel-size", "2",
-      "--num-virtual-stages-per-pipeline-rank", "2"], NO_LAYERS,
-     "virtual pipeline stages of a hybrid model are set by '|' in --hybrid-layer-pattern"),
-    (["--hybrid-layer-pattern", "M*M-", "--recompute-granularity", "full", "--recompute-method", "uniform"],
-     NO_LAYERS, "not supported yet: --recompute-granularity full for hybrid models"),
-])
+@pytest.mark.parametrize(
+    "extra, base, message",
+    [
+        (
+            ["--hybrid-layer-pattern", "M*-M-"],
+            BASE,
+            "--num-layers (4) does not match the 5 layers of --hybrid-layer-pattern 'M*-M-'; leave --num-layers out",
+        ),
+        (
+            ["--hybrid-layer-pattern", "M*", "--hybrid-override-pattern", "M*"],
+            NO_LAYERS,
+            "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given",
+        ),
+        (
+            ["--hybrid-layer-pattern", "M*", "--hybrid-mlp-ratio", "0.5"],
+            NO_LAYERS,
+            "--hybrid-layer-pattern cannot be used together with --hybrid-attention-ratio or --hybrid-mlp-ratio",
+        ),
+        (
+            ["--hybrid-attention-ratio", "0.5"],
+            NO_LAYERS,
+            "--hybrid-attention-ratio / --hybrid-mlp-ratio need --num-layers",
+        ),
+        (
+            ["--hybrid-attention-ratio", "0.6", "--hybrid-mlp-ratio", "0.6"],
+            BASE,
+            "--hybrid-attention-ratio (0.6) + --hybrid-mlp-ratio (0.6) must be at most 1",
+        ),
+        (["--is-hybrid-model"], NO_LAYERS, "a hybrid model needs --hybrid-layer-pattern (or --num-layers"),
+        (
+            ["--hybrid-layer-pattern", "M*EM"],
+            NO_LAYERS,
+            "--hybrid-layer-pattern 'M*EM' has MoE layers ('E') but --num-experts is not set; pass --num-experts",
+        ),
+        (["--hybrid-layer-pattern", "M*GM"], NO_LAYERS, "not supported yet: Gated DeltaNet layers ('G')"),
+        (["--hybrid-layer-pattern", "M*Q"], NO_LAYERS, "'Q' at position 2 is not a layer symbol"),
+        (
+            ["--hybrid-layer-pattern", "M*-|M-"],
+            NO_LAYERS,
+            "has 2 '|'-separated pipeline segments but --pipeline-model-parallel-size is 1",
+        ),
+        (
+            ["--hybrid-layer-pattern", "M*|-|M-", "--pipeline-model-parallel-size", "2"],
+            NO_LAYERS,
+            "has 3 '|'-separated segments, not divisible by --pipeline-model-parallel-size (2)",
+        ),
+        (
+            [
+                "--hybrid-layer-pattern",
+                "M*|M-",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+            ],
+            NO_LAYERS,
+            "do not also give --decoder-first-pipeline-num-layers",
+        ),
+        (
+            [
+                "--hybrid-layer-pattern",
+                "M*|M-|M-|M*",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+            NO_LAYERS,
+            "do not also give\n--num-layers-per-virtual-pipeline-stage".replace("\n", " "),
+        ),
+        (
+            [
+                "--hybrid-layer-pattern",
+                "M*|M-|M-|M*",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "4",
+            ],
+            NO_LAYERS,
+            "--num-virtual-stages-per-pipeline-rank (4) does not match --hybrid-layer-pattern",
+        ),
+        (
+            [
+                "--hybrid-layer-pattern",
+                "M*M-",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+            ],
+            NO_LAYERS,
+            "virtual pipeline stages of a hybrid model are set by '|' in --hybrid-layer-pattern",
+        ),
+        (
+            ["--hybrid-layer-pattern", "M*M-", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+            NO_LAYERS,
+            "not supported yet: --recompute-granularity full for hybrid models",
+        ),
+    ],
+)
 def test_bad_hybrid_flags_are_refused(extra, base, message):
     world_size = 2 if "--pipeline-model-parallel-size" in extra else 1
     with pytest.raises(ValueError) as raised:
@@ -102,11 +170,16 @@ def test_pipes_set_the_pipeline_split():
 
 
 def test_mamba_flags_reach_the_config():
-    args = hybrid("--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8", "--mamba-training-ssm-states-dtype",
-                  "bf16")
+    args = hybrid("--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8", "--mamba-training-ssm-states-dtype", "bf16")
     config = core_transformer_config_from_args(args)
-    assert (config.is_hybrid_model, config.mamba_state_dim, config.mamba_head_dim, config.mamba_num_groups,
-            config.mamba_num_heads, config.mamba_training_ssm_states_dtype) == (True, 8, 16, 2, 8, torch.bfloat16)
+    assert (
+        config.is_hybrid_model,
+        config.mamba_state_dim,
+        config.mamba_head_dim,
+        config.mamba_num_groups,
+        config.mamba_num_heads,
+        config.mamba_training_ssm_states_dtype,
+    ) == (True, 8, 16, 2, 8, torch.bfloat16)
 
 
 def test_mamba_inference_dtype_flags_have_no_effect_and_say_so():
@@ -119,10 +192,22 @@ def test_mamba_inference_dtype_flags_have_no_effect_and_say_so():
 
 def _flops_args(pattern, **overrides):
     args = dict(
-        hybrid_layer_pattern=pattern, num_layers=len(pattern or ""), hidden_size=4096, ffn_hidden_size=21504,
-        num_attention_heads=32, kv_channels=128, group_query_attention=True, num_query_groups=8, seq_length=4096,
-        swiglu=False, padded_vocab_size=256000, mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8,
-        mamba_num_heads=None, num_experts=None,
+        hybrid_layer_pattern=pattern,
+        num_layers=len(pattern or ""),
+        hidden_size=4096,
+        ffn_hidden_size=21504,
+        num_attention_heads=32,
+        kv_channels=128,
+        group_query_attention=True,
+        num_query_groups=8,
+        seq_length=4096,
+        swiglu=False,
+        padded_vocab_size=256000,
+        mamba_state_dim=128,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        mamba_num_heads=None,
+        num_experts=None,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -153,8 +238,14 @@ def test_mamba_layer_flops_follow_megatrons_formula():
 
 def test_moe_layers_count_what_a_gpt_moe_layer_counts():
     # "*E" is one GPT MoE layer split in two (top-2 of 4 experts of width 1024, a shared expert of 2048, SwiGLU).
-    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024, moe_shared_expert_intermediate_size=2048,
-               swiglu=True, moe_layer_freq=1)
+    moe = dict(
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=1024,
+        moe_shared_expert_intermediate_size=2048,
+        swiglu=True,
+        moe_layer_freq=1,
+    )
     hybrid_args = _flops_args("*E", **moe)
     gpt_args = _flops_args(None, num_layers=1, **moe)
     assert hybrid_floating_point_operations(hybrid_args, 2) == pytest.approx(num_floating_point_operations(gpt_args, 2))
@@ -177,13 +268,38 @@ def _model_args(tp: int, pattern: str, ep: int = 1):
     pp = 2 if "|" in pattern else 1
     moe = []
     if "E" in pattern:  # MoE at TP > 1 needs sequence parallelism
-        moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "48",
-               "--expert-model-parallel-size", str(ep)] + (["--sequence-parallel"] if tp > 1 else [])
-    return hybrid("--hybrid-layer-pattern", pattern, *moe, "--normalization", "RMSNorm", "--squared-relu",
-                  "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
-                  "--ffn-hidden-size", "96", "--position-embedding-type", "none",
-                  "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", str(tp),
-                  "--pipeline-model-parallel-size", str(pp), world_size=tp * pp * ep)
+        moe = [
+            "--num-experts",
+            "4",
+            "--moe-ffn-hidden-size",
+            "32",
+            "--moe-shared-expert-intermediate-size",
+            "48",
+            "--expert-model-parallel-size",
+            str(ep),
+        ] + (["--sequence-parallel"] if tp > 1 else [])
+    return hybrid(
+        "--hybrid-layer-pattern",
+        pattern,
+        *moe,
+        "--normalization",
+        "RMSNorm",
+        "--squared-relu",
+        "--disable-bias-linear",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "96",
+        "--position-embedding-type",
+        "none",
+        "--untie-embeddings-and-output-weights",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        world_size=tp * pp * ep,
+    )
 
 
 def _built_stage_parameters(tp: int, pattern: str, ep: int = 1):
@@ -199,19 +315,34 @@ def _built_stage_parameters(tp: int, pattern: str, ep: int = 1):
     model_parallel_cuda_manual_seed(1)
     pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
     model = HybridModel(
-        core_transformer_config_from_args(args), hybrid_stack_spec, vocab_size=128, max_sequence_length=32,
-        hybrid_layer_pattern=args.hybrid_layer_pattern, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+        core_transformer_config_from_args(args),
+        hybrid_stack_spec,
+        vocab_size=128,
+        max_sequence_length=32,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
     )
     return pp_rank, sum(param.numel() for param in model.parameters())
 
 
-@pytest.mark.parametrize("tp, pattern, ep", [(1, "M*-M-", 1), (2, "M*-M-", 1), (1, "M*-|M-", 1), (1, "ME*-E", 2),
-                                             (2, "M*E-", 2)])
+@pytest.mark.parametrize(
+    "tp, pattern, ep", [(1, "M*-M-", 1), (2, "M*-M-", 1), (1, "M*-|M-", 1), (1, "ME*-E", 2), (2, "M*E-", 2)]
+)
 def test_stage_parameter_counts_are_the_built_models(tp, pattern, ep):
     args = _model_args(tp, pattern, ep)
     args.padded_vocab_size = 128
-    layout = parallel_layout(args.world_size, tp, args.pipeline_model_parallel_size, 1, ep, None, "tp-cp-ep-dp-pp",
-                             args.num_layers, hybrid_layer_pattern=pattern)
+    layout = parallel_layout(
+        args.world_size,
+        tp,
+        args.pipeline_model_parallel_size,
+        1,
+        ep,
+        None,
+        "tp-cp-ep-dp-pp",
+        args.num_layers,
+        hybrid_layer_pattern=pattern,
+    )
     counts = stage_parameter_counts(args, layout)
     for pp_rank, per_rank in run_distributed(args.world_size, _built_stage_parameters, tp, pattern, ep):
         assert counts[pp_rank][1] == per_rank
@@ -251,17 +382,23 @@ def _provided_models():
 
     parallel_state.initialize_model_parallel()
     models = {}
-    for name, module, spec in (("hybrid", pretrain_hybrid, None), ("mamba", pretrain_mamba, None),
-                               ("hybrid --spec", pretrain_hybrid,
-                                ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"])):
+    for name, module, spec in (
+        ("hybrid", pretrain_hybrid, None),
+        ("mamba", pretrain_mamba, None),
+        ("hybrid --spec", pretrain_hybrid, ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]),
+    ):
         args = _model_args(1, "M*-M-")
         args.padded_vocab_size, args.spec = 128, spec
         unset_global_variables()
         set_args(args)
         model_parallel_cuda_manual_seed(1)
         model = module.model_provider(pre_process=True, post_process=True)
-        models[name] = (type(model) is MambaModel, isinstance(model, HybridModel),
-                        "".join(model.decoder.layer_type_list), sum(p.numel() for p in model.parameters()))
+        models[name] = (
+            type(model) is MambaModel,
+            isinstance(model, HybridModel),
+            "".join(model.decoder.layer_type_list),
+            sum(p.numel() for p in model.parameters()),
+        )
     args.spec = ["only-a-module"]
     try:
         pretrain_hybrid.stack_spec_from_args(args, None)
@@ -282,12 +419,14 @@ def test_memory_tool_reports_the_8b_hybrid_from_the_command_line(monkeypatch, ca
     from tests.unit_tests.models.hybrid.test_hybrid_layer_allocation import PATTERN_8B
     from tests.unit_tests.training.test_theoretical_memory_usage import load_tool
 
-    flags = (f"--hybrid-layer-pattern {PATTERN_8B} --hidden-size 4096 --num-attention-heads 32 "
-             "--group-query-attention --num-query-groups 8 --seq-length 4096 --micro-batch-size 1 "
-             "--tensor-model-parallel-size 4 --world-size 8 --sequence-parallel --recompute-activations "
-             "--use-distributed-optimizer --normalization RMSNorm --disable-bias-linear "
-             "--untie-embeddings-and-output-weights --position-embedding-type none --tokenizer-type NullTokenizer "
-             "--vocab-size 255999").split()
+    flags = (
+        f"--hybrid-layer-pattern {PATTERN_8B} --hidden-size 4096 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --seq-length 4096 --micro-batch-size 1 "
+        "--tensor-model-parallel-size 4 --world-size 8 --sequence-parallel --recompute-activations "
+        "--use-distributed-optimizer --normalization RMSNorm --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --position-embedding-type none --tokenizer-type NullTokenizer "
+        "--vocab-size 255999"
+    ).split()
     monkeypatch.setattr("sys.argv", ["report_theoretical_memory.py"] + flags)
     load_tool().main()  # reads sys.argv
     out = capsys.readouterr().out

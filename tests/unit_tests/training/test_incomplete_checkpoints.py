@@ -29,8 +29,11 @@ def _layout(tmp_path):
 
 def test_only_directories_without_metadata_are_incomplete(tmp_path):
     complete, incomplete = _layout(tmp_path)
-    assert incomplete_checkpoints(tmp_path) == [(5, str(incomplete[0])), (20, str(incomplete[1])),
-                                                (40, str(incomplete[2]))]
+    assert incomplete_checkpoints(tmp_path) == [
+        (5, str(incomplete[0])),
+        (20, str(incomplete[1])),
+        (40, str(incomplete[2])),
+    ]
     assert incomplete_checkpoints(tmp_path / "missing") == []
 
 

@@ -97,12 +97,17 @@ def _embedding_ranks_and_seeds(custom):
     global_vars.set_args(args)
     try:
         if custom:
-            initialize_megatron(get_embedding_ranks=lambda pp_ranks, vp=None: pp_ranks[:1],
-                                get_position_embedding_ranks=lambda pp_ranks, vp=None: pp_ranks[-1:])
+            initialize_megatron(
+                get_embedding_ranks=lambda pp_ranks, vp=None: pp_ranks[:1],
+                get_position_embedding_ranks=lambda pp_ranks, vp=None: pp_ranks[-1:],
+            )
         else:
             initialize_megatron()
-        return (parallel_state.get_embedding_group_ranks(), parallel_state.is_rank_in_position_embedding_group(),
-                torch.initial_seed())
+        return (
+            parallel_state.get_embedding_group_ranks(),
+            parallel_state.is_rank_in_position_embedding_group(),
+            torch.initial_seed(),
+        )
     finally:
         global_vars.unset_global_variables()
 

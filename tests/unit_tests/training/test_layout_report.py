@@ -87,8 +87,9 @@ SPLITS = [
     dict(num_layers=7, pp=4, first_stage_layers=1),
     dict(num_layers=10, pp=3, vpp=2, last_stage_layers=2),
     dict(num_layers=14, pp=4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-    dict(num_layers=6, pp=2, vpp=2, account_for_embedding_in_pipeline_split=True,
-         account_for_loss_in_pipeline_split=True),
+    dict(
+        num_layers=6, pp=2, vpp=2, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True
+    ),
 ]
 
 
@@ -98,8 +99,12 @@ def test_layers_per_stage_match_transformer_block(split):
     (given to them through parallel_state's rank override, as Megatron's tests do)."""
     pp, vpp = split["pp"], split.get("vpp")
     config = TransformerConfig(
-        num_layers=split["num_layers"], hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
+        num_layers=split["num_layers"],
+        hidden_size=8,
+        num_attention_heads=2,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
         num_layers_in_first_pipeline_stage=split.get("first_stage_layers"),
         num_layers_in_last_pipeline_stage=split.get("last_stage_layers"),
         account_for_embedding_in_pipeline_split=split.get("account_for_embedding_in_pipeline_split", False),
@@ -135,21 +140,33 @@ def test_interleaved_chunks_take_consecutive_slices_in_pipeline_order():
         (dict(pp=1, vpp=2), "virtual pipeline size 2 needs a pipeline size > 1"),
         (dict(order="tp-xx-dp-pp"), "unknown token 'xx' in order 'tp-xx-dp-pp'"),
         (dict(world_size=16, ep=4, etp=1, order="tp-cp-ep-pp-dp"), "order 'tp-cp-ep-pp-dp' does not end with 'pp'"),
-        (dict(num_layers=7),
-         r"--num-layers \(7\) is not divisible by --pipeline-model-parallel-size \(2\); change --num-layers"),
-        (dict(num_layers=8, account_for_embedding_in_pipeline_split=True),
-         r"--num-layers \(8\) \+ embedding/loss \(1\) = 9 is not divisible by --pipeline-model-parallel-size \(2\)"),
-        (dict(num_layers=6, vpp=2),
-         r"pipeline stage 0 has 3 layers, not divisible by --num-virtual-stages-per-pipeline-rank \(2\)"),
+        (
+            dict(num_layers=7),
+            r"--num-layers \(7\) is not divisible by --pipeline-model-parallel-size \(2\); change --num-layers",
+        ),
+        (
+            dict(num_layers=8, account_for_embedding_in_pipeline_split=True),
+            r"--num-layers \(8\) \+ embedding/loss \(1\) = 9 is not divisible by --pipeline-model-parallel-size \(2\)",
+        ),
+        (
+            dict(num_layers=6, vpp=2),
+            r"pipeline stage 0 has 3 layers, not divisible by --num-virtual-stages-per-pipeline-rank \(2\)",
+        ),
         (dict(first_stage_layers=9), r"--num-layers \(8\) does not match --decoder-first-pipeline-num-layers \(9\)"),
         (dict(first_stage_layers=0), "--decoder-first-pipeline-num-layers must be a positive integer, got 0"),
-        (dict(pp=4, world_size=4, num_layers=8, first_stage_layers=1),
-         "the 7 layers left after --decoder-first/last-pipeline-num-layers do not divide evenly over the other 3 "
-         "pipeline stages"),
-        (dict(pp=1, world_size=1, last_stage_layers=2),
-         "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1; unset them"),
-        (dict(first_stage_layers=2, account_for_loss_in_pipeline_split=True),
-         "cannot be combined with --account-for-embedding-in-pipeline-split"),
+        (
+            dict(pp=4, world_size=4, num_layers=8, first_stage_layers=1),
+            "the 7 layers left after --decoder-first/last-pipeline-num-layers do not divide evenly over the other 3 "
+            "pipeline stages",
+        ),
+        (
+            dict(pp=1, world_size=1, last_stage_layers=2),
+            "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1; unset them",
+        ),
+        (
+            dict(first_stage_layers=2, account_for_loss_in_pipeline_split=True),
+            "cannot be combined with --account-for-embedding-in-pipeline-split",
+        ),
     ],
 )
 def test_bad_layouts_are_rejected_with_the_fix(kwargs, message):
@@ -162,17 +179,42 @@ def test_bad_layouts_are_rejected_with_the_fix(kwargs, message):
 def model_args(variant: str, tp: int):
     """Megatron-LM args of two small GPTs: GPT-2 style (LayerNorm, biases, learned positions, untied output) and
     Llama style (RMSNorm, no biases, GQA, SwiGLU, RoPE, tied output, q/k norms)."""
-    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, kv_channels=8, padded_vocab_size=64 * tp,
-                  max_position_embeddings=16, num_experts=None)
+    common = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        kv_channels=8,
+        padded_vocab_size=64 * tp,
+        max_position_embeddings=16,
+        num_experts=None,
+    )
     if variant == "gpt2":
-        return SimpleNamespace(**common, ffn_hidden_size=64, group_query_attention=False, num_query_groups=1,
-                               swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=False,
-                               qk_layernorm=False, position_embedding_type="learned_absolute",
-                               untie_embeddings_and_output_weights=True)
-    return SimpleNamespace(**common, ffn_hidden_size=48, group_query_attention=True, num_query_groups=2,
-                           swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=True,
-                           qk_layernorm=True, position_embedding_type="rope",
-                           untie_embeddings_and_output_weights=False)
+        return SimpleNamespace(
+            **common,
+            ffn_hidden_size=64,
+            group_query_attention=False,
+            num_query_groups=1,
+            swiglu=False,
+            normalization="LayerNorm",
+            add_bias_linear=True,
+            add_qkv_bias=False,
+            qk_layernorm=False,
+            position_embedding_type="learned_absolute",
+            untie_embeddings_and_output_weights=True,
+        )
+    return SimpleNamespace(
+        **common,
+        ffn_hidden_size=48,
+        group_query_attention=True,
+        num_query_groups=2,
+        swiglu=True,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        qk_layernorm=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=False,
+    )
 
 
 def _parameters_on_this_rank(variant: str, tp: int, pp: int, vpp):
@@ -188,23 +230,36 @@ def _parameters_on_this_rank(variant: str, tp: int, pp: int, vpp):
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
     model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, normalization=args.normalization,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
     )
     total = 0
     for vp_stage in range(vpp or 1):
         model = GPTModel(
-            config, get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm), vocab_size=args.padded_vocab_size,
+            config,
+            get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
+            vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, vp_stage=vp_stage if vpp else None,
+            position_embedding_type=args.position_embedding_type,
+            vp_stage=vp_stage if vpp else None,
         )
         total += sum(param.numel() for param in model.parameters())
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -248,22 +303,39 @@ def _moe_parameters_on_this_rank(variant: str, tp: int, ep: int, pp: int):
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, normalization=args.normalization,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        sequence_parallel=tp > 1, pipeline_dtype=torch.float32, use_cpu_initialization=True,
-        num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq, moe_router_topk=args.moe_router_topk,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        num_moe_experts=args.num_experts,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_token_dispatcher_type="alltoall",
     )
     model = GPTModel(
-        config, get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization),
-        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
     )
@@ -286,9 +358,7 @@ def test_moe_parameter_counts_match_the_built_model(variant, tp, ep, pp):
 
 
 def test_report_text():
-    text = describe_parallel_layout(
-        32, 2, 2, 1, 1, None, "tp-cp-ep-dp-pp", 8, vpp=2, model_args=model_args("llama", 2)
-    )
+    text = describe_parallel_layout(32, 2, 2, 1, 1, None, "tp-cp-ep-dp-pp", 8, vpp=2, model_args=model_args("llama", 2))
     lines = text.splitlines()
     assert lines[0] == "Parallel layout: 32 ranks = TP 2 x CP 1 x DP 8 x PP 2, order tp-cp-ep-dp-pp"
     assert lines[1] == "Expert layout: ETP 2 x EP 1 x expert-DP 8 x PP 2"
@@ -296,7 +366,7 @@ def test_report_text():
     assert tensor_line.endswith("[0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15] ... (8 more)")
     start = lines.index("Pipeline stages (8 layers, 2 virtual stages per rank; layer i is decoder.layers.<i>):")
     assert lines[start + 1] == "  stage 0 on ranks [" + ", ".join(str(rank) for rank in range(16)) + "]"
-    assert lines[start + 2:start + 4] == ["    chunk 0: layers 0-1 + embedding", "    chunk 1: layers 4-5"]
+    assert lines[start + 2 : start + 4] == ["    chunk 0: layers 0-1 + embedding", "    chunk 1: layers 4-5"]
     assert lines[start + 4].startswith("    parameters: ") and lines[start + 4].endswith(" per tensor-parallel rank")
     assert lines[start + 7] == "    chunk 1: layers 6-7 + final norm + output layer"
 
@@ -304,8 +374,12 @@ def test_report_text():
 def test_report_for_megatron_args_uses_their_names():
     args = model_args("gpt2", 1)
     args.__dict__.update(
-        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=2, use_tp_pp_dp_mapping=True,
-        virtual_pipeline_model_parallel_size=None, decoder_first_pipeline_num_layers=1,
+        world_size=4,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        use_tp_pp_dp_mapping=True,
+        virtual_pipeline_model_parallel_size=None,
+        decoder_first_pipeline_num_layers=1,
         decoder_last_pipeline_num_layers=3,
     )
     text = describe_parallel_layout_for_args(args)
@@ -319,6 +393,8 @@ def test_report_says_what_each_context_parallel_rank_holds():
     args.__dict__.update(seq_length=64, cp_comm_type=["a2a"])
     text = describe_parallel_layout(8, 1, 2, 2, 1, None, "tp-cp-ep-dp-pp", 4, model_args=args)
     assert "  context-parallel            [0, 1] [2, 3] [4, 5] [6, 7]" in text
-    assert ("Context parallelism: every sequence is cut into 4 chunks and CP rank r holds chunks r and 3-r (32 of 64 "
-            "tokens: load-balanced for causal attention); attention communicates by a2a") in text.splitlines()
+    assert (
+        "Context parallelism: every sequence is cut into 4 chunks and CP rank r holds chunks r and 3-r (32 of 64 "
+        "tokens: load-balanced for causal attention); attention communicates by a2a"
+    ) in text.splitlines()
     assert "Context parallelism" not in describe_parallel_layout(8, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", 4)

@@ -37,8 +37,10 @@ REFERENCE = Path(__file__).with_name("megatron_0.19_flags.txt")
 # Where this project's flag differs from Megatron-LM's on purpose: Transformer Engine is optional here.
 DIFFERENT_ON_PURPOSE = {"--transformer-impl": {"default": "'local'"}}
 ACTION_NAMES = {
-    argparse._StoreAction: "Store", argparse._StoreTrueAction: "StoreTrue",
-    argparse._StoreFalseAction: "StoreFalse", argparse.BooleanOptionalAction: "BooleanOptional",
+    argparse._StoreAction: "Store",
+    argparse._StoreTrueAction: "StoreTrue",
+    argparse._StoreFalseAction: "StoreFalse",
+    argparse.BooleanOptionalAction: "BooleanOptional",
 }
 
 
@@ -48,8 +50,9 @@ def _reference_rows():
         if line.startswith("#") or not line.strip():
             continue
         options, dest, action, default, kind, choices, nargs = [field.strip() for field in line.split(" | ")]
-        rows.append(dict(options=options, dest=dest, action=action, default=default, type=kind, choices=choices,
-                         nargs=nargs))
+        rows.append(
+            dict(options=options, dest=dest, action=action, default=default, type=kind, choices=choices, nargs=nargs)
+        )
     return rows
 
 
@@ -60,8 +63,11 @@ ACTIONS = {option: action for action in build_parser()._actions for option in ac
 def _described(action, megatron_row):
     """One of our actions in the reference table's terms."""
     described = dict(
-        options=", ".join(action.option_strings), dest=action.dest, action=ACTION_NAMES[type(action)],
-        default=repr(action.default), type=getattr(action.type, "__name__", "") if action.type else "",
+        options=", ".join(action.option_strings),
+        dest=action.dest,
+        action=ACTION_NAMES[type(action)],
+        default=repr(action.default),
+        type=getattr(action.type, "__name__", "") if action.type else "",
         choices=repr(list(action.choices)) if action.choices is not None else "",
         nargs="" if action.nargs in (None, 0) else str(action.nargs),
     )
@@ -108,8 +114,16 @@ def _non_default_argv(flag):
     defaults = default if isinstance(default, list) else [default]
     if kwargs.get("choices"):
         return [option, str(next(choice for choice in kwargs["choices"] if choice not in defaults))]
-    examples = {int: "3", float: "0.25", bool: "True", "tuple_type": "(128, 0)", "moe_freq_type": "3",
-                "la_freq_type": "3", "no_rope_freq_type": "3", "_parse_cuda_graph_modules_arg": "attn"}
+    examples = {
+        int: "3",
+        float: "0.25",
+        bool: "True",
+        "tuple_type": "(128, 0)",
+        "moe_freq_type": "3",
+        "la_freq_type": "3",
+        "no_rope_freq_type": "3",
+        "_parse_cuda_graph_modules_arg": "attn",
+    }
     value = examples.get(kind, "something")
     if kind in (int, float) and default is not None and not isinstance(default, list):
         value = str(default + 1)
@@ -161,23 +175,29 @@ def test_every_refused_setting_is_named_in_one_error():
     )
 
 
-@pytest.mark.parametrize("argv, feature", [
-    (["--position-embedding-type", "yarn"], "YaRN rotary embeddings"),
-    (["--optimizer", "muon"], "the muon optimizer"),
-    (["--tokenizer-type", "BertWordPieceCase"], "the BertWordPieceCase"),
-    (["--transformer-impl", "inference_optimized"], "inference-optimized layers"),
-])
+@pytest.mark.parametrize(
+    "argv, feature",
+    [
+        (["--position-embedding-type", "yarn"], "YaRN rotary embeddings"),
+        (["--optimizer", "muon"], "the muon optimizer"),
+        (["--tokenizer-type", "BertWordPieceCase"], "the BertWordPieceCase"),
+        (["--transformer-impl", "inference_optimized"], "inference-optimized layers"),
+    ],
+)
 def test_choices_not_built_yet_are_refused(argv, feature):
     with pytest.raises(ValueError, match=rf"not supported yet: {re.escape(feature)} \({re.escape(' '.join(argv))}\)"):
         validated(*argv)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "4"], "--batch-size is no longer valid; use --micro-batch-size"),
-    (["--warmup", "10"], "--warmup is no longer valid; use --lr-warmup-fraction"),
-    (["--model-parallel-size", "2"], "--model-parallel-size is no longer valid; use --tensor-model-parallel-size"),
-    (["--checkpoint-activations"], "--checkpoint-activations is no longer valid; use --recompute-activations"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "4"], "--batch-size is no longer valid; use --micro-batch-size"),
+        (["--warmup", "10"], "--warmup is no longer valid; use --lr-warmup-fraction"),
+        (["--model-parallel-size", "2"], "--model-parallel-size is no longer valid; use --tensor-model-parallel-size"),
+        (["--checkpoint-activations"], "--checkpoint-activations is no longer valid; use --recompute-activations"),
+    ],
+)
 def test_deprecated_flags_name_their_replacement(argv, message):
     with pytest.raises(ValueError, match=message):
         validated(*argv)
@@ -187,8 +207,13 @@ def test_deprecated_flags_name_their_replacement(argv, message):
 
 
 def test_encoder_seq_length_and_encoder_num_layers_are_other_names():
-    args = validated("--encoder-seq-length", 16, "--encoder-num-layers", 2,
-                     base=without("--num-layers", base=without("--seq-length")))
+    args = validated(
+        "--encoder-seq-length",
+        16,
+        "--encoder-num-layers",
+        2,
+        base=without("--num-layers", base=without("--seq-length")),
+    )
     assert (args.seq_length, args.encoder_seq_length, args.num_layers, args.encoder_num_layers) == (16, 16, 2, 2)
     assert validated("--encoder-seq-length", 32).seq_length == 32
     with pytest.raises(ValueError, match=r"--seq-length \(32\) and --encoder-seq-length \(16\) are two names"):
@@ -212,8 +237,17 @@ def test_step_batch_size_schedule_and_log_progress_are_kept_for_the_run():
     args = validated("--step-batch-size-schedule", "0:2 1K:4", "--log-progress")
     assert (args.step_batch_size_schedule, args.log_progress) == ("0:2 1K:4", True)
     with pytest.raises(ValueError, match="--rampup-batch-size and --step-batch-size-schedule both schedule"):
-        validated("--step-batch-size-schedule", "0:2", "--rampup-batch-size", 2, 2, 100, "--train-samples", 1000,
-                  base=without("--train-iters"))
+        validated(
+            "--step-batch-size-schedule",
+            "0:2",
+            "--rampup-batch-size",
+            2,
+            2,
+            100,
+            "--train-samples",
+            1000,
+            base=without("--train-iters"),
+        )
 
 
 def test_config_builders_take_megatron_lms_flag_values():
@@ -235,8 +269,11 @@ def test_every_transformer_config_field_comes_from_the_argument_of_its_name():
     derived = {"num_query_groups", "microbatch_group_size_per_vp_stage", "embedding_init_method_std", "cp_comm_type"}
     copied = [field.name for field in dataclasses.fields(TransformerConfig) if hasattr(args, field.name)]
     assert len(copied) > 200
-    assert {name: (getattr(config, name), getattr(args, name)) for name in copied
-            if name not in derived and getattr(config, name) != getattr(args, name)} == {}
+    assert {
+        name: (getattr(config, name), getattr(args, name))
+        for name in copied
+        if name not in derived and getattr(config, name) != getattr(args, name)
+    } == {}
     assert (config.hidden_dropout, config.init_method_std, config.qk_layernorm) == (0.2, 0.01, True)
     assert (args.cp_comm_type, config.cp_comm_type) == (["p2p"], "p2p")
 
@@ -260,7 +297,8 @@ def test_layer_pattern_types():
 # The Megatron-LM flags of examples/gpt3/train_gpt3_175b_distributed.sh, examples/llama/train_llama3_8b_h100_fp8.sh,
 # examples/mixtral/train_mixtral_8x7b_distributed.sh and examples/mamba/train.sh (800M), with this machine's paths.
 # The Mamba script's --hybrid-attention-ratio/--hybrid-mlp-ratio are not 0.19 flags (Megatron-LM 0.19 rejects them;
-# here they are accepted, deprecated); --is-hybrid-model stands for them (an all-Mamba model). The GPT-3 script ramps the batch size up with --train-iters, which
+# here they are accepted, deprecated); --is-hybrid-model stands for them (an all-Mamba model). The GPT-3 script ramps
+# the batch size up with --train-iters, which
 # Megatron-LM's validate_args refuses as well ("expected no batch-size rampup for iteration-based training").
 GPT3_175B = (
     "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
@@ -320,17 +358,28 @@ MAMBA_800M = (
 )
 
 
-@pytest.mark.parametrize("flags, world_size, outcome", [
-    (GPT3_175B, 128, "--rampup-batch-size counts samples, but --train-iters counts iterations"),
-    (LLAMA3_8B_FP8, 8, None),
-    (MIXTRAL_8X7B, 2, None),
-    (MAMBA_800M, 8, None),
-], ids=["gpt3-175b", "llama3-8b-fp8", "mixtral-8x7b", "mamba-800m"])
+@pytest.mark.parametrize(
+    "flags, world_size, outcome",
+    [
+        (GPT3_175B, 128, "--rampup-batch-size counts samples, but --train-iters counts iterations"),
+        (LLAMA3_8B_FP8, 8, None),
+        (MIXTRAL_8X7B, 2, None),
+        (MAMBA_800M, 8, None),
+    ],
+    ids=["gpt3-175b", "llama3-8b-fp8", "mixtral-8x7b", "mamba-800m"],
+)
 def test_megatron_launch_scripts_get_past_parsing(flags, world_size, outcome, tmp_path, monkeypatch, capsys):
     from megatron.training import builtin_data
 
-    paths = dict(data=BUILTIN_PREFIX, vocab=builtin_data.vocab_file(), merges=builtin_data.merge_file(),
-                 ckpt=tmp_path / "ckpt", tb=tmp_path / "tb", cache=tmp_path / "cache", tokenizer=tmp_path / "tok")
+    paths = dict(
+        data=BUILTIN_PREFIX,
+        vocab=builtin_data.vocab_file(),
+        merges=builtin_data.merge_file(),
+        ckpt=tmp_path / "ckpt",
+        tb=tmp_path / "tb",
+        cache=tmp_path / "cache",
+        tokenizer=tmp_path / "tok",
+    )
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     args = parse_args_list(flags.format(**paths).split())
     with warnings.catch_warnings():
@@ -381,8 +430,13 @@ def test_other_parse_errors_are_one_line_without_the_usage(capsys):
 
 
 def test_misspelled_flag_on_the_entry_point_prints_under_5_lines():
-    ran = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), "--tensor-model-paralel-size", "2"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    ran = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), "--tensor-model-paralel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     output = (ran.stdout + ran.stderr).strip().splitlines()
     assert ran.returncode == 2, ran.stdout + ran.stderr
     assert len(output) < 5, output

@@ -23,11 +23,26 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 def gpt3_175b(**overrides):
     """GPT-3 175B as trained in Korthikanti et al. (t=8, p=8), with SP and selective recomputation."""
     args = dict(
-        num_layers=96, hidden_size=12288, ffn_hidden_size=4 * 12288, num_attention_heads=96, kv_channels=128,
-        group_query_attention=False, num_query_groups=1, seq_length=2048, swiglu=False, padded_vocab_size=51200,
-        normalization="LayerNorm", untie_embeddings_and_output_weights=False, tensor_model_parallel_size=8,
-        pipeline_model_parallel_size=8, virtual_pipeline_model_parallel_size=None, world_size=64,
-        data_parallel_size=1, use_distributed_optimizer=False, micro_batch_size=1, sequence_parallel=True,
+        num_layers=96,
+        hidden_size=12288,
+        ffn_hidden_size=4 * 12288,
+        num_attention_heads=96,
+        kv_channels=128,
+        group_query_attention=False,
+        num_query_groups=1,
+        seq_length=2048,
+        swiglu=False,
+        padded_vocab_size=51200,
+        normalization="LayerNorm",
+        untie_embeddings_and_output_weights=False,
+        tensor_model_parallel_size=8,
+        pipeline_model_parallel_size=8,
+        virtual_pipeline_model_parallel_size=None,
+        world_size=64,
+        data_parallel_size=1,
+        use_distributed_optimizer=False,
+        micro_batch_size=1,
+        sequence_parallel=True,
         recompute_granularity="selective",
     )
     args.update(overrides)
@@ -37,12 +52,28 @@ def gpt3_175b(**overrides):
 def llama3_8b(**overrides):
     """Llama-3-8B at TP2 x PP2 x DP4 with the distributed optimizer."""
     args = dict(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, kv_channels=128,
-        group_query_attention=True, num_query_groups=8, seq_length=8192, swiglu=True, padded_vocab_size=128256,
-        normalization="RMSNorm", untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2,
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None, world_size=16,
-        data_parallel_size=4, use_distributed_optimizer=True, micro_batch_size=1, sequence_parallel=True,
-        recompute_granularity="selective", add_bias_linear=False,
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        kv_channels=128,
+        group_query_attention=True,
+        num_query_groups=8,
+        seq_length=8192,
+        swiglu=True,
+        padded_vocab_size=128256,
+        normalization="RMSNorm",
+        untie_embeddings_and_output_weights=True,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+        world_size=16,
+        data_parallel_size=4,
+        use_distributed_optimizer=True,
+        micro_batch_size=1,
+        sequence_parallel=True,
+        recompute_granularity="selective",
+        add_bias_linear=False,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -80,8 +111,12 @@ def test_weight_and_optimizer_bytes_by_hand():
 
 def test_untied_output_layer_counts_on_a_single_stage():
     one_stage = llama3_8b(pipeline_model_parallel_size=1, world_size=8, use_distributed_optimizer=False)
-    tied = llama3_8b(pipeline_model_parallel_size=1, world_size=8, use_distributed_optimizer=False,
-                     untie_embeddings_and_output_weights=False)
+    tied = llama3_8b(
+        pipeline_model_parallel_size=1,
+        world_size=8,
+        use_distributed_optimizer=False,
+        untie_embeddings_and_output_weights=False,
+    )
     output_layer_shard = 4096 * 128256 / 2
     assert compute_weight_and_optimizer_memory(one_stage) - compute_weight_and_optimizer_memory(tied) == (
         output_layer_shard * 18
@@ -92,10 +127,23 @@ def test_expert_weights_use_the_expert_data_parallel_size():
     """8 ranks, TP2 (DP 4), EP4 x ETP1 (expert DP 2), one stage: 4 experts of 2 x h x 512, 2 MoE layers."""
     h = 1024
     args = llama3_8b(
-        num_layers=2, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=8, num_query_groups=8,
-        group_query_attention=False, swiglu=False, padded_vocab_size=1024, untie_embeddings_and_output_weights=False,
-        pipeline_model_parallel_size=1, world_size=8, num_experts=4, moe_ffn_hidden_size=512, moe_router_topk=2,
-        expert_model_parallel_size=4, expert_tensor_parallel_size=1, add_bias_linear=True,
+        num_layers=2,
+        hidden_size=h,
+        ffn_hidden_size=4096,
+        num_attention_heads=8,
+        num_query_groups=8,
+        group_query_attention=False,
+        swiglu=False,
+        padded_vocab_size=1024,
+        untie_embeddings_and_output_weights=False,
+        pipeline_model_parallel_size=1,
+        world_size=8,
+        num_experts=4,
+        moe_ffn_hidden_size=512,
+        moe_router_topk=2,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=1,
+        add_bias_linear=True,
     )
     attention = 2 * h * 1024 * 2
     tp_split = (2 * attention + h * 1024) / 2
@@ -146,9 +194,15 @@ def test_activation_memory_without_sp_is_tables_tp_selective_row_plus_5_percent(
         assert compute_activation_memory_without_sp(args, None) == pytest.approx(1.05 * expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("sequence_parallel, granularity, uses_sp_formula", [
-    (True, "selective", True), (False, "selective", False), (True, None, False), (True, "full", False),
-])
+@pytest.mark.parametrize(
+    "sequence_parallel, granularity, uses_sp_formula",
+    [
+        (True, "selective", True),
+        (False, "selective", False),
+        (True, None, False),
+        (True, "full", False),
+    ],
+)
 def test_report_picks_the_formula_and_prints_megatrons_line(capsys, sequence_parallel, granularity, uses_sp_formula):
     args = llama3_8b(sequence_parallel=sequence_parallel, recompute_granularity=granularity)
     weights, activation, total = report_theoretical_memory(args, num_microbatches=8)
@@ -174,9 +228,11 @@ def test_verbose_report_lists_parameter_counts(capsys):
     [
         ({"data_parallel_size": None}, "args.data_parallel_size is not set; run validate_args"),
         ({"padded_vocab_size": None}, "args.padded_vocab_size is not set; build the tokenizer"),
-        ({"world_size": 12, "num_experts": 2, "moe_ffn_hidden_size": 64, "expert_model_parallel_size": 4},
-         r"world_size \(12\) is not divisible by expert_tensor_parallel_size \(2\) x expert_model_parallel_size "
-         r"\(4\) x pipeline_model_parallel_size \(2\)"),
+        (
+            {"world_size": 12, "num_experts": 2, "moe_ffn_hidden_size": 64, "expert_model_parallel_size": 4},
+            r"world_size \(12\) is not divisible by expert_tensor_parallel_size \(2\) x expert_model_parallel_size "
+            r"\(4\) x pipeline_model_parallel_size \(2\)",
+        ),
     ],
 )
 def test_missing_or_inconsistent_args_are_named(overrides, message):
@@ -198,8 +254,9 @@ NULL_TOKENIZER_FLAGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "12
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("report_theoretical_memory", REPO_ROOT / "tools" /
-                                                  "report_theoretical_memory.py")
+    spec = importlib.util.spec_from_file_location(
+        "report_theoretical_memory", REPO_ROOT / "tools" / "report_theoretical_memory.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -247,11 +304,17 @@ def test_context_parallelism_divides_activations_by_cp(sequence_parallel):
     """Each CP rank holds s/cp of every sequence: the same estimate as a cp-times shorter sequence."""
     recompute = "selective" if sequence_parallel else None
     activation = compute_activation_memory if sequence_parallel else compute_activation_memory_without_sp
-    at_cp4 = activation(llama3_8b(context_parallel_size=4, sequence_parallel=sequence_parallel,
-                                  recompute_granularity=recompute), num_microbatches=8)
-    at_cp1 = activation(llama3_8b(context_parallel_size=1, sequence_parallel=sequence_parallel,
-                                  recompute_granularity=recompute), num_microbatches=8)
-    shorter = activation(llama3_8b(seq_length=8192 // 4, sequence_parallel=sequence_parallel,
-                                   recompute_granularity=recompute), num_microbatches=8)
+    at_cp4 = activation(
+        llama3_8b(context_parallel_size=4, sequence_parallel=sequence_parallel, recompute_granularity=recompute),
+        num_microbatches=8,
+    )
+    at_cp1 = activation(
+        llama3_8b(context_parallel_size=1, sequence_parallel=sequence_parallel, recompute_granularity=recompute),
+        num_microbatches=8,
+    )
+    shorter = activation(
+        llama3_8b(seq_length=8192 // 4, sequence_parallel=sequence_parallel, recompute_granularity=recompute),
+        num_microbatches=8,
+    )
     assert at_cp4 == pytest.approx(shorter)
     assert at_cp4 == pytest.approx(at_cp1 / 4)

@@ -37,10 +37,13 @@ def test_timers_above_the_log_level_are_dummies():
         timers("inner").elapsed()
 
 
-@pytest.mark.parametrize("level, option, message", [
-    (0, "median", "timing log option 'median' is not one of"),
-    (3, "max", r"timing log level must be in 0..2, got 3"),
-])
+@pytest.mark.parametrize(
+    "level, option, message",
+    [
+        (0, "median", "timing log option 'median' is not one of"),
+        (3, "max", r"timing log level must be in 0..2, got 3"),
+    ],
+)
 def test_bad_timer_settings(level, option, message):
     with pytest.raises(ValueError, match=message):
         Timers(level, option)
@@ -153,6 +156,10 @@ def test_min_and_max_across_ranks():
         "    " + "only-on-rank-1 ".ljust(48, ".") + ": (300.00, 300.00)",
     ]
     assert rank0["all"].splitlines() == [
-        "times across ranks (ms):", "  step:", "     rank  0: 100.00", "     rank  1: 200.00",
-        "  only-on-rank-1:", "     rank  1: 300.00",
+        "times across ranks (ms):",
+        "  step:",
+        "     rank  0: 100.00",
+        "     rank  1: 200.00",
+        "  only-on-rank-1:",
+        "     rank  1: 300.00",
     ]

@@ -56,8 +56,14 @@ def test_refusals_come_before_any_collective():
     with pytest.raises(ValueError, match=r"not supported yet: building the model .* \(model_provider=None\)"):
         pretrain(None, None, ModelType.encoder_or_decoder, None)
     with pytest.raises(ValueError, match="not supported yet: in-process restart"):
-        pretrain(None, None, ModelType.encoder_or_decoder, None, model_provider=lambda **kw: None,
-                 inprocess_call_wrapper=object())
+        pretrain(
+            None,
+            None,
+            ModelType.encoder_or_decoder,
+            None,
+            model_provider=lambda **kw: None,
+            inprocess_call_wrapper=object(),
+        )
     global_vars.set_args(validated())
     with pytest.raises(ValueError, match=r"\(model_provider_func=None\)"):
         setup_model_and_optimizer(ModelType.encoder_or_decoder)
@@ -89,11 +95,13 @@ def test_packed_sequence_flops_reduce_to_the_padded_count_for_equal_lengths():
     args.padded_vocab_size = 128
     batch, seq = 4, 32
     assert num_floating_point_operations(args, batch) == flops.num_floating_point_operations(args, batch)
-    assert num_floating_point_operations(args, batch, batch * seq ** 2, batch * seq) == pytest.approx(
-        flops.num_floating_point_operations(args, batch))
+    assert num_floating_point_operations(args, batch, batch * seq**2, batch * seq) == pytest.approx(
+        flops.num_floating_point_operations(args, batch)
+    )
     # Shorter sequences cost less attention for the same tokens.
-    assert num_floating_point_operations(args, batch, 8 * 16 ** 2, 8 * 16) < flops.num_floating_point_operations(
-        args, batch)
+    assert num_floating_point_operations(args, batch, 8 * 16**2, 8 * 16) < flops.num_floating_point_operations(
+        args, batch
+    )
 
 
 def _seqlen_stats():
@@ -114,9 +122,9 @@ def test_seqlen_stats_sum_over_data_parallel_ranks_and_reset():
 def test_resolve_ddp_bucket_size():
     group = types.SimpleNamespace(size=lambda: 4)
     config = types.SimpleNamespace(bucket_size=None)
-    assert resolve_ddp_bucket_size(config, group, False, 10 ** 9) is None
-    assert resolve_ddp_bucket_size(config, group, True, 10 ** 9) == 40_000_000
-    assert resolve_ddp_bucket_size(types.SimpleNamespace(bucket_size=1000), group, True, 10 ** 9) == 1000
+    assert resolve_ddp_bucket_size(config, group, False, 10**9) is None
+    assert resolve_ddp_bucket_size(config, group, True, 10**9) == 40_000_000
+    assert resolve_ddp_bucket_size(types.SimpleNamespace(bucket_size=1000), group, True, 10**9) == 1000
     assert resolve_ddp_bucket_size(config, group, True, 1000) is None  # one bucket holds everything anyway
 
 
@@ -133,17 +141,25 @@ def _wrap_chunks():
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     chunks = [torch.nn.Linear(8, 8) for _ in range(3)]
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True)
-    wrapped = wrap_model_chunks_with_ddp(chunks, config, ddp_config, DP=MyDDP, bucket_sizes=[10, 20, 30],
-                                         disable_bucketing_per_chunk=[False, True, False])
+    wrapped = wrap_model_chunks_with_ddp(
+        chunks,
+        config,
+        ddp_config,
+        DP=MyDDP,
+        bucket_sizes=[10, 20, 30],
+        disable_bucketing_per_chunk=[False, True, False],
+    )
     default = wrap_model_chunks_with_ddp(chunks[:2], config, ddp_config)
-    return ([type(w).__name__ for w in wrapped], [w.bucket_size for w in wrapped],
-            [w.ddp_config.bucket_size for w in wrapped], [w.bucket_size is None for w in default])
+    return (
+        [type(w).__name__ for w in wrapped],
+        [w.bucket_size for w in wrapped],
+        [w.ddp_config.bucket_size for w in wrapped],
+        [w.bucket_size is None for w in default],
+    )
 
 
 def test_wrap_model_chunks_with_ddp():
-    assert run_distributed(2, _wrap_chunks) == [
-        (["MyDDP"] * 3, [10, None, 30], [10, 20, 30], [False, True])
-    ] * 2
+    assert run_distributed(2, _wrap_chunks) == [(["MyDDP"] * 3, [10, None, 30], [10, 20, 30], [False, True])] * 2
 
 
 def test_forward_pre_hook_helpers_dispatch_to_every_chunk():
@@ -157,10 +173,12 @@ def test_forward_pre_hook_helpers_dispatch_to_every_chunk():
     disable_forward_pre_hook([chunk], param_sync=False)
     force_param_sync([chunk])
     assert calls == ["enable", "enable", "disable False", "sync True"]
-    assert should_disable_forward_pre_hook(types.SimpleNamespace(use_distributed_optimizer=True,
-                                                                 overlap_param_gather=True))
-    assert not should_disable_forward_pre_hook(types.SimpleNamespace(use_distributed_optimizer=True,
-                                                                     overlap_param_gather=False))
+    assert should_disable_forward_pre_hook(
+        types.SimpleNamespace(use_distributed_optimizer=True, overlap_param_gather=True)
+    )
+    assert not should_disable_forward_pre_hook(
+        types.SimpleNamespace(use_distributed_optimizer=True, overlap_param_gather=False)
+    )
 
 
 def test_dummy_train_step_reads_the_micro_batches_of_a_skipped_step():
@@ -176,8 +194,7 @@ def test_dummy_train_step_reads_the_micro_batches_of_a_skipped_step():
 def test_post_training_step_callbacks(monkeypatch):
     collected, exits, steps = [], [], []
     monkeypatch.setattr(training.gc, "collect", lambda: collected.append(True))
-    global_vars.set_args(types.SimpleNamespace(manual_gc=True, manual_gc_interval=2, profile=True,
-                                               profile_step_end=3))
+    global_vars.set_args(types.SimpleNamespace(manual_gc=True, manual_gc_interval=2, profile=True, profile_step_end=3))
     prof = types.SimpleNamespace(step=lambda: steps.append(True))
     nsys = types.SimpleNamespace(__exit__=lambda *a: exits.append(a))
     for iteration in range(1, 5):
@@ -204,8 +221,9 @@ def test_startup_timestamps_and_print_datetime(monkeypatch):
 
 def test_cyclic_iter_and_default_num_samples():
     assert [x for x, _ in zip(cyclic_iter([1, 2]), range(5))] == [1, 2, 1, 2, 1]
-    global_vars.set_args(types.SimpleNamespace(train_samples=None, train_iters=10, global_batch_size=8,
-                                               eval_interval=5, eval_iters=2))
+    global_vars.set_args(
+        types.SimpleNamespace(train_samples=None, train_iters=10, global_batch_size=8, eval_interval=5, eval_iters=2)
+    )
     seen = []
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None))
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None), [1, 2, 3])
@@ -220,13 +238,18 @@ def test_progress_log_start_time_and_throughput(tmp_path, monkeypatch):
     start = now - timedelta(seconds=100)
     (tmp_path / "progress.txt").write_text(
         line(now - timedelta(seconds=500), 8, "Starting job")
-        + line(now - timedelta(seconds=400), 8, "Saved checkpoint\tIteration: 1\tJob throughput: 1.0 TFLOP/s/GPU\t"
-               "Cumulative throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: 2.00e+12\tTokens (in billions): 0.00")
+        + line(
+            now - timedelta(seconds=400),
+            8,
+            "Saved checkpoint\tIteration: 1\tJob throughput: 1.0 TFLOP/s/GPU\t"
+            "Cumulative throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: 2.00e+12\tTokens (in billions): 0.00",
+        )
         + line(start, 1, "Starting job")
         + line(start + timedelta(seconds=10), 1, "Starting job")
     )
-    global_vars.set_args(types.SimpleNamespace(save=str(tmp_path), world_size=1, consumed_train_samples=1000,
-                                               seq_length=1000))
+    global_vars.set_args(
+        types.SimpleNamespace(save=str(tmp_path), world_size=1, consumed_train_samples=1000, seq_length=1000)
+    )
     assert get_start_time_from_progress_log() == (start, 2e12)  # the first start at this world size
     monkeypatch.setattr(training, "_TRAIN_START_TIME", training.time.time() - 50)
     monkeypatch.setattr(training, "_JOB_START_FLOPS", 2e12)
@@ -267,26 +290,38 @@ def _evaluate_with_non_loss_data():
         generator = torch.Generator().manual_seed(0)
         while True:
             tokens = torch.randint(0, 100, (2, 33), generator=generator)
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 32),
-                   "position_ids": torch.arange(32).repeat(2, 1)}
+            yield {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "loss_mask": torch.ones(2, 32),
+                "position_ids": torch.arange(32).repeat(2, 1),
+            }
 
     config = model[0].module.config if hasattr(model[0], "module") else model[0].config
-    losses, collected, timelimit_hit = evaluate(forward_step, batches(), model, lambda *a: None, config,
-                                                eval_iters=2)
+    losses, collected, timelimit_hit = evaluate(forward_step, batches(), model, lambda *a: None, config, eval_iters=2)
     args.consumed_valid_samples = 0
     _, from_func, _ = evaluate(forward_step, batches(), model, None, config, non_loss_data_func=lambda m: "direct")
     received = []
     writer = types.SimpleNamespace(add_scalar=lambda *a: None)
     global_vars._GLOBAL_TENSORBOARD_WRITER = writer
     with redirect_stdout(io.StringIO()):
-        evaluate_and_print_results("it 1", forward_step, batches(), model, 1,
-                                   lambda data, iteration, w: received.append((data, iteration, w is writer)), config)
+        evaluate_and_print_results(
+            "it 1",
+            forward_step,
+            batches(),
+            model,
+            1,
+            lambda data, iteration, w: received.append((data, iteration, w is writer)),
+            config,
+        )
     global_vars.unset_global_variables()
     return sorted(losses), collected, timelimit_hit, from_func, received, args.consumed_valid_samples
 
 
 def test_evaluate_collects_non_loss_data():
-    losses, collected, timelimit_hit, from_func, received, consumed = run_distributed(1, _evaluate_with_non_loss_data)[0]
+    losses, collected, timelimit_hit, from_func, received, consumed = run_distributed(1, _evaluate_with_non_loss_data)[
+        0
+    ]
     assert losses == ["lm loss"] and not timelimit_hit
     assert collected == [{"tokens seen": 2 * 32}]  # one micro-batch of [b=2, s=32] per-token losses
     assert from_func == "direct"
@@ -316,7 +351,9 @@ def _get_model_hands_on_config_and_groups():
 
 def test_get_model_hands_config_and_pg_collection_to_the_provider():
     assert run_distributed(1, _get_model_hands_on_config_and_groups)[0] == [
-        (True, True, []), (True, True, ["config", "pg_collection"])]
+        (True, True, []),
+        (True, True, ["config", "pg_collection"]),
+    ]
 
 
 def _training_log_line():
@@ -365,4 +402,6 @@ def _rng_state_per_data_parallel_rank():
 
 def test_rng_state_holds_every_data_parallel_ranks_state_with_data_parallel_random_init():
     assert run_distributed(2, _rng_state_per_data_parallel_rank) == [
-        ("x.rng_state", 0, [100, 101], 2), ("x.rng_state", 1, [100, 101], 2)]
+        ("x.rng_state", 0, [100, 101], 2),
+        ("x.rng_state", 1, [100, 101], 2),
+    ]

@@ -29,8 +29,10 @@ from tests.unit_tests.test_utilities import run_distributed
 
 def test_package_layout_is_megatrons():
     """Megatron-LM 0.19's utils is a package; its names come from these submodules."""
-    modules = {name: getattr(training_utils, name).__module__ for name in
-               ("print_rank_0", "report_memory", "append_to_progress_log", "start_memory_history_recording")}
+    modules = {
+        name: getattr(training_utils, name).__module__
+        for name in ("print_rank_0", "report_memory", "append_to_progress_log", "start_memory_history_recording")
+    }
     assert modules == {
         "print_rank_0": "megatron.training.utils.common_utils",
         "report_memory": "megatron.training.utils.common_utils",
@@ -109,8 +111,10 @@ def test_progress_log_lines(tmp_path, monkeypatch):
     append_to_progress_log("Saved checkpoint\tIteration: 5")
     lines = (tmp_path / "progress.txt").read_text().splitlines()
     fields = [line.split("\t") for line in lines]
-    assert [f[1:] for f in fields] == [["Job ID: 4711", "# GPUs: 1", "Starting job"],
-                                       ["Job ID: 4711", "# GPUs: 1", "Saved checkpoint", "Iteration: 5"]]
+    assert [f[1:] for f in fields] == [
+        ["Job ID: 4711", "# GPUs: 1", "Starting job"],
+        ["Job ID: 4711", "# GPUs: 1", "Saved checkpoint", "Iteration: 5"],
+    ]
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(save=None))
     append_to_progress_log("ignored")  # nothing to write to without --save
 
@@ -201,7 +205,7 @@ def test_report_memory_prints_on_data_parallel_rank_0_and_params_lines():
     for rank, line, printed in results:
         assert line.startswith(f"[Rank {rank}] (after step 1) memory (MB) | ")
         assert (line in printed) == (rank == 0)
-        assert f"      7, {rank:4d},    1,  0, -2.000000E+00, 4.000000E+00, {30 ** 0.5:.6E}" in printed
+        assert f"      7, {rank:4d},    1,  0, -2.000000E+00, 4.000000E+00, {30**0.5:.6E}" in printed
 
 
 class _FakeAutoResume:

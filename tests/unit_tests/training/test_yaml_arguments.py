@@ -49,7 +49,9 @@ def comparable(args):
 
 
 def test_flat_yaml_equals_the_command_line(tmp_path):
-    path = write(tmp_path, textwrap.dedent("""
+    path = write(
+        tmp_path,
+        textwrap.dedent("""
         num_layers: 4
         hidden_size: 64
         num_attention_heads: 4
@@ -66,17 +68,33 @@ def test_flat_yaml_equals_the_command_line(tmp_path):
         lr_decay_style: cosine
         eval_iters: 0
         override_opt_param_scheduler: true
-        """) + QUIET_YAML)
+        """)
+        + QUIET_YAML,
+    )
     from_yaml = validated(["--yaml-cfg", path])
-    from_cli = validated(BASE + ["--min-lr", "1e-5", "--attention-backend", "flash", "--lr-decay-style", "cosine",
-                                 "--eval-iters", "0", "--override-opt-param-scheduler"])
+    from_cli = validated(
+        BASE
+        + [
+            "--min-lr",
+            "1e-5",
+            "--attention-backend",
+            "flash",
+            "--lr-decay-style",
+            "cosine",
+            "--eval-iters",
+            "0",
+            "--override-opt-param-scheduler",
+        ]
+    )
     assert comparable(from_yaml) == comparable(from_cli)
     assert from_yaml.yaml_cfg == path
     assert from_yaml.attention_backend is AttnBackend.flash
 
 
 def test_megatron_sections_equal_the_command_line(tmp_path):
-    path = write(tmp_path, textwrap.dedent("""
+    path = write(
+        tmp_path,
+        textwrap.dedent("""
         language_model:
           num_layers: 4
           hidden_size: 64
@@ -112,16 +130,44 @@ def test_megatron_sections_equal_the_command_line(tmp_path):
         vocab_size: 100
         position_embedding_type: rope
         data_path: null
-        """) + QUIET_YAML)
+        """)
+        + QUIET_YAML,
+    )
     from_yaml = validated(["--yaml-cfg", path], world_size=2)
     cli = [item for item in BASE if item not in ("--train-iters", "10", "--max-position-embeddings")]
     cli.remove("32")  # the --max-position-embeddings value: rope defaults it to --seq-length
-    from_cli = validated(cli + [
-        "--group-query-attention", "--num-query-groups", "2", "--norm-epsilon", "1e-6", "--apply-layernorm-1p",
-        "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--hidden-dropout", "0.0",
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--global-batch-size", "8",
-        "--rampup-batch-size", "2", "2", "100", "--train-samples", "1000", "--position-embedding-type", "rope",
-    ], world_size=2)
+    from_cli = validated(
+        cli
+        + [
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--norm-epsilon",
+            "1e-6",
+            "--apply-layernorm-1p",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--normalization",
+            "RMSNorm",
+            "--hidden-dropout",
+            "0.0",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--bf16",
+            "--global-batch-size",
+            "8",
+            "--rampup-batch-size",
+            "2",
+            "2",
+            "100",
+            "--train-samples",
+            "1000",
+            "--position-embedding-type",
+            "rope",
+        ],
+        world_size=2,
+    )
     assert comparable(from_yaml) == comparable(from_cli)
     assert from_yaml.rampup_batch_size == [2, 2, 100]
 
@@ -151,24 +197,30 @@ def test_yaml_is_validated_like_the_command_line(tmp_path):
         validate_args(args)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num_layer: 4\n", r"unknown setting num_layer; did you mean num_layers\?"),
-    ("language_model:\n  num_layer: 4\n", r"unknown setting language_model.num_layer; did you mean num_layers"),
-    ("model_parallel:\n  cpu_offloading_weights: true\n",
-     r"model_parallel.cpu_offloading_weights: True cannot be set here \(the field has no command-line equivalent"),
-    ("sequence_parallel: 1\n", "sequence_parallel: must be true or false, got 1"),
-    ("num_layers: 2.5\n", r"num_layers: 2.5 is not a valid value \(expected int\)"),
-    ("lr: fast\n", r"lr: 'fast' is not a valid value"),
-    ("attention_backend: cudnn\n", r"attention_backend: 'cudnn' is not a valid value \(invalid choice"),
-    ("normalization: BatchNorm\n", "normalization: 'BatchNorm' is not one of LayerNorm, RMSNorm"),
-    ("model_parallel: 4\n", "section model_parallel: must be a mapping of settings, got 4"),
-    ("- a\n- b\n", "the file must hold a mapping of settings, got list"),
-    ("num_layers: [1\n", "not valid YAML"),
-    ("save: ${NO_SUCH_VARIABLE_HERE}/x\n", r"environment variable NO_SUCH_VARIABLE_HERE \(in '\$\{NO_SUCH"),
-    ("seed: 1\nlanguage_model:\n  seed: 2\n", "language_model.seed and seed set seed to different values"),
-    ("language_model:\n  activation_func: relu\n", "activation_func: 'relu' is not one of"),
-    ("language_model:\n  gated_linear_unit: true\n", "a gated MLP comes with activation_func: swiglu here"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num_layer: 4\n", r"unknown setting num_layer; did you mean num_layers\?"),
+        ("language_model:\n  num_layer: 4\n", r"unknown setting language_model.num_layer; did you mean num_layers"),
+        (
+            "model_parallel:\n  cpu_offloading_weights: true\n",
+            r"model_parallel.cpu_offloading_weights: True cannot be set here "
+            r"\(the field has no command-line equivalent",
+        ),
+        ("sequence_parallel: 1\n", "sequence_parallel: must be true or false, got 1"),
+        ("num_layers: 2.5\n", r"num_layers: 2.5 is not a valid value \(expected int\)"),
+        ("lr: fast\n", r"lr: 'fast' is not a valid value"),
+        ("attention_backend: cudnn\n", r"attention_backend: 'cudnn' is not a valid value \(invalid choice"),
+        ("normalization: BatchNorm\n", "normalization: 'BatchNorm' is not one of LayerNorm, RMSNorm"),
+        ("model_parallel: 4\n", "section model_parallel: must be a mapping of settings, got 4"),
+        ("- a\n- b\n", "the file must hold a mapping of settings, got list"),
+        ("num_layers: [1\n", "not valid YAML"),
+        ("save: ${NO_SUCH_VARIABLE_HERE}/x\n", r"environment variable NO_SUCH_VARIABLE_HERE \(in '\$\{NO_SUCH"),
+        ("seed: 1\nlanguage_model:\n  seed: 2\n", "language_model.seed and seed set seed to different values"),
+        ("language_model:\n  activation_func: relu\n", "activation_func: 'relu' is not one of"),
+        ("language_model:\n  gated_linear_unit: true\n", "a gated MLP comes with activation_func: swiglu here"),
+    ],
+)
 def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(ValueError, match=message) as error:
@@ -183,7 +235,8 @@ def test_missing_file():
 
 def test_quiet_flags_match_the_quiet_yaml(tmp_path):
     assert vars(parse_args_list(QUIET)) == vars(parse_args_list(["--yaml-cfg", write(tmp_path, QUIET_YAML)])) | {
-        "yaml_cfg": None}
+        "yaml_cfg": None
+    }
 
 
 def test_megatron_lms_yaml_helpers(tmp_path, monkeypatch):

@@ -45,8 +45,15 @@ HIDDEN, HEADS = 16, 4
 
 
 def _config(**overrides):
-    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
-                attention_dropout=0.0, use_cpu_initialization=True, add_bias_linear=True)
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        add_bias_linear=True,
+    )
     return TransformerConfig(**{**base, **overrides})
 
 
@@ -147,8 +154,12 @@ def _cross_attention():
     parallel_state.initialize_model_parallel(1)
     torch.manual_seed(0)
     config = _config()
-    submodules = CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
-                                          core_attention=DotProductAttention, linear_proj=RowParallelLinear)
+    submodules = CrossAttentionSubmodules(
+        linear_q=ColumnParallelLinear,
+        linear_kv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
+    )
     attention = CrossAttention(config, submodules, layer_number=1, attn_mask_type=AttnMaskType.no_mask)
     x, context = torch.randn(3, 2, HIDDEN), torch.randn(5, 2, HIDDEN)
     out, bias = attention(x, attention_mask=None, key_value_states=context)
@@ -223,8 +234,12 @@ def test_causal_bottom_right_mask():
 
 
 def test_transformer_layer_offset_for_a_rank():
-    config = _config(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                     pipeline_dtype=torch.float32)
+    config = _config(
+        num_layers=8,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
     assert [get_transformer_layer_offset(config, vp, rank) for vp in (0, 1) for rank in (0, 1)] == [0, 2, 4, 6]
 
 
@@ -243,14 +258,28 @@ def _layers_and_block():
     cross_spec = ModuleSpec(
         module=CrossAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},
-        submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
-                                            core_attention=DotProductAttention, linear_proj=RowParallelLinear),
+        submodules=CrossAttentionSubmodules(
+            linear_q=ColumnParallelLinear,
+            linear_kv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
     )
     subs = spec.submodules
-    with_cross = TransformerLayer(config, TransformerLayerSubmodules(
-        input_layernorm=subs.input_layernorm, self_attention=subs.self_attention, self_attn_bda=subs.self_attn_bda,
-        pre_cross_attn_layernorm=subs.input_layernorm, cross_attention=cross_spec, cross_attn_bda=subs.self_attn_bda,
-        pre_mlp_layernorm=subs.pre_mlp_layernorm, mlp=subs.mlp, mlp_bda=subs.mlp_bda))
+    with_cross = TransformerLayer(
+        config,
+        TransformerLayerSubmodules(
+            input_layernorm=subs.input_layernorm,
+            self_attention=subs.self_attention,
+            self_attn_bda=subs.self_attn_bda,
+            pre_cross_attn_layernorm=subs.input_layernorm,
+            cross_attention=cross_spec,
+            cross_attn_bda=subs.self_attn_bda,
+            pre_mlp_layernorm=subs.pre_mlp_layernorm,
+            mlp=subs.mlp,
+            mlp_bda=subs.mlp_bda,
+        ),
+    )
     x, context = torch.randn(4, 2, HIDDEN), torch.randn(6, 2, HIDDEN)
     out_a, _ = with_cross(x, context=context)
     out_b, _ = with_cross(x, context=context + 1)
@@ -265,8 +294,11 @@ def _layers_and_block():
     torch.testing.assert_close(block(x, None), hidden)
     no_norm = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * 3, layer_norm=None))
     set_model_to_sequence_parallel(block, set_to=True, exclude_modules=[block.layers[2]])
-    switched = [block.config.sequence_parallel, block.layers[0].self_attention.linear_qkv.sequence_parallel,
-                block.layers[2].self_attention.linear_qkv.sequence_parallel]
+    switched = [
+        block.config.sequence_parallel,
+        block.layers[0].self_attention.linear_qkv.sequence_parallel,
+        block.layers[2].self_attention.linear_qkv.sequence_parallel,
+    ]
     set_model_to_sequence_parallel(block, set_to=False)
     assert switched == [True, True, False] and not block.layers[0].mlp.linear_fc1.sequence_parallel
     return layer.layer_number, unshifted.layer_number, no_norm.has_final_layernorm_in_this_stage()
@@ -278,8 +310,10 @@ def test_layer_numbers_norm_weights_cross_attention_and_block_features():
 
 def test_spec_helpers():
     assert get_mlp_module_spec(use_te=False).module is MLP
-    assert isinstance(get_gpt_layer_local_spec(qk_l2_norm=True).submodules.self_attention.submodules.q_layernorm(
-        hidden_size=4), L2Norm)
+    assert isinstance(
+        get_gpt_layer_local_spec(qk_l2_norm=True).submodules.self_attention.submodules.q_layernorm(hidden_size=4),
+        L2Norm,
+    )
     assert issubclass(SelfAttention, MegatronModule)
 
 
@@ -289,8 +323,11 @@ def _zeroed_embedding():
     parallel_state.initialize_model_parallel(1)
     embedding = LanguageModelEmbedding(_config(), vocab_size=8, max_sequence_length=4, num_tokentypes=2)
     embedding.zero_parameters()
-    weights = [embedding.word_embeddings.weight, embedding.position_embeddings.weight,
-               embedding.tokentype_embeddings.weight]
+    weights = [
+        embedding.word_embeddings.weight,
+        embedding.position_embeddings.weight,
+        embedding.tokentype_embeddings.weight,
+    ]
     return all(not w.any() and w.shared for w in weights)
 
 
@@ -312,8 +349,9 @@ def _sliding_window():
     expected = torch.einsum("bnst,tbnd->sbnd", scores.masked_fill(keep == 0, float("-inf")).softmax(-1), v)
     torch.testing.assert_close(windowed(q, k, v, None), expected.reshape(5, 1, -1), atol=1e-5, rtol=1e-5)
     causal = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf")).softmax(-1)
-    torch.testing.assert_close(full(q, k, v, None), torch.einsum("bnst,tbnd->sbnd", causal, v).reshape(5, 1, -1),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        full(q, k, v, None), torch.einsum("bnst,tbnd->sbnd", causal, v).reshape(5, 1, -1), atol=1e-5, rtol=1e-5
+    )
     return windowed.window_size, full.window_size
 
 
@@ -328,14 +366,16 @@ def _packed_sequences():
 
     parallel_state.initialize_model_parallel(1)
     torch.manual_seed(0)
-    attention = build_module(get_gpt_layer_local_spec().submodules.self_attention, config=_config(num_query_groups=2),
-                             layer_number=1)
+    attention = build_module(
+        get_gpt_layer_local_spec().submodules.self_attention, config=_config(num_query_groups=2), layer_number=1
+    )
     first, second = torch.randn(3, 1, HIDDEN), torch.randn(5, 1, HIDDEN)
     rope = RotaryEmbedding(kv_channels=HIDDEN // HEADS, rotary_percent=1.0)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    packed, _ = attention(torch.cat((first, second)), None, rotary_pos_emb=rope(5, packed_seq=True),
-                          packed_seq_params=params)
+    packed, _ = attention(
+        torch.cat((first, second)), None, rotary_pos_emb=rope(5, packed_seq=True), packed_seq_params=params
+    )
     separate = torch.cat([attention(x, None, rotary_pos_emb=rope(x.shape[0]))[0] for x in (first, second)])
     torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one row of concatenated sequences"):
@@ -355,8 +395,9 @@ def _packed_gpt():
 
     parallel_state.initialize_model_parallel(1)
     torch.manual_seed(0)
-    model = GPTModel(_config(), get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
-                     position_embedding_type="rope").eval()
+    model = GPTModel(
+        _config(), get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8, position_embedding_type="rope"
+    ).eval()
     tokens = torch.randint(0, 32, (1, 8))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)

@@ -1,4 +1,5 @@
-"""Activation recomputation (full uniform/block, selective) gives the gradients of no recomputation, dropout included."""
+"""Activation recomputation (full uniform/block, selective) gives the gradients of no recomputation, dropout
+included."""
 
 import pytest
 import torch

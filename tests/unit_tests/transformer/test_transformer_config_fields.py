@@ -69,8 +69,8 @@ def test_every_table_field_is_a_config_field_listed_once():
 
 @pytest.mark.parametrize("feature, name", TABLE, ids=[name for _, name in TABLE])
 def test_unsupported_feature_field_is_refused_when_set(feature, name):
-    config_class = TransformerConfig if name in {f.name for f in dataclasses.fields(TransformerConfig)} else (
-        MLATransformerConfig
+    config_class = (
+        TransformerConfig if name in {f.name for f in dataclasses.fields(TransformerConfig)} else (MLATransformerConfig)
     )
     value = _other_value(_default(config_class, name))
     with pytest.raises(ValueError) as error:
@@ -80,7 +80,9 @@ def test_unsupported_feature_field_is_refused_when_set(feature, name):
 
 
 def test_model_parallel_config_alone_refuses_its_own_fields():
-    with pytest.raises(ValueError, match=r"^not supported yet: hybrid context parallelism \(hybrid_context_parallel=Tr"):
+    with pytest.raises(
+        ValueError, match=r"^not supported yet: hybrid context parallelism \(hybrid_context_parallel=Tr"
+    ):
         ModelParallelConfig(hybrid_context_parallel=True)
     with pytest.raises(ValueError, match=r"CPU offloading \(cpu_offloading=True, cpu_offloading_num_layers=1\)"):
         ModelParallelConfig(cpu_offloading=True, cpu_offloading_num_layers=1)
@@ -166,10 +168,15 @@ def test_mla_config_constructs_with_megatron_defaults():
     assert config.multi_latent_attention is True
     assert config.normalization == "RMSNorm"
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim) == (
-        512, 512, 128, 64
+        512,
+        512,
+        128,
+        64,
     )
     assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == (
-        "yarn", 40, 4096
+        "yarn",
+        40,
+        4096,
     )
     assert isinstance(config, TransformerConfig)
     assert megatron.core.transformer.MLATransformerConfig is MLATransformerConfig

@@ -51,9 +51,7 @@ def _shard_bytes(sh_ten: ShardedTensor) -> int:
     return sh_ten.data.numel() * sh_ten.data.element_size()
 
 
-def distribute_shards_to_ranks(
-    holders: Dict[Hashable, List[int]], sizes: Dict[Hashable, int]
-) -> Dict[Hashable, int]:
+def distribute_shards_to_ranks(holders: Dict[Hashable, List[int]], sizes: Dict[Hashable, int]) -> Dict[Hashable, int]:
     """Choose one writer per shard among its ``holders``: largest shards first, each to the least-loaded holder
     (ties to the lowest rank)."""
     load: Dict[int, int] = {}
@@ -84,9 +82,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.do_cache_distribution = do_cache_distribution
         self.cached_distribution: Optional[ShardDistribution] = None
 
-    def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"
-    ):
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, async_strategy: str = "nvrx"):
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 

@@ -199,8 +199,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return request
 
 
-def _add_write_items(shard, items: List[WriteItem], data: Dict[MetadataIndex, object], copy_data: bool,
-                     materialize: Optional[Callable[[ShardedTensor], torch.Tensor]] = None) -> None:
+def _add_write_items(
+    shard,
+    items: List[WriteItem],
+    data: Dict[MetadataIndex, object],
+    copy_data: bool,
+    materialize: Optional[Callable[[ShardedTensor], torch.Tensor]] = None,
+) -> None:
     if isinstance(shard, ShardedObject):
         buffer = io.BytesIO()
         torch.save([shard.data], buffer)
@@ -362,9 +367,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         files.check_sizes(read_items)
         planner = _TargetsPlanner(targets, files)
         files.read(read_items, planner)
-        return dict_list_map_inplace(
-            lambda x: planner.objects[x.name] if isinstance(x, _PendingObject) else x, loaded
-        )
+        return dict_list_map_inplace(lambda x: planner.objects[x.name] if isinstance(x, _PendingObject) else x, loaded)
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata = None):
         metadata = self._metadata(checkpoint_dir, metadata)
@@ -390,7 +393,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         checkpoint_dir = Path(checkpoint_dir)
         metadata = read_dcp_metadata(checkpoint_dir)
         removed = {
-            key for key, entry in metadata.state_dict_metadata.items()
+            key
+            for key, entry in metadata.state_dict_metadata.items()
             if isinstance(entry, TensorStorageMetadata) and key.startswith(key_prefix)
         }
         for key in removed:
@@ -569,7 +573,10 @@ class MCoreSavePlanner(DefaultSavePlanner):
     writes locally anyway)."""
 
     def __init__(
-        self, *args, dedup_replicated_tensors: Optional[bool] = None, can_run_decentralized_global_plan: bool = True,
+        self,
+        *args,
+        dedup_replicated_tensors: Optional[bool] = None,
+        can_run_decentralized_global_plan: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(*args, dedup_replicated_tensors=dedup_replicated_tensors, **kwargs)

@@ -84,12 +84,15 @@ class BaseInferenceContext(ABC):
 
     @staticmethod
     def _rotate_cos_sin(attention, query: Tensor, key: Tensor, cos_sin) -> tuple:
-        """``apply_rotary_pos_emb`` of query and key, from the angles' cos/sin computed once per forward (None: no rotary embedding)."""
+        """``apply_rotary_pos_emb`` of query and key, from the angles' cos/sin computed once per forward (None: no
+        rotary embedding)."""
         if cos_sin is None:
             return query, key
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb_with_cos_sin
 
         cos, sin = cos_sin
         interleaved = attention.config.rotary_interleaved
-        return (apply_rotary_pos_emb_with_cos_sin(query, cos, sin, interleaved),
-                apply_rotary_pos_emb_with_cos_sin(key, cos, sin, interleaved))
+        return (
+            apply_rotary_pos_emb_with_cos_sin(query, cos, sin, interleaved),
+            apply_rotary_pos_emb_with_cos_sin(key, cos, sin, interleaved),
+        )

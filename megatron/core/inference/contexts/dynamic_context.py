@@ -115,7 +115,8 @@ class DynamicInferenceContext(BaseInferenceContext):
 
             tensor_model_parallel_size = (
                 parallel_state.get_tensor_model_parallel_world_size()
-                if parallel_state.model_parallel_is_initialized() else 1
+                if parallel_state.model_parallel_is_initialized()
+                else 1
             )
         if num_attention_heads % tensor_model_parallel_size:
             raise ValueError(
@@ -208,9 +209,8 @@ class DynamicInferenceContext(BaseInferenceContext):
 
     def has_room_for(self, total_tokens: int) -> bool:
         """Whether a request of ``total_tokens`` can join now (a free request slot and enough free blocks)."""
-        return (
-            len(self._active) < self.max_requests
-            and self.block_allocator.is_memory_available(self.blocks_needed(total_tokens))
+        return len(self._active) < self.max_requests and self.block_allocator.is_memory_available(
+            self.blocks_needed(total_tokens)
         )
 
     def add_request(self, request_id, total_tokens: int) -> None:
@@ -412,8 +412,10 @@ class DynamicInferenceContext(BaseInferenceContext):
         cache = self.memory_buffer.get(layer_number)
         if cache is None:
             shape = (self.block_allocator.total_count * self.block_size_tokens,) + tuple(like.shape[-2:])
-            cache = (torch.zeros(shape, dtype=self.params_dtype, device=like.device),
-                     torch.zeros(shape, dtype=self.params_dtype, device=like.device))
+            cache = (
+                torch.zeros(shape, dtype=self.params_dtype, device=like.device),
+                torch.zeros(shape, dtype=self.params_dtype, device=like.device),
+            )
             self.memory_buffer[layer_number] = cache
         return cache
 
@@ -437,7 +439,8 @@ class DynamicInferenceContext(BaseInferenceContext):
 
             def view(cache):  # [L, r, groups, d] over the pool, no copy
                 return cache.as_strided(
-                    (length, r, groups, d), (groups * d, stride * groups * d, d, 1),
+                    (length, r, groups, d),
+                    (groups * d, stride * groups * d, d, 1),
                     cache.storage_offset() + first * groups * d,
                 )
 
@@ -459,8 +462,13 @@ class DynamicInferenceContext(BaseInferenceContext):
         else:
             padded_query = query[:, 0][step["pad_index"]].transpose(0, 1)  # [max_q, r, heads, d]
         context = attention.core_attention(
-            padded_query, keys, values, step["mask"],
-            attn_mask_type=AttnMaskType.no_mask, attention_bias=None, packed_seq_params=None,
+            padded_query,
+            keys,
+            values,
+            step["mask"],
+            attn_mask_type=AttnMaskType.no_mask,
+            attention_bias=None,
+            packed_seq_params=None,
         )  # [max_q, r, heads * d]
         if step["decode_only"]:
             return context.view(r, 1, heads * d)

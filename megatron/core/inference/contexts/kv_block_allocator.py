@@ -29,8 +29,8 @@ class KVBlockAllocator:
         """``num_blocks`` free block ids; ValueError if there are not that many (check first)."""
         if num_blocks > len(self._free):
             raise ValueError(f"KVBlockAllocator: {num_blocks} blocks asked for, {len(self._free)} free")
-        taken = self._free[len(self._free) - num_blocks:][::-1]
-        del self._free[len(self._free) - num_blocks:]
+        taken = self._free[len(self._free) - num_blocks :][::-1]
+        del self._free[len(self._free) - num_blocks :]
         return taken
 
     def release_memory_blocks(self, blocks: List[int]) -> None:

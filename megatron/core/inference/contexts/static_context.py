@@ -76,15 +76,18 @@ class StaticInferenceContext(BaseInferenceContext):
         self.batch_size_offset = 0
 
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in self.key_value_memory_dict.values())
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.key_value_memory_dict.values()
+        )
 
     def _layer_cache(self, layer_number: int, key: Tensor) -> Tuple[Tensor, Tensor]:
         cache = self.key_value_memory_dict.get(layer_number)
         if cache is None:
             shape = (self._max_sequence_length, self.max_batch_size) + tuple(key.shape[2:])
-            cache = (torch.empty(shape, dtype=key.dtype, device=key.device),
-                     torch.empty(shape, dtype=key.dtype, device=key.device))
+            cache = (
+                torch.empty(shape, dtype=key.dtype, device=key.device),
+                torch.empty(shape, dtype=key.dtype, device=key.device),
+            )
             self.key_value_memory_dict[layer_number] = cache
         return cache
 
@@ -110,6 +113,11 @@ class StaticInferenceContext(BaseInferenceContext):
         # One new token attends to everything before it; a window of several attends causally, aligned to the end.
         mask_type = AttnMaskType.no_mask if seq == 1 else AttnMaskType.causal_bottom_right
         return attention.core_attention(
-            query, key_cache[:end, rows], value_cache[:end, rows], None,
-            attn_mask_type=mask_type, attention_bias=None, packed_seq_params=None,
+            query,
+            key_cache[:end, rows],
+            value_cache[:end, rows],
+            None,
+            attn_mask_type=mask_type,
+            attention_bias=None,
+            packed_seq_params=None,
         )

@@ -137,7 +137,9 @@ class DynamicInferenceEngine(AbstractEngine):
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             text, tokens = None, list(prompt)
         else:
-            raise ValueError(f"request {request_id}: the prompt must be a string or token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"request {request_id}: the prompt must be a string or token ids, got {type(prompt).__name__}"
+            )
         if not tokens:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         vocab = self.controller.vocab_size
@@ -150,9 +152,14 @@ class DynamicInferenceEngine(AbstractEngine):
             max_new = min(max_new, sampling_params.num_tokens_total - len(tokens))
         self.context.check_request(request_id, len(tokens) + max(max_new, 0))
         if max_new < 0:
-            raise ValueError(f"request {request_id}: num_tokens_total is smaller than the prompt ({len(tokens)} tokens)")
+            raise ValueError(
+                f"request {request_id}: num_tokens_total is smaller than the prompt ({len(tokens)} tokens)"
+            )
         request = DynamicInferenceRequest(
-            request_id=request_id, prompt=text, prompt_tokens=tokens, sampling_params=sampling_params,
+            request_id=request_id,
+            prompt=text,
+            prompt_tokens=tokens,
+            sampling_params=sampling_params,
             block_size_tokens=self.context.block_size_tokens,
         )
         request.max_new_tokens = max_new
@@ -300,7 +307,9 @@ class DynamicInferenceEngine(AbstractEngine):
         offset = 0
         for i, (request, n) in enumerate(zip(plan.requests, plan.chunk_lengths)):
             if result.token_log_probs is not None and request.prompt_log_probs is not None:
-                pairs = zip(result.token_log_probs[offset:offset + n], plan.prompt_log_prob_targets[offset:offset + n])
+                pairs = zip(
+                    result.token_log_probs[offset : offset + n], plan.prompt_log_prob_targets[offset : offset + n]
+                )
                 request.prompt_log_probs.extend(lp for lp, target in pairs if target >= 0)
             offset += n
             if request.remaining_prompt_tokens:
@@ -340,7 +349,8 @@ class DynamicInferenceEngine(AbstractEngine):
         broadcast and used everywhere."""
         shared = self.lockstep.share(
             {"prompts": list(prompts), "sampling_params": asdict(sampling_params or SamplingParams())}
-            if self.lockstep.is_leader else None
+            if self.lockstep.is_leader
+            else None
         )
         ids = []
         for prompt in shared["prompts"]:

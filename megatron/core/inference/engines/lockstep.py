@@ -32,8 +32,8 @@ class Lockstep:
             self.size = dist.get_world_size(self.group)
             self.src = dist.get_global_rank(self.group, 0)
         self.is_leader = self.size == 1 or dist.get_rank() == self.src
-        self.device = torch.device("cpu") if dist.is_initialized() and dist.get_backend() == "gloo" else (
-            get_current_device()
+        self.device = (
+            torch.device("cpu") if dist.is_initialized() and dist.get_backend() == "gloo" else (get_current_device())
         )
 
     @property

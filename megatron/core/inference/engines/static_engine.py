@@ -24,11 +24,11 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 
 class StaticInferenceEngine(AbstractEngine):
     """Args:
-        text_generation_controller: the controller (its wrapper holds the model).
-        max_batch_size: most requests per batch (default 8).
-        random_seed: seeds the generator that requests without their own ``seed`` sample from.
-        legacy: always use the static path, even when the wrapper has a dynamic context.
-        buffer_size_gb: accepted for Megatron's signature; the dynamic route uses the wrapper's context as sized.
+    text_generation_controller: the controller (its wrapper holds the model).
+    max_batch_size: most requests per batch (default 8).
+    random_seed: seeds the generator that requests without their own ``seed`` sample from.
+    legacy: always use the static path, even when the wrapper has a dynamic context.
+    buffer_size_gb: accepted for Megatron's signature; the dynamic route uses the wrapper's context as sized.
     """
 
     def __init__(
@@ -80,9 +80,13 @@ class StaticInferenceEngine(AbstractEngine):
                 raise ValueError("add_request needs a prompt or an inference_request")
             sampling_params = sampling_params or inference_parameters or SamplingParams()
             sampling_params.validate()
-            tokens = self.controller.tokenize_prompt(self.controller.tokenizer, prompt, add_BOS or sampling_params.add_BOS)
+            tokens = self.controller.tokenize_prompt(
+                self.controller.tokenizer, prompt, add_BOS or sampling_params.add_BOS
+            )
             inference_request = InferenceRequest(
-                request_id=self.get_new_request_id(), prompt=prompt, sampling_params=sampling_params,
+                request_id=self.get_new_request_id(),
+                prompt=prompt,
+                sampling_params=sampling_params,
                 prompt_tokens=tokens,
             )
         if inference_request.sampling_params is None:

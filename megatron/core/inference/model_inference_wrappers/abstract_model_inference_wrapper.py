@@ -37,9 +37,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
                 "(drop --sequence-parallel; the checkpoint loads the same)"
             )
         if self.config.context_parallel_size != 1:
-            raise ValueError(
-                f"inference runs with context_parallel_size=1, got {self.config.context_parallel_size}"
-            )
+            raise ValueError(f"inference runs with context_parallel_size=1, got {self.config.context_parallel_size}")
         self.inference_context = inference_context
         self.pre_process = get_attr_wrapped_model(model, "pre_process")
         self.post_process = get_attr_wrapped_model(model, "post_process")
@@ -77,6 +75,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
         positions = inference_input.get("logits_positions")
         hook = None
         if positions is not None and self.post_process:
+
             def select_positions(module, args, kwargs):
                 return (args[0].index_select(0, positions),) + tuple(args[1:]), kwargs
 
@@ -104,7 +103,9 @@ class AbstractModelInferenceWrapper(abc.ABC):
             inference_context=self.inference_context,
         )
         if self.pipelined and not self.post_process:
-            dist.send(output.to(self._hidden_dtype).contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            dist.send(
+                output.to(self._hidden_dtype).contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank()
+            )
             return None
         if get_attr_wrapped_model(self.model, "parallel_output"):
             output = gather_from_tensor_model_parallel_region(output)

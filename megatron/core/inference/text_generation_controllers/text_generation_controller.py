@@ -195,7 +195,9 @@ class TextGenerationController:
             values, indices = log_probs.topk(sampling_params.top_n_logprobs, dim=-1)
             for i in range(rows):
                 if generation_started is None or bool(generation_started[i]):
-                    top_n_logprobs_dict.setdefault(i, []).append(self._top_n_dict(indices[i].tolist(), values[i].tolist()))
+                    top_n_logprobs_dict.setdefault(i, []).append(
+                        self._top_n_dict(indices[i].tolist(), values[i].tolist())
+                    )
         return tokens
 
     def _top_n_dict(self, ids: Sequence[int], values: Sequence[float]) -> Dict[str, float]:
@@ -253,7 +255,11 @@ class TextGenerationController:
                 targets = torch.tensor(token_targets, device=device)
                 all_lp = torch.log_softmax(token_logits.float()[:, :vocab], dim=-1)
                 target_lp = all_lp.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-        for t in (tokens, chosen) + ((top_values, top_ids) if top_n else ()) + ((target_lp,) if target_lp is not None else ()):
+        for t in (
+            (tokens, chosen)
+            + ((top_values, top_ids) if top_n else ())
+            + ((target_lp,) if target_lp is not None else ())
+        ):
             self._broadcast_from_last_stage(t)
         top = None
         if top_n:
@@ -365,21 +371,25 @@ class TextGenerationController:
                     # Position p's logits predict prompt token p + 1 while p + 1 is still inside the prompt.
                     targets = [
                         requests[i].prompt_tokens[p + 1] if p + 1 < prompt_lengths[i] else -1
-                        for i in range(len(requests)) for p in range(context_start, context_end)
+                        for i in range(len(requests))
+                        for p in range(context_start, context_end)
                     ]
                     if logits is not None:
                         flat_logits = logits.reshape(-1, logits.shape[-1])
                 step = self._sample_step(None if logits is None else logits[:, -1], requests, flat_logits, targets)
                 width = context_end - context_start
                 # Rows past their prompt take the sampled token (one host-to-device copy for the whole column).
-                column = [step.tokens[i] if context_end >= prompt_lengths[i] else requests[i].prompt_tokens[context_end]
-                          for i in range(len(requests))]
+                column = [
+                    step.tokens[i] if context_end >= prompt_lengths[i] else requests[i].prompt_tokens[context_end]
+                    for i in range(len(requests))
+                ]
                 tokens[:, context_end] = torch.tensor(column, device=tokens.device)
                 for i, request in enumerate(requests):
                     if want_prompt_lp and request.prompt_log_probs is not None:
-                        row = step.token_log_probs[i * width:(i + 1) * width]
-                        request.prompt_log_probs.extend(v for v, tgt in zip(row, targets[i * width:(i + 1) * width])
-                                                        if tgt >= 0)
+                        row = step.token_log_probs[i * width : (i + 1) * width]
+                        request.prompt_log_probs.extend(
+                            v for v, tgt in zip(row, targets[i * width : (i + 1) * width]) if tgt >= 0
+                        )
                     if done[i] or context_end < prompt_lengths[i]:
                         continue
                     token = step.tokens[i]

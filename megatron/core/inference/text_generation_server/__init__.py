@@ -11,8 +11,7 @@ from megatron.core.inference.text_generation_server.errors import OpenAIError
 from megatron.core.inference.text_generation_server.serving_loop import ServingLoop
 from megatron.core.inference.text_generation_server.validation import GenerationRequest, ServingDefaults
 
-__all__ = ["OpenAIError", "ServingLoop", "GenerationRequest", "ServingDefaults", "TextGenerationServer",
-           "create_app"]
+__all__ = ["OpenAIError", "ServingLoop", "GenerationRequest", "ServingDefaults", "TextGenerationServer", "create_app"]
 
 
 def __getattr__(name):

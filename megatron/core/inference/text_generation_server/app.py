@@ -36,17 +36,25 @@ logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequence_length: int,
-               defaults: Optional[ServingDefaults] = None, render_chat: Optional[Callable] = None,
-               termination_id: Optional[int] = None, vocab_size: Optional[int] = None) -> FastAPI:
+def create_app(
+    serving_loop: ServingLoop,
+    tokenizer,
+    model_name: str,
+    max_sequence_length: int,
+    defaults: Optional[ServingDefaults] = None,
+    render_chat: Optional[Callable] = None,
+    termination_id: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> FastAPI:
     """The server's app. ``max_sequence_length`` bounds prompt + generated tokens; ``termination_id`` (default: the
     tokenizer's end-of-document id) ends a generation; ``render_chat`` turns chat messages into prompt text."""
     from megatron.core.inference.text_generation_server.chat_template import default_chat_prompt
 
     if termination_id is None:
         termination_id = getattr(tokenizer, "eod", None)
-    parser = RequestParser(tokenizer, model_name, max_sequence_length, defaults,
-                           render_chat or default_chat_prompt, vocab_size)
+    parser = RequestParser(
+        tokenizer, model_name, max_sequence_length, defaults, render_chat or default_chat_prompt, vocab_size
+    )
     app = FastAPI(title="Megatron text generation server", docs_url=None, redoc_url=None, openapi_url=None)
     created = responses.now()
 
@@ -67,13 +75,19 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception):
         logger.exception("request failed")
-        return JSONResponse(error_body(f"The server failed on this request: {type(error).__name__}: {error}",
-                                       type=SERVER_ERROR), status_code=500)
+        return JSONResponse(
+            error_body(f"The server failed on this request: {type(error).__name__}: {error}", type=SERVER_ERROR),
+            status_code=500,
+        )
 
     def _generation(request: GenerationRequest) -> Generation:
         if not serving_loop.running:
-            raise OpenAIError(f"The inference engine is not running ({serving_loop.fatal_error or 'stopped'}).",
-                              status=503, type=SERVER_ERROR, code="engine_unavailable")
+            raise OpenAIError(
+                f"The inference engine is not running ({serving_loop.fatal_error or 'stopped'}).",
+                status=503,
+                type=SERVER_ERROR,
+                code="engine_unavailable",
+            )
         return Generation(serving_loop, request, tokenizer, termination_id)
 
     # -------------------------------------------------------------- health and models
@@ -87,8 +101,13 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
     app.get("/v1/health")(_health)
 
     def _model_card() -> Dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "megatron",
-                "max_model_len": max_sequence_length}
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "megatron",
+            "max_model_len": max_sequence_length,
+        }
 
     @app.get("/v1/models")
     async def _models():
@@ -97,8 +116,13 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
     @app.get("/v1/models/{model}")
     async def _model(model: str):
         if model != model_name:
-            raise OpenAIError(f"The model '{model}' does not exist; this server serves '{model_name}'.",
-                              status=404, type=NOT_FOUND, param="model", code="model_not_found")
+            raise OpenAIError(
+                f"The model '{model}' does not exist; this server serves '{model_name}'.",
+                status=404,
+                type=NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
         return _model_card()
 
     # -------------------------------------------------------------- completions
@@ -107,13 +131,23 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
         request = parser.completion(parse_json_body(await http_request.body()))
         generation = _generation(request)
         if request.stream:
-            return StreamingResponse(_stream_completion(generation), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+            return StreamingResponse(
+                _stream_completion(generation), media_type="text/event-stream", headers=_SSE_HEADERS
+            )
         choices = await _collect(generation)
-        body = [responses.completion_choice(c.index, _echoed(generation, c.index) + c.text, c.finish_reason,
-                                            _completion_logprobs(generation, c)) for c in choices]
-        return responses.completion_response(responses.new_id("cmpl"), responses.now(), model_name, body,
-                                             responses.usage(generation.prompt_tokens, generation.completion_tokens))
+        body = [
+            responses.completion_choice(
+                c.index, _echoed(generation, c.index) + c.text, c.finish_reason, _completion_logprobs(generation, c)
+            )
+            for c in choices
+        ]
+        return responses.completion_response(
+            responses.new_id("cmpl"),
+            responses.now(),
+            model_name,
+            body,
+            responses.usage(generation.prompt_tokens, generation.completion_tokens),
+        )
 
     app.post("/v1/completions")(_completions)
     app.post("/completions")(_completions)
@@ -140,8 +174,9 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
         response_id, when = responses.new_id("cmpl"), responses.now()
 
         def chunk(choices, usage_counts=None):
-            return responses.sse(responses.completion_chunk(response_id, when, model_name, choices, usage_counts,
-                                                            request.include_usage))
+            return responses.sse(
+                responses.completion_chunk(response_id, when, model_name, choices, usage_counts, request.include_usage)
+            )
 
         try:
             if request.echo:
@@ -150,11 +185,13 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
             async for update in generation.updates():
                 logprobs = None
                 if request.logprobs is not None and update.tokens:
-                    logprobs = responses.completion_logprobs(tokenizer, update.tokens, update.log_probs,
-                                                             update.top_logprobs, request.logprobs)
+                    logprobs = responses.completion_logprobs(
+                        tokenizer, update.tokens, update.log_probs, update.top_logprobs, request.logprobs
+                    )
                 if update.text or update.finish_reason or logprobs:
-                    yield chunk([responses.completion_choice(update.index, update.text, update.finish_reason,
-                                                             logprobs)])
+                    yield chunk(
+                        [responses.completion_choice(update.index, update.text, update.finish_reason, logprobs)]
+                    )
             if request.include_usage:
                 yield chunk([], responses.usage(generation.prompt_tokens, generation.completion_tokens))
         except OpenAIError as error:
@@ -169,10 +206,19 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
         if request.stream:
             return StreamingResponse(_stream_chat(generation), media_type="text/event-stream", headers=_SSE_HEADERS)
         choices = await _collect(generation)
-        body = [responses.chat_choice(c.index, c.text, c.finish_reason, _chat_logprobs(request, c.tokens,
-                                      c.log_probs, c.top_logprobs)) for c in choices]
-        return responses.chat_response(responses.new_id("chatcmpl"), responses.now(), model_name, body,
-                                       responses.usage(generation.prompt_tokens, generation.completion_tokens))
+        body = [
+            responses.chat_choice(
+                c.index, c.text, c.finish_reason, _chat_logprobs(request, c.tokens, c.log_probs, c.top_logprobs)
+            )
+            for c in choices
+        ]
+        return responses.chat_response(
+            responses.new_id("chatcmpl"),
+            responses.now(),
+            model_name,
+            body,
+            responses.usage(generation.prompt_tokens, generation.completion_tokens),
+        )
 
     app.post("/v1/chat/completions")(_chat_completions)
     app.post("/chat/completions")(_chat_completions)
@@ -187,8 +233,9 @@ def create_app(serving_loop: ServingLoop, tokenizer, model_name: str, max_sequen
         response_id, when = responses.new_id("chatcmpl"), responses.now()
 
         def chunk(choices, usage_counts=None):
-            return responses.sse(responses.chat_chunk(response_id, when, model_name, choices, usage_counts,
-                                                      request.include_usage))
+            return responses.sse(
+                responses.chat_chunk(response_id, when, model_name, choices, usage_counts, request.include_usage)
+            )
 
         try:
             for index in range(generation.num_choices):

@@ -70,7 +70,8 @@ def build_chat_renderer(tokenizer, template_file: Optional[str] = None) -> Calla
         try:
             return compiled.render(messages=messages, add_generation_prompt=True, **special)
         except jinja2.exceptions.TemplateError as error:  # e.g. the template's raise_exception on role order
-            raise OpenAIError(f"The chat template refused these messages: {error}", param="messages",
-                              code="invalid_value") from None
+            raise OpenAIError(
+                f"The chat template refused these messages: {error}", param="messages", code="invalid_value"
+            ) from None
 
     return render

@@ -15,8 +15,15 @@ SERVER_ERROR = "server_error"
 class OpenAIError(Exception):
     """A request the server refuses (or failed to serve), with the HTTP status and the error fields."""
 
-    def __init__(self, message: str, *, status: int = 400, type: str = INVALID_REQUEST,
-                 param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = INVALID_REQUEST,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -28,29 +35,33 @@ class OpenAIError(Exception):
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
 
-def error_body(message: str, *, type: str = INVALID_REQUEST, param: Optional[str] = None,
-               code: Optional[str] = None) -> Dict[str, Any]:
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: Optional[str] = None, code: Optional[str] = None
+) -> Dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def invalid_type(param: str, expected: str, value: Any) -> OpenAIError:
     return OpenAIError(
         f"Invalid type for '{param}': expected {expected}, but got {_json_type_name(value)} instead.",
-        param=param, code="invalid_type",
+        param=param,
+        code="invalid_type",
     )
 
 
 def below_minimum(param: str, minimum, value) -> OpenAIError:
     return OpenAIError(
         f"Invalid '{param}': {value} is below the minimum value {minimum}. Expected a value >= {minimum}.",
-        param=param, code="below_min_value",
+        param=param,
+        code="below_min_value",
     )
 
 
 def above_maximum(param: str, maximum, value) -> OpenAIError:
     return OpenAIError(
         f"Invalid '{param}': {value} is above the maximum value {maximum}. Expected a value <= {maximum}.",
-        param=param, code="above_max_value",
+        param=param,
+        code="above_max_value",
     )
 
 

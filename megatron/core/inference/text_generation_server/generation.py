@@ -49,8 +49,7 @@ def sampling_params_for(request: GenerationRequest, choice: int, termination_id:
 class Generation:
     """All choices of one request, run concurrently on the engine (the engine batches them with everything else)."""
 
-    def __init__(self, serving_loop: ServingLoop, request: GenerationRequest, tokenizer,
-                 termination_id: Optional[int]):
+    def __init__(self, serving_loop: ServingLoop, request: GenerationRequest, tokenizer, termination_id: Optional[int]):
         self.request = request
         self.tokenizer = tokenizer
         self.prompt_tokens = sum(len(p) for p in request.prompts)
@@ -78,8 +77,10 @@ class Generation:
         """Every choice's updates, interleaved as the engine produces them; each choice ends with one update
         carrying its finish_reason. An engine error raises :class:`OpenAIError`."""
         merged: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._follow(index, handle, merged))
-                 for index, (_, handle) in enumerate(self._handles)]
+        tasks = [
+            asyncio.ensure_future(self._follow(index, handle, merged))
+            for index, (_, handle) in enumerate(self._handles)
+        ]
         try:
             remaining = len(tasks)
             while remaining:
@@ -100,9 +101,14 @@ class Generation:
             async for progress in handle:
                 if progress.error is not None:
                     status = 400 if progress.error_is_client_error else 500
-                    merged.put_nowait(OpenAIError(progress.error, status=status,
-                                                  type="invalid_request_error" if status == 400 else SERVER_ERROR,
-                                                  code=None if status == 400 else "engine_error"))
+                    merged.put_nowait(
+                        OpenAIError(
+                            progress.error,
+                            status=status,
+                            type="invalid_request_error" if status == 400 else SERVER_ERROR,
+                            code=None if status == 400 else "engine_error",
+                        )
+                    )
                     return
                 if progress.prompt_log_probs is not None:
                     self.prompt_log_probs.setdefault(prompt_index, progress.prompt_log_probs)

@@ -31,8 +31,11 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class ChoiceAccumulator:
@@ -58,8 +61,14 @@ class ChoiceAccumulator:
 # ------------------------------------------------------------------------ completions
 
 
-def completion_logprobs(tokenizer, tokens: List[int], log_probs: List[Optional[float]],
-                        top_logprobs: List[Optional[Dict[str, float]]], top_n: int, text_offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer,
+    tokens: List[int],
+    log_probs: List[Optional[float]],
+    top_logprobs: List[Optional[Dict[str, float]]],
+    top_n: int,
+    text_offset: int = 0,
+) -> dict:
     """The completions endpoint's log-probs object (``top_logprobs`` entries hold ``top_n`` alternatives)."""
     strings = [tokenizer.detokenize([t]) for t in tokens]
     offsets, position = [], text_offset
@@ -80,16 +89,36 @@ def completion_choice(index: int, text: str, finish_reason: Optional[str], logpr
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_response(response_id: str, created: int, model: str, choices: List[dict],
-                        usage_counts: Dict[str, int]) -> dict:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_counts, "system_fingerprint": None}
+def completion_response(
+    response_id: str, created: int, model: str, choices: List[dict], usage_counts: Dict[str, int]
+) -> dict:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_counts,
+        "system_fingerprint": None,
+    }
 
 
-def completion_chunk(response_id: str, created: int, model: str, choices: List[dict],
-                     usage_counts: Optional[Dict[str, int]] = None, include_usage: bool = False) -> dict:
-    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": None}
+def completion_chunk(
+    response_id: str,
+    created: int,
+    model: str,
+    choices: List[dict],
+    usage_counts: Optional[Dict[str, int]] = None,
+    include_usage: bool = False,
+) -> dict:
+    chunk = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if include_usage:
         chunk["usage"] = usage_counts
     return chunk
@@ -98,40 +127,74 @@ def completion_chunk(response_id: str, created: int, model: str, choices: List[d
 # ------------------------------------------------------------------------ chat
 
 
-def chat_logprobs(tokenizer, tokens: List[int], log_probs: List[float], top_logprobs: List[Dict[str, float]],
-                  top_n: int) -> dict:
+def chat_logprobs(
+    tokenizer, tokens: List[int], log_probs: List[float], top_logprobs: List[Dict[str, float]], top_n: int
+) -> dict:
     content = []
     for token, log_prob, top in zip(tokens, log_probs, _padded(top_logprobs, tokens)):
         text = tokenizer.detokenize([token])
-        alternatives = [] if top is None or top_n == 0 else [
-            {"token": alt, "logprob": float(lp), "bytes": list(alt.encode("utf-8"))}
-            for alt, lp in list(top.items())[:top_n]
-        ]
-        content.append({"token": text, "logprob": float(log_prob), "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": alternatives})
+        alternatives = (
+            []
+            if top is None or top_n == 0
+            else [
+                {"token": alt, "logprob": float(lp), "bytes": list(alt.encode("utf-8"))}
+                for alt, lp in list(top.items())[:top_n]
+            ]
+        )
+        content.append(
+            {
+                "token": text,
+                "logprob": float(log_prob),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": alternatives,
+            }
+        )
     return {"content": content, "refusal": None}
 
 
 def chat_choice(index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_response(response_id: str, created: int, model: str, choices: List[dict],
-                  usage_counts: Dict[str, int]) -> dict:
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_counts, "system_fingerprint": None}
+def chat_response(
+    response_id: str, created: int, model: str, choices: List[dict], usage_counts: Dict[str, int]
+) -> dict:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_counts,
+        "system_fingerprint": None,
+    }
 
 
-def chat_chunk(response_id: str, created: int, model: str, choices: List[dict],
-               usage_counts: Optional[Dict[str, int]] = None, include_usage: bool = False) -> dict:
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": None}
+def chat_chunk(
+    response_id: str,
+    created: int,
+    model: str,
+    choices: List[dict],
+    usage_counts: Optional[Dict[str, int]] = None,
+    include_usage: bool = False,
+) -> dict:
+    chunk = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if include_usage:
         chunk["usage"] = usage_counts
     return chunk
 
 
-def chat_delta(index: int, delta: dict, finish_reason: Optional[str] = None,
-               logprobs: Optional[dict] = None) -> dict:
+def chat_delta(index: int, delta: dict, finish_reason: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -73,16 +73,33 @@ def listen_socket(host: str, port: int) -> socket.socket:
 class TextGenerationServer:
     """The OpenAI-compatible server around one engine (see the module docstring)."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, max_sequence_length: int,
-                 defaults: Optional[ServingDefaults] = None, chat_template_file: Optional[str] = None,
-                 group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None,
-                 termination_id: Optional[int] = None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        model_name: str,
+        max_sequence_length: int,
+        defaults: Optional[ServingDefaults] = None,
+        chat_template_file: Optional[str] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        vocab_size: Optional[int] = None,
+        termination_id: Optional[int] = None,
+    ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.serving_loop = ServingLoop(engine, group=group)
         self.app = None
         if self.rank == 0:
-            self.app = create_app(self.serving_loop, tokenizer, model_name, max_sequence_length, defaults,
-                                  build_chat_renderer(tokenizer, chat_template_file), termination_id, vocab_size)
+            self.app = create_app(
+                self.serving_loop,
+                tokenizer,
+                model_name,
+                max_sequence_length,
+                defaults,
+                build_chat_renderer(tokenizer, chat_template_file),
+                termination_id,
+                vocab_size,
+            )
         self._uvicorn = None
         self._thread: Optional[threading.Thread] = None
 
@@ -119,8 +136,9 @@ class TextGenerationServer:
         self.serving_loop.start()
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="uvicorn",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._uvicorn.started:

@@ -75,8 +75,7 @@ class ServingLoop:
     """Owns the engine: :meth:`submit` (rank 0, from the event loop), :meth:`run` (rank 0's engine thread, started
     by :meth:`start`), :meth:`follow` (every other rank), :meth:`shutdown` (rank 0: stops every rank)."""
 
-    def __init__(self, engine, group: Optional[dist.ProcessGroup] = None, src_rank: int = 0,
-                 heartbeat_s: float = 1.0):
+    def __init__(self, engine, group: Optional[dist.ProcessGroup] = None, src_rank: int = 0, heartbeat_s: float = 1.0):
         self.engine = engine
         self.group = group
         self.src_rank = src_rank
@@ -106,8 +105,7 @@ class ServingLoop:
 
     def start(self) -> None:
         device = get_current_device()  # the CUDA device is per thread: the engine thread takes this rank's
-        self._thread = threading.Thread(target=self._run_guarded, args=(device,), name="inference-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_guarded, args=(device,), name="inference-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 60.0) -> None:

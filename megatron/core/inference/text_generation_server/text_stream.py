@@ -66,7 +66,7 @@ class TextStream:
             # The decoder re-read earlier tokens differently (rare: merges across a character boundary): keep
             # what was sent, and send only what extends it once it does again.
             return ""
-        piece = text[len(self.text):]
+        piece = text[len(self.text) :]
         self.text = text
         return piece
 

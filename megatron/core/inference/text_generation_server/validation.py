@@ -76,7 +76,8 @@ def parse_json_body(raw: bytes) -> Dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise OpenAIError(
             f"The request body is not valid JSON ({error}). Send a JSON object with the header "
-            f"'Content-Type: application/json'.", code="invalid_json",
+            f"'Content-Type: application/json'.",
+            code="invalid_json",
         ) from None
     if not isinstance(body, dict):
         raise OpenAIError(
@@ -89,9 +90,15 @@ def parse_json_body(raw: bytes) -> Dict[str, Any]:
 class RequestParser:
     """Reads request bodies for one served model: its name, its tokenizer and its context length."""
 
-    def __init__(self, tokenizer, model_name: str, max_sequence_length: int,
-                 defaults: Optional[ServingDefaults] = None, render_chat: Optional[Callable] = None,
-                 vocab_size: Optional[int] = None):
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        max_sequence_length: int,
+        defaults: Optional[ServingDefaults] = None,
+        render_chat: Optional[Callable] = None,
+        vocab_size: Optional[int] = None,
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_sequence_length = max_sequence_length
@@ -121,12 +128,12 @@ class RequestParser:
         logprobs = _boolean(body, "logprobs", False)
         top_logprobs = _integer(body, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
         if top_logprobs is not None and not logprobs:
-            raise OpenAIError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs",
-                              code="invalid_value")
+            raise OpenAIError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
         max_completion = _integer(body, "max_completion_tokens", None, minimum=1)
         default_max = max(1, self.max_sequence_length - len(prompt))
-        request = self._common(body, [prompt], [text], "messages", default_max_tokens=default_max,
-                               max_tokens_override=max_completion)
+        request = self._common(
+            body, [prompt], [text], "messages", default_max_tokens=default_max, max_tokens_override=max_completion
+        )
         request.logprobs = (top_logprobs or 0) if logprobs else None
         return request
 
@@ -139,15 +146,15 @@ class RequestParser:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise invalid_type("prompts", "an array of strings", prompts)
         if not prompts:
-            raise OpenAIError("'prompts' is empty; send at least one prompt.", param="prompts",
-                              code="invalid_value")
+            raise OpenAIError("'prompts' is empty; send at least one prompt.", param="prompts", code="invalid_value")
         if len(prompts) > MAX_LEGACY_PROMPTS:
             raise above_maximum("prompts (count)", MAX_LEGACY_PROMPTS, len(prompts))
         add_bos = _boolean(body, "add_BOS", False)
         bos = getattr(self.tokenizer, "bos", -1)
         if add_bos and (bos is None or bos < 0):
-            raise OpenAIError("'add_BOS' is true but this tokenizer has no BOS token.", param="add_BOS",
-                              code="invalid_value")
+            raise OpenAIError(
+                "'add_BOS' is true but this tokenizer has no BOS token.", param="add_BOS", code="invalid_value"
+            )
         token_lists = []
         for prompt in prompts:
             tokens = ([bos] if add_bos else []) + self.tokenizer.tokenize(prompt)
@@ -159,25 +166,40 @@ class RequestParser:
         top_p = _number(body, "top_p", self.defaults.top_p, minimum=0.0, maximum=1.0)
         for name in ("beam_width", "prevent_newline_after_colon", "stop_token", "length_penalty"):
             if body.get(name) not in (None, False, 0):
-                raise OpenAIError(f"'{name}' is not supported by this server; remove it.", param=name,
-                                  code="unsupported_parameter")
+                raise OpenAIError(
+                    f"'{name}' is not supported by this server; remove it.", param=name, code="unsupported_parameter"
+                )
         stop = []
         if _boolean(body, "stop_on_double_eol", False):
             stop.append("\n\n")
         if _boolean(body, "stop_on_eol", False):
             stop.append("\n")
         request = GenerationRequest(
-            prompts=token_lists, prompt_texts=list(prompts), max_tokens=max_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=_integer(body, "random_seed", None, minimum=0, maximum=MAX_SEED),
-            stop=stop, logprobs=0 if _boolean(body, "logprobs", False) else None, echo=True,
+            prompts=token_lists,
+            prompt_texts=list(prompts),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=_integer(body, "random_seed", None, minimum=0, maximum=MAX_SEED),
+            stop=stop,
+            logprobs=0 if _boolean(body, "logprobs", False) else None,
+            echo=True,
         )
         self._check_context(request, "tokens_to_generate", "prompts")
         return request
 
     # ---------------------------------------------------------------- shared pieces
 
-    def _common(self, body, prompts, texts, prompt_param: str, default_max_tokens: int,
-                max_tokens_override: Optional[int] = None) -> GenerationRequest:
+    def _common(
+        self,
+        body,
+        prompts,
+        texts,
+        prompt_param: str,
+        default_max_tokens: int,
+        max_tokens_override: Optional[int] = None,
+    ) -> GenerationRequest:
         max_tokens = _integer(body, "max_tokens", default_max_tokens, minimum=1)
         if max_tokens_override is not None:
             max_tokens = max_tokens_override
@@ -189,11 +211,15 @@ class RequestParser:
         top_k = self.defaults.top_k if top_k is None else max(top_k, 0)
         for name in ("frequency_penalty", "presence_penalty"):
             if _number(body, name, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
-                raise OpenAIError(f"'{name}' is not supported by this server; leave it at 0.", param=name,
-                                  code="unsupported_parameter")
+                raise OpenAIError(
+                    f"'{name}' is not supported by this server; leave it at 0.",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if body.get("logit_bias"):
-            raise OpenAIError("'logit_bias' is not supported by this server.", param="logit_bias",
-                              code="unsupported_parameter")
+            raise OpenAIError(
+                "'logit_bias' is not supported by this server.", param="logit_bias", code="unsupported_parameter"
+            )
         stream = _boolean(body, "stream", False)
         stream_options = body.get("stream_options")
         include_usage = False
@@ -201,18 +227,26 @@ class RequestParser:
             if not isinstance(stream_options, dict):
                 raise invalid_type("stream_options", "an object", stream_options)
             if not stream:
-                raise OpenAIError("'stream_options' is only allowed with 'stream': true.",
-                                  param="stream_options", code="invalid_value")
+                raise OpenAIError(
+                    "'stream_options' is only allowed with 'stream': true.",
+                    param="stream_options",
+                    code="invalid_value",
+                )
             include_usage = _boolean(stream_options, "include_usage", False, name="stream_options.include_usage")
         request = GenerationRequest(
-            prompts=prompts, prompt_texts=texts, max_tokens=max_tokens,
+            prompts=prompts,
+            prompt_texts=texts,
+            max_tokens=max_tokens,
             n=_integer(body, "n", 1, minimum=1, maximum=MAX_N),
-            temperature=temperature, top_k=top_k, top_p=top_p,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             seed=_integer(body, "seed", None, minimum=0, maximum=MAX_SEED),
-            stop=_stop_sequences(body), stream=stream, include_usage=include_usage,
+            stop=_stop_sequences(body),
+            stream=stream,
+            include_usage=include_usage,
         )
-        self._check_context(request, "max_completion_tokens" if max_tokens_override else "max_tokens",
-                            prompt_param)
+        self._check_context(request, "max_completion_tokens" if max_tokens_override else "max_tokens", prompt_param)
         return request
 
     def _check_model(self, body) -> None:
@@ -224,15 +258,19 @@ class RequestParser:
         if model != self.model_name:
             raise OpenAIError(
                 f"The model '{model}' does not exist; this server serves '{self.model_name}' (see GET /v1/models).",
-                status=404, type=NOT_FOUND, param="model", code="model_not_found",
+                status=404,
+                type=NOT_FOUND,
+                param="model",
+                code="model_not_found",
             )
 
     @staticmethod
     def _refuse_unsupported(body, names) -> None:
         for name in names:
             if body.get(name) not in _NO_OP_VALUES[name]:
-                raise OpenAIError(f"'{name}' is not supported by this server; remove it.", param=name,
-                                  code="unsupported_parameter")
+                raise OpenAIError(
+                    f"'{name}' is not supported by this server; remove it.", param=name, code="unsupported_parameter"
+                )
 
     def _completion_prompts(self, body):
         prompt = body.get("prompt", _MISSING)
@@ -242,15 +280,28 @@ class RequestParser:
             items = [prompt]
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             items = [prompt]
-        elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(
-                isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and (
+                all(isinstance(p, str) for p in prompt)
+                or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
+            )
+        ):
             items = prompt
         elif isinstance(prompt, list) and not prompt:
-            raise OpenAIError("'prompt' is an empty array; send a string, an array of strings, an array of "
-                              "token ids or an array of arrays of token ids.", param="prompt", code="invalid_value")
+            raise OpenAIError(
+                "'prompt' is an empty array; send a string, an array of strings, an array of "
+                "token ids or an array of arrays of token ids.",
+                param="prompt",
+                code="invalid_value",
+            )
         else:
-            raise invalid_type("prompt", "a string, an array of strings, an array of token ids or an array of "
-                               "arrays of token ids", prompt)
+            raise invalid_type(
+                "prompt",
+                "a string, an array of strings, an array of token ids or an array of arrays of token ids",
+                prompt,
+            )
         tokens, texts = [], []
         for item in items:
             if isinstance(item, str):
@@ -259,8 +310,11 @@ class RequestParser:
             else:
                 bad = [t for t in item if not 0 <= t < self.vocab_size]
                 if bad:
-                    raise OpenAIError(f"'prompt' holds token ids {bad[:5]} outside this model's vocabulary "
-                                      f"[0, {self.vocab_size}).", param="prompt", code="invalid_value")
+                    raise OpenAIError(
+                        f"'prompt' holds token ids {bad[:5]} outside this model's vocabulary [0, {self.vocab_size}).",
+                        param="prompt",
+                        code="invalid_value",
+                    )
                 ids = list(item)
                 text = self.tokenizer.detokenize(ids) if ids else ""
             self._check_prompt_tokens(ids, "prompt")
@@ -270,13 +324,15 @@ class RequestParser:
 
     def _check_prompt_tokens(self, tokens: List[int], param: str) -> None:
         if not tokens:
-            raise OpenAIError(f"'{param}' is empty after tokenization; send at least one token.", param=param,
-                              code="invalid_value")
+            raise OpenAIError(
+                f"'{param}' is empty after tokenization; send at least one token.", param=param, code="invalid_value"
+            )
         if len(tokens) >= self.max_sequence_length:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_sequence_length} tokens, and the prompt has "
                 f"{len(tokens)} tokens, which leaves no room to generate. Shorten the prompt.",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def _check_context(self, request: GenerationRequest, max_tokens_param: str, prompt_param: str) -> None:
@@ -286,7 +342,8 @@ class RequestParser:
                 f"This model's maximum context length is {self.max_sequence_length} tokens. However, you requested "
                 f"{longest + request.max_tokens} tokens ({longest} in the {prompt_param}, {request.max_tokens} in "
                 f"the completion). Reduce the length of the {prompt_param} or '{max_tokens_param}'.",
-                param=max_tokens_param, code="context_length_exceeded",
+                param=max_tokens_param,
+                code="context_length_exceeded",
             )
 
 
@@ -344,8 +401,11 @@ def _stop_sequences(body) -> List[str]:
     if len(stop) > MAX_STOP_SEQUENCES:
         raise above_maximum("stop (count)", MAX_STOP_SEQUENCES, len(stop))
     if any(s == "" for s in stop):
-        raise OpenAIError("'stop' holds an empty string; every stop sequence needs at least one character.",
-                          param="stop", code="invalid_value")
+        raise OpenAIError(
+            "'stop' holds an empty string; every stop sequence needs at least one character.",
+            param="stop",
+            code="invalid_value",
+        )
     return stop
 
 
@@ -360,8 +420,7 @@ def _chat_messages(body) -> List[Dict[str, str]]:
     if not isinstance(messages, list):
         raise invalid_type("messages", "an array", messages)
     if not messages:
-        raise OpenAIError("'messages' is empty; send at least one message.", param="messages",
-                          code="invalid_value")
+        raise OpenAIError("'messages' is empty; send at least one message.", param="messages", code="invalid_value")
     out = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -371,8 +430,11 @@ def _chat_messages(body) -> List[Dict[str, str]]:
         if role is None:
             raise missing_parameter(f"{where}.role")
         if role not in _CHAT_ROLES:
-            raise OpenAIError(f"Invalid '{where}.role': {role!r}. Supported roles: {', '.join(_CHAT_ROLES)}.",
-                              param=f"{where}.role", code="invalid_value")
+            raise OpenAIError(
+                f"Invalid '{where}.role': {role!r}. Supported roles: {', '.join(_CHAT_ROLES)}.",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
         content = message.get("content")
         if content is None:
             content = ""
@@ -380,9 +442,12 @@ def _chat_messages(body) -> List[Dict[str, str]]:
             parts = []
             for part_index, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(f"'{where}.content[{part_index}]' is not a text part "
-                                      f"({{'type': 'text', 'text': ...}}); this server reads text only.",
-                                      param=f"{where}.content", code="invalid_value")
+                    raise OpenAIError(
+                        f"'{where}.content[{part_index}]' is not a text part "
+                        f"({{'type': 'text', 'text': ...}}); this server reads text only.",
+                        param=f"{where}.content",
+                        code="invalid_value",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):

@@ -43,8 +43,9 @@ def _refuse_unbuilt(multi_latent_attention=False, fp8=None, use_kitchen=False, u
     if fp8 is not None:
         raise _not_supported("FP8 (needs Transformer Engine)", fp8=fp8)
     if use_kitchen or use_kitchen_attention:
-        raise _not_supported("Kitchen quantised layers", use_kitchen=use_kitchen,
-                             use_kitchen_attention=use_kitchen_attention)
+        raise _not_supported(
+            "Kitchen quantised layers", use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
+        )
 
 
 def _norm_spec(normalization: Optional[str]):
@@ -110,8 +111,12 @@ def get_gpt_layer_local_submodules(
     ``qk_layernorm`` normalises each query / key head with that norm, ``qk_l2_norm`` with a parameter-free L2
     norm (it takes precedence). ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``.
     """
-    _refuse_unbuilt(multi_latent_attention=multi_latent_attention, fp8=fp8, use_kitchen=use_kitchen,
-                    use_kitchen_attention=use_kitchen_attention)
+    _refuse_unbuilt(
+        multi_latent_attention=multi_latent_attention,
+        fp8=fp8,
+        use_kitchen=use_kitchen,
+        use_kitchen_attention=use_kitchen_attention,
+    )
     norm = _norm_spec(normalization)
     if qk_l2_norm:
         qk_norm = _LOCAL.l2_norm()
@@ -159,8 +164,16 @@ def get_gpt_layer_local_spec(
     return ModuleSpec(
         module=TransformerLayer,
         submodules=get_gpt_layer_local_submodules(
-            num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, normalization, qk_l2_norm,
-            use_kitchen, use_kitchen_attention, kitchen_attention_backend,
+            num_experts,
+            moe_grouped_gemm,
+            qk_layernorm,
+            multi_latent_attention,
+            fp8,
+            normalization,
+            qk_l2_norm,
+            use_kitchen,
+            use_kitchen_attention,
+            kitchen_attention_backend,
         ),
     )
 

@@ -88,8 +88,10 @@ class GPTModel(LanguageModule):
         if position_embedding_type == "mrope":
             self.mrope_section = config.mrope_section
             if not self.mrope_section:
-                raise ValueError("position_embedding_type='mrope' needs config.mrope_section (channel pairs per "
-                                 "temporal / height / width section)")
+                raise ValueError(
+                    "position_embedding_type='mrope' needs config.mrope_section (channel pairs per "
+                    "temporal / height / width section)"
+                )
             self.rotary_pos_emb = MultimodalRotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=rotary_percent,

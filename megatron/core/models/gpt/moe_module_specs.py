@@ -51,7 +51,9 @@ def get_moe_module_spec_for_backend(
     if moe_grouped_gemm:
         experts = ModuleSpec(
             module=TEGroupedMLP,
-            submodules=GroupedMLPSubmodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear),
+            submodules=GroupedMLPSubmodules(
+                linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear
+            ),
         )
     else:
         experts = ModuleSpec(module=SequentialMLP, submodules=dense_linears)

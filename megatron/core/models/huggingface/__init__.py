@@ -29,8 +29,20 @@ from megatron.core.models.huggingface.families import (
 )
 
 __all__ = [
-    "FAMILIES", "ModelSettings", "UnsupportedHFModelError", "build_gpt_model_from_hf", "build_model_from_hf", "hybrid_model_kwargs",
-    "export_megatron_checkpoint_to_hf", "family_for_architecture", "gpt_model_kwargs", "hf_state_dict_from_model",
-    "load_hf_weights", "padded_vocab_size", "read_hf_config", "save_megatron_checkpoint_from_hf",
-    "settings_from_hf_config", "transformer_config_from_settings",
+    "FAMILIES",
+    "ModelSettings",
+    "UnsupportedHFModelError",
+    "build_gpt_model_from_hf",
+    "build_model_from_hf",
+    "hybrid_model_kwargs",
+    "export_megatron_checkpoint_to_hf",
+    "family_for_architecture",
+    "gpt_model_kwargs",
+    "hf_state_dict_from_model",
+    "load_hf_weights",
+    "padded_vocab_size",
+    "read_hf_config",
+    "save_megatron_checkpoint_from_hf",
+    "settings_from_hf_config",
+    "transformer_config_from_settings",
 ]

@@ -38,8 +38,9 @@ def settings_from_hf_config(config: dict) -> Tuple[FamilyAdapter, ModelSettings]
     family = family_for_architecture(architectures[0])
     settings = family.settings_from_hf(config)
     if settings.params_dtype not in _DTYPES:
-        raise UnsupportedHFModelError(f"{architectures[0]}: dtype = {settings.params_dtype!r} is not supported; "
-                                      f"use one of {sorted(_DTYPES)}")
+        raise UnsupportedHFModelError(
+            f"{architectures[0]}: dtype = {settings.params_dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+        )
     if settings.num_attention_heads % settings.num_query_groups:
         raise UnsupportedHFModelError(
             f"{architectures[0]}: num_attention_heads ({settings.num_attention_heads}) is not a multiple of "
@@ -56,8 +57,9 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, 
     """The vocabulary Megatron builds for ``vocab_size`` tokens (``--make-vocab-size-divisible-by`` x TP)."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
-    options = SimpleNamespace(make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                              tensor_model_parallel_size=tensor_parallel_size)
+    options = SimpleNamespace(
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tensor_parallel_size
+    )
     return vocab_size_with_padding(vocab_size, options, logging_enabled=False)
 
 
@@ -95,9 +97,13 @@ def transformer_config_from_settings(settings: ModelSettings, **overrides):
         **_moe_config(settings),
     )
     if settings.hybrid_layer_pattern is not None:
-        kwargs.update(is_hybrid_model=True, mamba_state_dim=settings.mamba_state_dim,
-                      mamba_head_dim=settings.mamba_head_dim, mamba_num_groups=settings.mamba_num_groups,
-                      mamba_num_heads=settings.mamba_num_heads)
+        kwargs.update(
+            is_hybrid_model=True,
+            mamba_state_dim=settings.mamba_state_dim,
+            mamba_head_dim=settings.mamba_head_dim,
+            mamba_num_groups=settings.mamba_num_groups,
+            mamba_num_heads=settings.mamba_num_heads,
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -107,20 +113,28 @@ def _moe_config(settings: ModelSettings) -> dict:
     k chosen experts, as Mixtral does (``moe_router_pre_softmax=True`` would not)."""
     if not settings.num_moe_experts:
         return {}
-    return dict(num_moe_experts=settings.num_moe_experts, moe_router_topk=settings.moe_router_topk,
-                moe_ffn_hidden_size=settings.moe_ffn_hidden_size, moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
-                moe_router_score_function="softmax", moe_router_pre_softmax=False,
-                moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather")
+    return dict(
+        num_moe_experts=settings.num_moe_experts,
+        moe_router_topk=settings.moe_router_topk,
+        moe_ffn_hidden_size=settings.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="allgather",
+    )
 
 
-def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
-                     make_vocab_size_divisible_by: int = 128) -> dict:
+def gpt_model_kwargs(
+    settings: ModelSettings, tensor_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
+) -> dict:
     """GPTModel's arguments besides ``config`` (the local layer spec, padded vocabulary, positions, RoPE, ties)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return dict(
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=settings.num_moe_experts,
-                                                        normalization=settings.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=settings.num_moe_experts, normalization=settings.normalization
+        ),
         vocab_size=padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
         max_sequence_length=settings.max_position_embeddings,
         share_embeddings_and_output_weights=not settings.untie_embeddings_and_output_weights,
@@ -131,8 +145,9 @@ def gpt_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
     )
 
 
-def hybrid_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
-                        make_vocab_size_divisible_by: int = 128) -> dict:
+def hybrid_model_kwargs(
+    settings: ModelSettings, tensor_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
+) -> dict:
     """HybridModel's arguments besides ``config`` (the local hybrid spec, the pattern, padded vocabulary, ties)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
@@ -146,8 +161,9 @@ def hybrid_model_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
     )
 
 
-def model_class_and_kwargs(settings: ModelSettings, tensor_parallel_size: int = 1,
-                           make_vocab_size_divisible_by: int = 128):
+def model_class_and_kwargs(
+    settings: ModelSettings, tensor_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
+):
     """(GPTModel or HybridModel, its arguments besides ``config``) for the settings."""
     if settings.hybrid_layer_pattern is not None:
         from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -165,29 +181,54 @@ def _rotary_base(theta: float):
 # ---- training arguments (what --use-checkpoint-args reads) --------------------------------------------------------
 
 
-def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size: int, pipeline_parallel_size: int,
-                                  make_vocab_size_divisible_by: int, tokenizer_model: Optional[str] = None):
+def checkpoint_args_from_settings(
+    settings: ModelSettings,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    make_vocab_size_divisible_by: int,
+    tokenizer_model: Optional[str] = None,
+):
     """The ``args`` Namespace of a converted checkpoint: Megatron-LM's argument names for the model flags."""
     args = argparse.Namespace(
-        num_layers=settings.num_layers, hidden_size=settings.hidden_size, ffn_hidden_size=settings.ffn_hidden_size,
-        num_attention_heads=settings.num_attention_heads, num_query_groups=settings.num_query_groups,
+        num_layers=settings.num_layers,
+        hidden_size=settings.hidden_size,
+        ffn_hidden_size=settings.ffn_hidden_size,
+        num_attention_heads=settings.num_attention_heads,
+        num_query_groups=settings.num_query_groups,
         group_query_attention=settings.num_query_groups != settings.num_attention_heads,
-        kv_channels=settings.kv_channels, max_position_embeddings=settings.max_position_embeddings,
+        kv_channels=settings.kv_channels,
+        max_position_embeddings=settings.max_position_embeddings,
         seq_length=settings.max_position_embeddings,
-        position_embedding_type=settings.position_embedding_type, rotary_base=_rotary_base(settings.rotary_base),
-        rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=settings.use_rope_scaling,
-        rope_scaling_factor=settings.rope_scaling_factor, swiglu=settings.swiglu, openai_gelu=settings.openai_gelu,
-        squared_relu=False, untie_embeddings_and_output_weights=settings.untie_embeddings_and_output_weights,
-        normalization=settings.normalization, layernorm_epsilon=settings.layernorm_epsilon,
-        add_bias_linear=settings.add_bias_linear, add_qkv_bias=settings.add_qkv_bias, qk_layernorm=False,
-        apply_query_key_layer_scaling=False, hidden_dropout=settings.hidden_dropout,
+        position_embedding_type=settings.position_embedding_type,
+        rotary_base=_rotary_base(settings.rotary_base),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=settings.use_rope_scaling,
+        rope_scaling_factor=settings.rope_scaling_factor,
+        swiglu=settings.swiglu,
+        openai_gelu=settings.openai_gelu,
+        squared_relu=False,
+        untie_embeddings_and_output_weights=settings.untie_embeddings_and_output_weights,
+        normalization=settings.normalization,
+        layernorm_epsilon=settings.layernorm_epsilon,
+        add_bias_linear=settings.add_bias_linear,
+        add_qkv_bias=settings.add_qkv_bias,
+        qk_layernorm=False,
+        apply_query_key_layer_scaling=False,
+        hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         padded_vocab_size=padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
-        tensor_model_parallel_size=tensor_parallel_size, pipeline_model_parallel_size=pipeline_parallel_size,
-        virtual_pipeline_model_parallel_size=None, params_dtype=_DTYPES[settings.params_dtype],
-        bf16=settings.params_dtype == "bfloat16", fp16=settings.params_dtype == "float16",
-        ckpt_format="torch_dist", iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=None,
+        params_dtype=_DTYPES[settings.params_dtype],
+        bf16=settings.params_dtype == "bfloat16",
+        fp16=settings.params_dtype == "float16",
+        ckpt_format="torch_dist",
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
         hf_vocab_size=settings.vocab_size,
     )
     if settings.hybrid_layer_pattern is not None:
@@ -198,8 +239,9 @@ def checkpoint_args_from_settings(settings: ModelSettings, tensor_parallel_size:
     if settings.num_moe_experts:
         moe = _moe_config(settings)
         moe["num_experts"] = moe.pop("num_moe_experts")
-        vars(args).update(moe, moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
-                          moe_router_topk_scaling_factor=None)
+        vars(args).update(
+            moe, moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None, moe_router_topk_scaling_factor=None
+        )
     if tokenizer_model is not None:
         args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", tokenizer_model
     return args
@@ -209,8 +251,11 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
     """The model settings of a Megatron checkpoint's saved arguments (converted here or trained with Megatron);
     ``true_vocab_size`` (``--true-vocab-size``) is the vocabulary without Megatron's padding, by default the one
     the checkpoint records or its tokenizer's."""
-    missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
-               if getattr(args, name, None) is None]
+    missing = [
+        name
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+        if getattr(args, name, None) is None
+    ]
     if missing:
         raise UnsupportedHFModelError(f"the checkpoint's arguments lack {missing}; it cannot be exported")
     heads = args.num_attention_heads
@@ -224,38 +269,60 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
         pattern = "M" * args.num_layers  # --is-hybrid-model without a pattern: all Mamba layers
     hybrid = {}
     if pattern is not None:
-        hybrid = dict(hybrid_layer_pattern=pattern.replace("|", ""), squared_relu=bool(getattr(args, "squared_relu",
-                                                                                              False)))
+        hybrid = dict(
+            hybrid_layer_pattern=pattern.replace("|", ""), squared_relu=bool(getattr(args, "squared_relu", False))
+        )
         for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
             hybrid[name] = getattr(args, name)
         if hybrid["mamba_num_heads"] is None:  # Megatron's default: d_inner = 2 * hidden
             hybrid["mamba_num_heads"] = 2 * args.hidden_size // args.mamba_head_dim
         if not hybrid["squared_relu"] and "-" in pattern:
-            raise UnsupportedHFModelError("the checkpoint's hybrid has MLP layers without --squared-relu; "
-                                          "NemotronH's MLP layers use squared ReLU")
-    unsupported = {"squared_relu": bool(hybrid.get("squared_relu", False)), "qk_layernorm": False,
-                   "rotary_interleaved": False, "apply_layernorm_1p": False, "moe_router_pre_softmax": False,
-                   "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
-                   "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
-                   "moe_input_jitter_eps": None}
+            raise UnsupportedHFModelError(
+                "the checkpoint's hybrid has MLP layers without --squared-relu; NemotronH's MLP layers use squared ReLU"
+            )
+    unsupported = {
+        "squared_relu": bool(hybrid.get("squared_relu", False)),
+        "qk_layernorm": False,
+        "rotary_interleaved": False,
+        "apply_layernorm_1p": False,
+        "moe_router_pre_softmax": False,
+        "moe_router_score_function": "softmax",
+        "moe_router_topk_scaling_factor": None,
+        "moe_shared_expert_intermediate_size": None,
+        "moe_router_enable_expert_bias": False,
+        "moe_input_jitter_eps": None,
+    }
     for name, expected in unsupported.items():
         if getattr(args, name, expected) not in (expected, 0 if expected is None else expected):
-            raise UnsupportedHFModelError(f"the checkpoint's model uses {name}={getattr(args, name)!r}, which no "
-                                          "supported Hugging Face family has")
+            raise UnsupportedHFModelError(
+                f"the checkpoint's model uses {name}={getattr(args, name)!r}, which no "
+                "supported Hugging Face family has"
+            )
     if float(getattr(args, "rotary_percent", 1.0)) != 1.0:
         raise UnsupportedHFModelError(f"rotary_percent={args.rotary_percent} has no mapping in the supported families")
     return ModelSettings(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn, num_attention_heads=heads,
-        num_query_groups=groups, kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-        vocab_size=vocab, max_position_embeddings=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-        layernorm_epsilon=args.layernorm_epsilon, swiglu=swiglu, openai_gelu=bool(getattr(args, "openai_gelu", 0)),
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
+        vocab_size=vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        swiglu=swiglu,
+        openai_gelu=bool(getattr(args, "openai_gelu", 0)),
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        rotary_base=float(getattr(args, "rotary_base", 10000)), use_rope_scaling=bool(getattr(args, "use_rope_scaling",
-                                                                                              False)),
+        rotary_base=float(getattr(args, "rotary_base", 10000)),
+        use_rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, params_dtype=dtype,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        params_dtype=dtype,
         **hybrid,
         **_moe_settings_from_args(args, ffn),
     )
@@ -269,10 +336,14 @@ def _moe_settings_from_args(args, ffn_hidden_size: int) -> dict:
         raise UnsupportedHFModelError(
             "the checkpoint's model uses moe_grouped_gemm=True, whose experts are stored as grouped linears "
             "(mlp.experts.linear_fc1.weight); export reads the per-expert layout of --moe-grouped-gemm off "
-            "(mlp.experts.experts.linear_fc1.weight): convert the checkpoint without grouped GEMM first")
-    return dict(num_moe_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
-                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or ffn_hidden_size,
-                moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
+            "(mlp.experts.experts.linear_fc1.weight): convert the checkpoint without grouped GEMM first"
+        )
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=getattr(args, "moe_router_topk", 2),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or ffn_hidden_size,
+        moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+    )
 
 
 def _unpadded_vocab(args) -> int:
@@ -294,7 +365,10 @@ def _unpadded_vocab(args) -> int:
         raise UnsupportedHFModelError("the checkpoint's arguments have no padded_vocab_size; pass --true-vocab-size")
     logging.getLogger(__name__).warning(
         "the checkpoint does not record its unpadded vocabulary and %s: exporting all %d rows; pass "
-        "--true-vocab-size to drop the padding", reason, size)
+        "--true-vocab-size to drop the padding",
+        reason,
+        size,
+    )
     return size
 
 
@@ -304,4 +378,3 @@ def hf_config_for_export(family: FamilyAdapter, settings: ModelSettings, source_
     config = dict(source_config or {})
     config.update(family.hf_config_from_settings(settings))
     return config
-

@@ -49,8 +49,17 @@ from megatron.core.models.huggingface.weights import (
 )
 
 # Files of a tokenizer saved by transformers: copied along, never parsed here.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 # Where a converted Megatron checkpoint keeps the source's tokenizer files (beside the tracker).
 TOKENIZER_SUBDIR = "hf_tokenizer"
 HF_CONFIG_KEY = "hf_config"  # the source config.json, in the checkpoint's common state
@@ -67,8 +76,9 @@ def expand_rules(family: FamilyAdapter, settings: ModelSettings) -> Dict[str, We
         for rule in family.layer_rules(settings):
             if rule.kind is not None and (layer >= len(kinds) or kinds[layer] != rule.kind):
                 continue  # a hybrid's rule for another kind of layer
-            expanded = dataclasses.replace(rule, megatron=rule.megatron.format(layer=layer),
-                                           hf=tuple(n.format(layer=layer) for n in rule.hf))
+            expanded = dataclasses.replace(
+                rule, megatron=rule.megatron.format(layer=layer), hf=tuple(n.format(layer=layer) for n in rule.hf)
+            )
             rules[expanded.megatron] = expanded
     return rules
 
@@ -82,8 +92,9 @@ def _hf_names_expected(rules: Dict[str, WeightRule], settings: ModelSettings) ->
     return names
 
 
-def check_hf_tensors(reader: HFCheckpointReader, family: FamilyAdapter, settings: ModelSettings,
-                     rules: Dict[str, WeightRule]) -> None:
+def check_hf_tensors(
+    reader: HFCheckpointReader, family: FamilyAdapter, settings: ModelSettings, rules: Dict[str, WeightRule]
+) -> None:
     """Refuse, naming them, HF tensors the model lacks a place for and model tensors the files lack."""
     present = set(reader.names())
     expected = _hf_names_expected(rules, settings)
@@ -99,11 +110,16 @@ def check_hf_tensors(reader: HFCheckpointReader, family: FamilyAdapter, settings
             "lm_head.weight; set tie_word_embeddings to true if the output layer is the embedding"
         )
     missing = [name for name in expected if name not in present]
-    unexpected = sorted(name for name in present - set(expected)
-                        if not any(name.endswith(suffix) for suffix in family.ignorable_hf_suffixes))
+    unexpected = sorted(
+        name
+        for name in present - set(expected)
+        if not any(name.endswith(suffix) for suffix in family.ignorable_hf_suffixes)
+    )
     if missing:
-        raise UnsupportedHFModelError(f"{reader.directory}: tensors missing from the checkpoint: {missing[:8]}"
-                                      f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+        raise UnsupportedHFModelError(
+            f"{reader.directory}: tensors missing from the checkpoint: {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)"
+        )
     if unexpected:
         raise UnsupportedHFModelError(
             f"{reader.directory}: tensors with no place in the {family.name} mapping (nothing is dropped "
@@ -111,8 +127,7 @@ def check_hf_tensors(reader: HFCheckpointReader, family: FamilyAdapter, settings
         )
 
 
-def open_hf_model(hf_dir: str) -> Tuple[FamilyAdapter, ModelSettings, dict, HFCheckpointReader,
-                                        Dict[str, WeightRule]]:
+def open_hf_model(hf_dir: str) -> Tuple[FamilyAdapter, ModelSettings, dict, HFCheckpointReader, Dict[str, WeightRule]]:
     """Read and check an HF directory: (family, settings, config, reader, rules); raises before any write."""
     config = read_hf_config(hf_dir)
     family, settings = settings_from_hf_config(config)
@@ -143,11 +158,11 @@ def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
     if match is None:
         return local_name
     layer = chunk.decoder.layers[int(match.group(1))]
-    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    name = f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end() :]
     expert = _EXPERT.search(name)
     if expert is not None:
         offset = layer.mlp.experts.local_expert_offset
-        name = f"{name[:expert.start()]}.experts.local_experts.{offset + int(expert.group(1))}.{name[expert.end():]}"
+        name = f"{name[: expert.start()]}.experts.local_experts.{offset + int(expert.group(1))}.{name[expert.end() :]}"
     return name
 
 
@@ -164,8 +179,11 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
     # Experts are split over the expert tensor-parallel group (by default the same size as TP).
-    expert_tp = ((parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
-                 if parallel_state.model_parallel_is_initialized() else (tp_rank, tp_size))
+    expert_tp = (
+        (parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
+        if parallel_state.model_parallel_is_initialized()
+        else (tp_rank, tp_size)
+    )
     family, settings, _, reader, rules = open_hf_model(hf_dir)
     plan = []
     for chunk in chunks:
@@ -195,8 +213,14 @@ def load_hf_weights(model, hf_dir: str, tp_rank: Optional[int] = None, tp_size: 
             param.copy_(piece)
 
 
-def build_model_from_hf(hf_dir: str, pre_process: bool = True, post_process: bool = True,
-                        make_vocab_size_divisible_by: int = 128, load_weights: bool = True, **config_overrides):
+def build_model_from_hf(
+    hf_dir: str,
+    pre_process: bool = True,
+    post_process: bool = True,
+    make_vocab_size_divisible_by: int = 128,
+    load_weights: bool = True,
+    **config_overrides,
+):
     """A GPTModel (a HybridModel for NemotronH) for this rank's TP/PP stage with the HF model's architecture and
     (unless ``load_weights=False``) its weights. ``config_overrides`` go to the TransformerConfig (the parallel
     layout: defaults are parallel_state's TP and PP sizes)."""
@@ -260,8 +284,9 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
     sharded state dict (so the names are exactly training's; a factory, such as the gated fc1's [gate; up], stores
     the same full tensor in pieces)."""
     model = _meta_model(settings, vocab_size)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
-              if isinstance(tensor, torch.Tensor)}
+    shapes = {
+        name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if isinstance(tensor, torch.Tensor)
+    }
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     stored = {}
@@ -270,9 +295,10 @@ def _stored_tensors(settings: ModelSettings, vocab_size: int) -> Dict[str, "_Sto
             continue  # extra states (ShardedObjects)
         pieces = list(entry.build().values()) if isinstance(entry, ShardedTensorFactory) else [entry]
         first = pieces[0]
-        axes = tuple(zip(first.global_offset[:first.prepend_axis_num], first.global_shape[:first.prepend_axis_num]))
-        segments = tuple((piece.key, piece.global_shape[first.prepend_axis_num]) for piece in pieces
-                         if piece.key != entry.key)
+        axes = tuple(zip(first.global_offset[: first.prepend_axis_num], first.global_shape[: first.prepend_axis_num]))
+        segments = tuple(
+            (piece.key, piece.global_shape[first.prepend_axis_num]) for piece in pieces if piece.key != entry.key
+        )
         stored[name] = _StoredTensor(entry.key, axes, shapes[name], segments)
     return stored
 
@@ -294,8 +320,9 @@ def _single_process_group() -> Callable[[], None]:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         created = True
     if dist.get_world_size() != 1:
-        raise RuntimeError("checkpoint conversion runs in a single process (the checkpoint is written at TP=PP=1 "
-                           "and reshards on load)")
+        raise RuntimeError(
+            "checkpoint conversion runs in a single process (the checkpoint is written at TP=PP=1 and reshards on load)"
+        )
     initialized = parallel_state.model_parallel_is_initialized()
     if not initialized:
         parallel_state.initialize_model_parallel()
@@ -315,15 +342,21 @@ def check_model_type(model_type: Optional[str], family: FamilyAdapter, where: st
     if model_type is not None and model_type != family.model_type:
         raise UnsupportedHFModelError(
             f"--model-type {model_type}, but {where} holds a {family.name} model ({family.architectures[0]}), which "
-            f"converts as --model-type {family.model_type}")
+            f"converts as --model-type {family.model_type}"
+        )
 
 
 # ---- HF -> a Megatron checkpoint, streamed --------------------------------------------------------------------------
 
 
-def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_parallel_size: int = 1,
-                                     target_pipeline_parallel_size: int = 1,
-                                     make_vocab_size_divisible_by: int = 128, model_type: Optional[str] = None) -> str:
+def save_megatron_checkpoint_from_hf(
+    hf_dir: str,
+    save_dir: str,
+    target_tensor_parallel_size: int = 1,
+    target_pipeline_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    model_type: Optional[str] = None,
+) -> str:
     """Write the HF model of ``hf_dir`` as a Megatron training checkpoint under ``save_dir`` (``release/`` +
     ``latest_checkpointed_iteration.txt``, torch_dist) whose ``args`` say the target TP/PP; the tensors are stored
     whole and reshard on load. ``model_type`` (convert.py's ``--model-type``), when given, must be the family's
@@ -339,25 +372,33 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
 
     family, settings, hf_config, reader, rules = open_hf_model(hf_dir)
     check_model_type(model_type, family, hf_dir)
-    for name, size in (("--target-tensor-parallel-size", target_tensor_parallel_size),
-                       ("--target-pipeline-parallel-size", target_pipeline_parallel_size)):
+    for name, size in (
+        ("--target-tensor-parallel-size", target_tensor_parallel_size),
+        ("--target-pipeline-parallel-size", target_pipeline_parallel_size),
+    ):
         if size < 1:
             raise ValueError(f"{name} must be at least 1, got {size}")
     if settings.num_layers % target_pipeline_parallel_size:
-        raise ValueError(f"--target-pipeline-parallel-size {target_pipeline_parallel_size} does not divide the "
-                         f"{settings.num_layers} layers")
+        raise ValueError(
+            f"--target-pipeline-parallel-size {target_pipeline_parallel_size} does not divide the "
+            f"{settings.num_layers} layers"
+        )
     sizes = [(settings.num_query_groups, "key/value heads"), (settings.ffn_hidden_size, "MLP channels")]
     if settings.hybrid_layer_pattern is not None:
         sizes += [(settings.mamba_num_heads, "Mamba heads"), (settings.mamba_num_groups, "Mamba groups")]
     for count, what in sizes:
         if count % target_tensor_parallel_size:
-            raise ValueError(f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the "
-                             f"{count} {what}")
+            raise ValueError(
+                f"--target-tensor-parallel-size {target_tensor_parallel_size} does not divide the {count} {what}"
+            )
     vocab = padded_vocab_size(settings.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
     tokenizer_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
     tokenizer_dir = os.path.abspath(os.path.join(save_dir, TOKENIZER_SUBDIR))
     args = checkpoint_args_from_settings(
-        settings, target_tensor_parallel_size, target_pipeline_parallel_size, make_vocab_size_divisible_by,
+        settings,
+        target_tensor_parallel_size,
+        target_pipeline_parallel_size,
+        make_vocab_size_divisible_by,
         tokenizer_model=tokenizer_dir if "tokenizer.json" in tokenizer_files else None,
     )
     cleanup = _single_process_group()
@@ -377,11 +418,11 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
             """Each stored piece is cut from its full tensor, built from the HF files when the writer reaches it."""
 
             def materialize(self, shard):
-                name = name_of[(shard.key, tuple(shard.global_offset[:shard.prepend_axis_num]))]
+                name = name_of[(shard.key, tuple(shard.global_offset[: shard.prepend_axis_num]))]
                 if name not in last:
                     last.clear()
                     last[name] = _megatron_tensor(rules[name], reader, settings, vocab).to(shard.dtype)
-                offsets = list(shard.global_offset[shard.prepend_axis_num:])
+                offsets = list(shard.global_offset[shard.prepend_axis_num :])
                 if shard.key in row_of:  # a segment of the tensor's rows, stored under its own key
                     offsets[0] += row_of[shard.key]
                 box = tuple(slice(offset, offset + size) for offset, size in zip(offsets, shard.local_shape))
@@ -389,8 +430,13 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
 
         checkpoint_dir = get_checkpoint_name(save_dir, 0, release=True, return_base_dir=True)
         os.makedirs(checkpoint_dir, exist_ok=True)
-        state = {"model": sharded, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
-                 HF_CONFIG_KEY: hf_config}
+        state = {
+            "model": sharded,
+            "args": args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": 0,
+            HF_CONFIG_KEY: hf_config,
+        }
         # The layout flags a run records (content_metadata): a model without a distributed optimizer.
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": False}
         dist_checkpointing.save(state, checkpoint_dir, StreamFromHF(), content_metadata=metadata)
@@ -404,11 +450,15 @@ def save_megatron_checkpoint_from_hf(hf_dir: str, save_dir: str, target_tensor_p
         cleanup()
 
 
-# ---- Megatron -> HF ---------------------------------------------------------------------------------------------------
+# ---- Megatron -> HF --------------------------------------------------------------------------------------------------
 
 
-def iter_hf_tensors(family: FamilyAdapter, settings: ModelSettings, rules: Dict[str, WeightRule],
-                    get_tensor: Callable[[str], torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    family: FamilyAdapter,
+    settings: ModelSettings,
+    rules: Dict[str, WeightRule],
+    get_tensor: Callable[[str], torch.Tensor],
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor) for the whole model, from ``get_tensor(megatron name)`` (full tensors), one rule at a time."""
     for rule in _export_rules(rules, settings):
         for name, tensor in zip(rule.hf, to_hf(rule.transform, get_tensor(rule.megatron), settings)):
@@ -420,8 +470,12 @@ def _export_rules(rules: Dict[str, WeightRule], settings: ModelSettings) -> List
     return [rule for name, rule in rules.items() if not (tied and name == "output_layer.weight")]
 
 
-def hf_state_dict_from_model(model, family: Optional[FamilyAdapter] = None,
-                             settings: Optional[ModelSettings] = None, hf_dir: Optional[str] = None) -> dict:
+def hf_state_dict_from_model(
+    model,
+    family: Optional[FamilyAdapter] = None,
+    settings: Optional[ModelSettings] = None,
+    hf_dir: Optional[str] = None,
+) -> dict:
     """The HF state dict of a single-process (TP = PP = 1) GPTModel / HybridModel; the family and settings come from
     ``hf_dir``'s config.json, or are given."""
     if hf_dir is not None:
@@ -438,14 +492,19 @@ def _check_megatron_names(present: set, rules: Dict[str, WeightRule], settings: 
     if missing:
         raise UnsupportedHFModelError(f"{what} lacks tensors the HF model needs: {missing[:8]}")
     if unexpected:
-        raise UnsupportedHFModelError(f"{what} holds tensors with no place in the HF model (nothing is dropped "
-                                      f"silently): {unexpected[:8]}")
+        raise UnsupportedHFModelError(
+            f"{what} holds tensors with no place in the HF model (nothing is dropped silently): {unexpected[:8]}"
+        )
 
 
-def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_bytes: int = 5 * 10**9,
-                                     hf_architecture: Optional[str] = None,
-                                     true_vocab_size: Optional[int] = None,
-                                     model_type: Optional[str] = None) -> List[str]:
+def export_megatron_checkpoint_to_hf(
+    load_dir: str,
+    save_dir: str,
+    max_shard_bytes: int = 5 * 10**9,
+    hf_architecture: Optional[str] = None,
+    true_vocab_size: Optional[int] = None,
+    model_type: Optional[str] = None,
+) -> List[str]:
     """Write the Megatron checkpoint of ``load_dir`` (its latest, or ``release``) as an HF model in ``save_dir``:
     ``config.json``, safetensors (sharded with an index above ``max_shard_bytes``) and the tokenizer files when the
     checkpoint came with them. ``true_vocab_size`` strips the vocabulary padding (default: the size the checkpoint
@@ -460,8 +519,7 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
 
     found = find_checkpoint_to_load(load_dir)
     if found is None:
-        raise UnsupportedHFModelError(f"{load_dir}: no Megatron checkpoint (latest_checkpointed_iteration.txt "
-                                      "missing)")
+        raise UnsupportedHFModelError(f"{load_dir}: no Megatron checkpoint (latest_checkpointed_iteration.txt missing)")
     checkpoint_dir = found[0]
     common = load_common_state_dict(checkpoint_dir)
     if common.get("args") is None:
@@ -475,23 +533,30 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
     if (family.model_type == "hybrid") != (settings.hybrid_layer_pattern is not None):
         raise UnsupportedHFModelError(
             f"{checkpoint_dir}: --hf-architecture {family.architectures[0]} is a {family.model_type} family, but the "
-            f"checkpoint's model is {'a hybrid' if settings.hybrid_layer_pattern else 'a GPT'}")
+            f"checkpoint's model is {'a hybrid' if settings.hybrid_layer_pattern else 'a GPT'}"
+        )
     rules = expand_rules(family, settings)
     config = hf_config_for_export(family, settings, source_config)  # refuses what the family cannot express
     vocab = getattr(args, "padded_vocab_size", None) or padded_vocab_size(
-        settings.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128),
-        getattr(args, "tensor_model_parallel_size", 1))
+        settings.vocab_size,
+        getattr(args, "make_vocab_size_divisible_by", 128),
+        getattr(args, "tensor_model_parallel_size", 1),
+    )
     cleanup = _single_process_group()
     try:
         tensors = _stored_tensors(settings, vocab)
         _check_megatron_names(set(tensors), rules, settings, f"the model of {checkpoint_dir}")
-        stored = {key: entry for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
-                  if isinstance(entry, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)}
+        stored = {
+            key: entry
+            for key, entry in read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(key)
+        }
         model_keys = {key for t in tensors.values() for key in t.keys()}
         if stored.keys() - model_keys or model_keys - stored.keys():
             raise UnsupportedHFModelError(
                 f"{checkpoint_dir}: its tensors do not match the model of its args: unexpected "
-                f"{sorted(stored.keys() - model_keys)[:8]}, missing {sorted(model_keys - stored.keys())[:8]}")
+                f"{sorted(stored.keys() - model_keys)[:8]}, missing {sorted(model_keys - stored.keys())[:8]}"
+            )
         strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
         dtype = {name: stored[t.keys()[0]].properties.dtype for name, t in tensors.items()}
 
@@ -501,17 +566,25 @@ def export_megatron_checkpoint_to_hf(load_dir: str, save_dir: str, max_shard_byt
             t = tensors[name]
             axes = [(axis, index, count) for axis, (index, count) in enumerate(t.axes)]
             pieces = t.segments or ((t.key, t.shape[0]),)
-            targets = {key: ShardedTensor.from_rank_offsets(key, torch.empty((rows, *t.shape[1:]), dtype=dtype[name]),
-                                                            *axes, prepend_axis_num=len(axes))
-                       for key, rows in pieces}
+            targets = {
+                key: ShardedTensor.from_rank_offsets(
+                    key, torch.empty((rows, *t.shape[1:]), dtype=dtype[name]), *axes, prepend_axis_num=len(axes)
+                )
+                for key, rows in pieces
+            }
             loaded = strategy.load_local(targets, checkpoint_dir)
             return loaded[t.key] if not t.segments else torch.cat([loaded[key] for key, _ in pieces])
 
-        entries = [(name, x.shape, x.dtype) for name, x in iter_hf_tensors(
-            family, settings, rules, lambda name: torch.empty(tensors[name].shape, dtype=dtype[name], device="meta"))]
+        entries = [
+            (name, x.shape, x.dtype)
+            for name, x in iter_hf_tensors(
+                family, settings, rules, lambda name: torch.empty(tensors[name].shape, dtype=dtype[name], device="meta")
+            )
+        ]
         os.makedirs(save_dir, exist_ok=True)
-        written = write_safetensors_streamed(save_dir, entries, iter_hf_tensors(family, settings, rules, read),
-                                             max_shard_bytes)
+        written = write_safetensors_streamed(
+            save_dir, entries, iter_hf_tensors(family, settings, rules, read), max_shard_bytes
+        )
     finally:
         cleanup()
     with open(os.path.join(save_dir, "config.json"), "w") as file:

@@ -110,13 +110,21 @@ def _rope(config: dict, architecture: str) -> Tuple[float, bool, float]:
     if rope_type in (None, "default"):
         return float(theta), False, 8.0
     if rope_type != "llama3":
-        _refuse(architecture, "rope_type", rope_type,
-                "Megatron's GPTModel has the default and the Llama-3 ('llama3') RoPE only")
+        _refuse(
+            architecture,
+            "rope_type",
+            rope_type,
+            "Megatron's GPTModel has the default and the Llama-3 ('llama3') RoPE only",
+        )
     fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     for key, expected in fixed.items():
         if float(parameters.get(key, expected)) != expected:
-            _refuse(architecture, f"rope_parameters[{key!r}]", parameters.get(key),
-                    f"Megatron's Llama-3 RoPE scaling (--use-rope-scaling) fixes it at {expected:g}")
+            _refuse(
+                architecture,
+                f"rope_parameters[{key!r}]",
+                parameters.get(key),
+                f"Megatron's Llama-3 RoPE scaling (--use-rope-scaling) fixes it at {expected:g}",
+            )
     return float(theta), True, float(_require(parameters, "factor", architecture))
 
 
@@ -134,34 +142,57 @@ def _gpt2_settings(config: dict) -> ModelSettings:
     activation = config.get("activation_function", "gelu_new")
     if activation not in _GELU:
         _refuse(architecture, "activation_function", activation, f"use one of {sorted(_GELU)}")
-    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
-                    ("scale_attn_weights", True), ("add_cross_attention", False)):
+    for key, ok in (
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("scale_attn_weights", True),
+        ("add_cross_attention", False),
+    ):
         if bool(config.get(key, ok)) != ok:
             _refuse(architecture, key, config.get(key), f"Megatron's attention has no equivalent; it must be {ok}")
     hidden = _require(config, "n_embd", architecture)
     heads = _require(config, "n_head", architecture)
     return ModelSettings(
-        num_layers=_require(config, "n_layer", architecture), hidden_size=hidden,
-        ffn_hidden_size=config.get("n_inner") or 4 * hidden, num_attention_heads=heads, num_query_groups=heads,
-        kv_channels=hidden // heads, vocab_size=_require(config, "vocab_size", architecture),
+        num_layers=_require(config, "n_layer", architecture),
+        hidden_size=hidden,
+        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=hidden // heads,
+        vocab_size=_require(config, "vocab_size", architecture),
         max_position_embeddings=_require(config, "n_positions", architecture),
-        position_embedding_type="learned_absolute", normalization="LayerNorm",
-        layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)), swiglu=False,
-        openai_gelu=_GELU[activation], add_bias_linear=True, add_qkv_bias=True,
+        position_embedding_type="learned_absolute",
+        normalization="LayerNorm",
+        layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
+        swiglu=False,
+        openai_gelu=_GELU[activation],
+        add_bias_linear=True,
+        add_qkv_bias=True,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
-        hidden_dropout=float(config.get("resid_pdrop", 0.1)), attention_dropout=float(config.get("attn_pdrop", 0.1)),
+        hidden_dropout=float(config.get("resid_pdrop", 0.1)),
+        attention_dropout=float(config.get("attn_pdrop", 0.1)),
         params_dtype=_dtype(config),
     )
 
 
 def _gpt2_config(s: ModelSettings) -> dict:
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": s.num_layers, "n_embd": s.hidden_size,
-        "n_head": s.num_attention_heads, "n_inner": s.ffn_hidden_size, "n_positions": s.max_position_embeddings,
-        "vocab_size": s.vocab_size, "layer_norm_epsilon": s.layernorm_epsilon,
-        "activation_function": "gelu_new" if s.openai_gelu else "gelu", "resid_pdrop": s.hidden_dropout,
-        "embd_pdrop": s.hidden_dropout, "attn_pdrop": s.attention_dropout, "scale_attn_weights": True,
-        "tie_word_embeddings": not s.untie_embeddings_and_output_weights, "dtype": s.params_dtype,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": s.num_layers,
+        "n_embd": s.hidden_size,
+        "n_head": s.num_attention_heads,
+        "n_inner": s.ffn_hidden_size,
+        "n_positions": s.max_position_embeddings,
+        "vocab_size": s.vocab_size,
+        "layer_norm_epsilon": s.layernorm_epsilon,
+        "activation_function": "gelu_new" if s.openai_gelu else "gelu",
+        "resid_pdrop": s.hidden_dropout,
+        "embd_pdrop": s.hidden_dropout,
+        "attn_pdrop": s.attention_dropout,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": not s.untie_embeddings_and_output_weights,
+        "dtype": s.params_dtype,
     }
 
 
@@ -204,46 +235,80 @@ def _llama_like_settings(config: dict, architecture: str, qkv_bias: bool) -> Mod
         _refuse(architecture, "hidden_act", activation, "the SwiGLU MLP of this family uses 'silu'")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
-            _refuse(architecture, key, config[key], "Megatron's add_bias_linear puts a bias on every linear "
-                    "layer, which this family does not have; convert a checkpoint without these biases")
-    if config.get("use_sliding_window") or (config.get("sliding_window") is not None
-                                            and config.get("use_sliding_window", True)):
-        _refuse(architecture, "sliding_window", config.get("sliding_window"),
-                "sliding-window attention has no local-spec equivalent; set it to null for a model whose context "
-                "fits the window")
+            _refuse(
+                architecture,
+                key,
+                config[key],
+                "Megatron's add_bias_linear puts a bias on every linear "
+                "layer, which this family does not have; convert a checkpoint without these biases",
+            )
+    if config.get("use_sliding_window") or (
+        config.get("sliding_window") is not None and config.get("use_sliding_window", True)
+    ):
+        _refuse(
+            architecture,
+            "sliding_window",
+            config.get("sliding_window"),
+            "sliding-window attention has no local-spec equivalent; set it to null for a model whose context "
+            "fits the window",
+        )
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         _refuse(architecture, "partial_rotary_factor", config["partial_rotary_factor"], "only full rotary is mapped")
     hidden = _require(config, "hidden_size", architecture)
     heads = _require(config, "num_attention_heads", architecture)
     theta, scaling, factor = _rope(config, architecture)
     return ModelSettings(
-        num_layers=_require(config, "num_hidden_layers", architecture), hidden_size=hidden,
-        ffn_hidden_size=_require(config, "intermediate_size", architecture), num_attention_heads=heads,
+        num_layers=_require(config, "num_hidden_layers", architecture),
+        hidden_size=hidden,
+        ffn_hidden_size=_require(config, "intermediate_size", architecture),
+        num_attention_heads=heads,
         num_query_groups=config.get("num_key_value_heads") or heads,
         kv_channels=config.get("head_dim") or hidden // heads,
         vocab_size=_require(config, "vocab_size", architecture),
         max_position_embeddings=_require(config, "max_position_embeddings", architecture),
-        position_embedding_type="rope", normalization="RMSNorm",
-        layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True, openai_gelu=False,
-        add_bias_linear=False, add_qkv_bias=qkv_bias,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        swiglu=True,
+        openai_gelu=False,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-        rotary_base=theta, use_rope_scaling=scaling, rope_scaling_factor=factor,
-        attention_dropout=float(config.get("attention_dropout", 0.0)), params_dtype=_dtype(config),
+        rotary_base=theta,
+        use_rope_scaling=scaling,
+        rope_scaling_factor=factor,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        params_dtype=_dtype(config),
     )
 
 
 def _llama_like_config(s: ModelSettings, architecture: str, model_type: str) -> dict:
     rope = {"rope_type": "default", "rope_theta": s.rotary_base}
     if s.use_rope_scaling:
-        rope = {"rope_type": "llama3", "rope_theta": s.rotary_base, "factor": s.rope_scaling_factor,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": s.rotary_base,
+            "factor": s.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
     config = {
-        "architectures": [architecture], "model_type": model_type, "num_hidden_layers": s.num_layers,
-        "hidden_size": s.hidden_size, "intermediate_size": s.ffn_hidden_size,
-        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_query_groups,
-        "head_dim": s.kv_channels, "vocab_size": s.vocab_size, "max_position_embeddings": s.max_position_embeddings,
-        "rms_norm_eps": s.layernorm_epsilon, "hidden_act": "silu", "rope_parameters": rope,
-        "tie_word_embeddings": not s.untie_embeddings_and_output_weights, "attention_dropout": s.attention_dropout,
+        "architectures": [architecture],
+        "model_type": model_type,
+        "num_hidden_layers": s.num_layers,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.ffn_hidden_size,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_query_groups,
+        "head_dim": s.kv_channels,
+        "vocab_size": s.vocab_size,
+        "max_position_embeddings": s.max_position_embeddings,
+        "rms_norm_eps": s.layernorm_epsilon,
+        "hidden_act": "silu",
+        "rope_parameters": rope,
+        "tie_word_embeddings": not s.untie_embeddings_and_output_weights,
+        "attention_dropout": s.attention_dropout,
         "dtype": s.params_dtype,
     }
     if model_type in ("llama",):
@@ -312,21 +377,31 @@ def _nemotron_h_pattern(config: dict) -> str:
     else:
         pattern = config.get("hybrid_override_pattern")
         if pattern is None:
-            raise UnsupportedHFModelError(f"{_NEMOTRON_H}: config.json has neither 'layers_block_type' nor "
-                                          "'hybrid_override_pattern'; the conversion needs the layer pattern")
+            raise UnsupportedHFModelError(
+                f"{_NEMOTRON_H}: config.json has neither 'layers_block_type' nor "
+                "'hybrid_override_pattern'; the conversion needs the layer pattern"
+            )
         bad = [c for c in pattern if c not in "M*-E"]
         if bad:
             _refuse(_NEMOTRON_H, "hybrid_override_pattern symbol", bad[0], "use M, *, - (and E for MoE)")
     if "E" in pattern:
-        _refuse(_NEMOTRON_H, "MoE layers ('moe' / 'E' in the layer pattern)", pattern,
-                "the hybrid's MoE layers are not mapped yet (MoE support is built separately); convert a "
-                "checkpoint whose layers are Mamba, attention and MLP only")
+        _refuse(
+            _NEMOTRON_H,
+            "MoE layers ('moe' / 'E' in the layer pattern)",
+            pattern,
+            "the hybrid's MoE layers are not mapped yet (MoE support is built separately); convert a "
+            "checkpoint whose layers are Mamba, attention and MLP only",
+        )
     return pattern
 
 
 # Older NemotronH config files' names, which transformers still reads (new name: old name).
-_NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias",
-                      "chunk_size": "mamba_chunk_size"}
+_NEMOTRON_H_LEGACY = {
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "use_conv_bias": "mamba_conv_bias",
+    "chunk_size": "mamba_chunk_size",
+}
 
 
 def _nemotron_h_settings(config: dict) -> ModelSettings:
@@ -334,61 +409,113 @@ def _nemotron_h_settings(config: dict) -> ModelSettings:
     config = {**{new: config[old] for new, old in _NEMOTRON_H_LEGACY.items() if old in config}, **config}
     pattern = _nemotron_h_pattern(config)
     if config.get("head_dim") is None and config.get("attention_head_dim", 128) != 128:
-        _refuse(a, "attention_head_dim (without head_dim)", config["attention_head_dim"], "transformers reads "
-                "head_dim (default 128) and ignores attention_head_dim; add head_dim to config.json")
-    expected = {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mlp_bias": False,
-                "use_conv_bias": True, "conv_kernel": 4, "num_nextn_predict_layers": 0, "sliding_window": None}
-    fixes = {"mlp_hidden_act": "the MLP layers map to Megatron's squared ReLU (--squared-relu) only",
-             "mamba_hidden_act": "Megatron's Mamba mixer uses SiLU", "use_bias": "Megatron's Mamba in/out "
-             "projections have no bias in the hybrid spec", "mlp_bias": "the hybrid's MLP layers have no bias",
-             "use_conv_bias": "Megatron's Mamba conv always has a bias", "conv_kernel": "Megatron's hybrid "
-             "spec builds the Mamba conv with width 4 (d_conv)", "num_nextn_predict_layers": "multi-token "
-             "prediction layers are not built for hybrids", "sliding_window": "attention layers are global"}
+        _refuse(
+            a,
+            "attention_head_dim (without head_dim)",
+            config["attention_head_dim"],
+            "transformers reads head_dim (default 128) and ignores attention_head_dim; add head_dim to config.json",
+        )
+    expected = {
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "use_bias": False,
+        "mlp_bias": False,
+        "use_conv_bias": True,
+        "conv_kernel": 4,
+        "num_nextn_predict_layers": 0,
+        "sliding_window": None,
+    }
+    fixes = {
+        "mlp_hidden_act": "the MLP layers map to Megatron's squared ReLU (--squared-relu) only",
+        "mamba_hidden_act": "Megatron's Mamba mixer uses SiLU",
+        "use_bias": "Megatron's Mamba in/out projections have no bias in the hybrid spec",
+        "mlp_bias": "the hybrid's MLP layers have no bias",
+        "use_conv_bias": "Megatron's Mamba conv always has a bias",
+        "conv_kernel": "Megatron's hybrid spec builds the Mamba conv with width 4 (d_conv)",
+        "num_nextn_predict_layers": "multi-token prediction layers are not built for hybrids",
+        "sliding_window": "attention layers are global",
+    }
     for key, value in expected.items():
         if config.get(key, value) != value:
             _refuse(a, key, config[key], fixes[key])
     epsilon = float(config.get("layer_norm_epsilon", 1e-5))
     if "M" in pattern and epsilon != 1e-5:
-        _refuse(a, "layer_norm_epsilon", epsilon, "Megatron's Mamba mixer fixes its gated RMSNorm's epsilon "
-                "at 1e-5, so the model's norms must use it too")
+        _refuse(
+            a,
+            "layer_norm_epsilon",
+            epsilon,
+            "Megatron's Mamba mixer fixes its gated RMSNorm's epsilon at 1e-5, so the model's norms must use it too",
+        )
     hidden = _require(config, "hidden_size", a)
     heads = _require(config, "num_attention_heads", a)
     return ModelSettings(
-        num_layers=len(pattern), hidden_size=hidden, ffn_hidden_size=_require(config, "intermediate_size", a),
-        num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads") or heads,
+        num_layers=len(pattern),
+        hidden_size=hidden,
+        ffn_hidden_size=_require(config, "intermediate_size", a),
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
         kv_channels=config.get("head_dim") or 128,  # transformers' default, not hidden / heads
         vocab_size=_require(config, "vocab_size", a),
-        max_position_embeddings=_require(config, "max_position_embeddings", a), position_embedding_type="none",
-        normalization="RMSNorm", layernorm_epsilon=epsilon, swiglu=False, openai_gelu=False,
-        add_bias_linear=False, add_qkv_bias=False,
+        max_position_embeddings=_require(config, "max_position_embeddings", a),
+        position_embedding_type="none",
+        normalization="RMSNorm",
+        layernorm_epsilon=epsilon,
+        swiglu=False,
+        openai_gelu=False,
+        add_bias_linear=False,
+        add_qkv_bias=False,
         # transformers' NemotronH never ties lm_head to the embeddings (whatever tie_word_embeddings says, its files
         # hold lm_head.weight and the model uses it), so neither does the Megatron model.
         untie_embeddings_and_output_weights=True,
         hidden_dropout=float(config.get("hidden_dropout", 0.0)),
-        attention_dropout=float(config.get("attention_dropout", 0.0)), params_dtype=_dtype(config),
-        hybrid_layer_pattern=pattern, mamba_state_dim=_require(config, "ssm_state_size", a),
-        mamba_head_dim=_require(config, "mamba_head_dim", a), mamba_num_groups=_require(config, "n_groups", a),
-        mamba_num_heads=_require(config, "mamba_num_heads", a), squared_relu=True,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        params_dtype=_dtype(config),
+        hybrid_layer_pattern=pattern,
+        mamba_state_dim=_require(config, "ssm_state_size", a),
+        mamba_head_dim=_require(config, "mamba_head_dim", a),
+        mamba_num_groups=_require(config, "n_groups", a),
+        mamba_num_heads=_require(config, "mamba_num_heads", a),
+        squared_relu=True,
     )
 
 
 def _nemotron_h_config(s: ModelSettings) -> dict:
     if not s.untie_embeddings_and_output_weights:
-        _refuse(_NEMOTRON_H, "a Megatron hybrid with tied embeddings (no --untie-embeddings-and-output-weights)",
-                True, "transformers' NemotronH always has its own lm_head; train the hybrid with "
-                "--untie-embeddings-and-output-weights")
+        _refuse(
+            _NEMOTRON_H,
+            "a Megatron hybrid with tied embeddings (no --untie-embeddings-and-output-weights)",
+            True,
+            "transformers' NemotronH always has its own lm_head; train the hybrid with "
+            "--untie-embeddings-and-output-weights",
+        )
     return {
-        "architectures": [_NEMOTRON_H], "model_type": "nemotron_h",
+        "architectures": [_NEMOTRON_H],
+        "model_type": "nemotron_h",
         "layers_block_type": [_BLOCK_NAMES[c] for c in s.hybrid_layer_pattern.replace("|", "")],
-        "hidden_size": s.hidden_size, "intermediate_size": s.ffn_hidden_size,
-        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_query_groups,
-        "head_dim": s.kv_channels, "vocab_size": s.vocab_size, "max_position_embeddings": s.max_position_embeddings,
-        "layer_norm_epsilon": s.layernorm_epsilon, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
-        "ssm_state_size": s.mamba_state_dim, "mamba_head_dim": s.mamba_head_dim, "n_groups": s.mamba_num_groups,
-        "mamba_num_heads": s.mamba_num_heads, "conv_kernel": 4, "use_conv_bias": True, "use_bias": False,
-        "mlp_bias": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.ffn_hidden_size,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_query_groups,
+        "head_dim": s.kv_channels,
+        "vocab_size": s.vocab_size,
+        "max_position_embeddings": s.max_position_embeddings,
+        "layer_norm_epsilon": s.layernorm_epsilon,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "ssm_state_size": s.mamba_state_dim,
+        "mamba_head_dim": s.mamba_head_dim,
+        "n_groups": s.mamba_num_groups,
+        "mamba_num_heads": s.mamba_num_heads,
+        "conv_kernel": 4,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mlp_bias": False,
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
-        "hidden_dropout": s.hidden_dropout, "attention_dropout": s.attention_dropout, "dtype": s.params_dtype,
+        "hidden_dropout": s.hidden_dropout,
+        "attention_dropout": s.attention_dropout,
+        "dtype": s.params_dtype,
     }
 
 
@@ -409,9 +536,16 @@ def _nemotron_h_layer_rules(s: ModelSettings) -> List[WeightRule]:
     conv = (d_inner, group_width, group_width)
     mamba = [WeightRule(mg + "norm.weight", (hf + "norm.weight",), kind="M")] + [
         WeightRule(mg + f"mixer.{name}", (hf + f"mixer.{name}",), kind="M", tp_sections=sections)
-        for name, sections in (("in_proj.weight", in_proj), ("conv1d.weight", conv), ("conv1d.bias", conv),
-                               ("A_log", None), ("D", None), ("dt_bias", None), ("norm.weight", None),
-                               ("out_proj.weight", None))
+        for name, sections in (
+            ("in_proj.weight", in_proj),
+            ("conv1d.weight", conv),
+            ("conv1d.bias", conv),
+            ("A_log", None),
+            ("D", None),
+            ("dt_bias", None),
+            ("norm.weight", None),
+            ("out_proj.weight", None),
+        )
     ]
     qkv = tuple(hf + f"mixer.{name}_proj.weight" for name in "qkv")
     attention = [
@@ -426,6 +560,7 @@ def _nemotron_h_layer_rules(s: ModelSettings) -> List[WeightRule]:
     ]
     return mamba + attention + mlp
 
+
 # ---- Mixtral: the Mistral attention with a top-k mixture of SwiGLU experts -------------------------------------------
 # Mixtral routes by softmax over all experts, top-k, renormalised over the k: Megatron's default router
 # (moe_router_score_function="softmax", moe_router_pre_softmax=False, no top-k scaling factor). transformers 5 holds the
@@ -436,24 +571,38 @@ def _nemotron_h_layer_rules(s: ModelSettings) -> List[WeightRule]:
 def _mixtral_settings(config: dict) -> ModelSettings:
     architecture = "MixtralForCausalLM"
     if float(config.get("router_jitter_noise") or 0.0) != 0.0:
-        _refuse(architecture, "router_jitter_noise", config["router_jitter_noise"],
-                "Megatron's router has no multiplicative jitter (--moe-input-jitter-eps adds noise differently); "
-                "set it to 0")
+        _refuse(
+            architecture,
+            "router_jitter_noise",
+            config["router_jitter_noise"],
+            "Megatron's router has no multiplicative jitter (--moe-input-jitter-eps adds noise differently); "
+            "set it to 0",
+        )
     settings = _llama_like_settings(config, architecture, qkv_bias=False)
     experts = _require(config, "num_local_experts", architecture)
     topk = _require(config, "num_experts_per_tok", architecture)
     if not 1 <= topk <= experts:
         _refuse(architecture, "num_experts_per_tok", topk, f"it must be between 1 and num_local_experts ({experts})")
-    return replace(settings, num_moe_experts=experts, moe_router_topk=topk,
-                   moe_ffn_hidden_size=settings.ffn_hidden_size,
-                   moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.001)))
+    return replace(
+        settings,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=settings.ffn_hidden_size,
+        moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def _mixtral_config(s: ModelSettings) -> dict:
     config = _llama_like_config(s, "MixtralForCausalLM", "mixtral")
-    config.update(intermediate_size=s.moe_ffn_hidden_size, num_local_experts=s.num_moe_experts,
-                  num_experts_per_tok=s.moe_router_topk, router_aux_loss_coef=s.moe_aux_loss_coeff,
-                  router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+    config.update(
+        intermediate_size=s.moe_ffn_hidden_size,
+        num_local_experts=s.num_moe_experts,
+        num_experts_per_tok=s.moe_router_topk,
+        router_aux_loss_coef=s.moe_aux_loss_coeff,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        sliding_window=None,
+    )
     if s.kv_channels * s.num_attention_heads == s.hidden_size:
         config["head_dim"] = None  # as Mixtral's config writes it: hidden_size / heads
     return config
@@ -474,8 +623,12 @@ def _mixtral_layer_rules(s: ModelSettings) -> List[WeightRule]:
 
 FAMILIES: Dict[str, FamilyAdapter] = {
     "gpt2": FamilyAdapter(
-        name="gpt2", architectures=("GPT2LMHeadModel",), settings_from_hf=_gpt2_settings,
-        hf_config_from_settings=_gpt2_config, global_rules=_gpt2_global_rules, layer_rules=_gpt2_layer_rules,
+        name="gpt2",
+        architectures=("GPT2LMHeadModel",),
+        settings_from_hf=_gpt2_settings,
+        hf_config_from_settings=_gpt2_config,
+        global_rules=_gpt2_global_rules,
+        layer_rules=_gpt2_layer_rules,
         ignorable_hf_suffixes=(".attn.bias", ".attn.masked_bias"),  # causal-mask buffers of older writers
         optional_hf_prefix="transformer.",
     ),
@@ -483,20 +636,27 @@ FAMILIES: Dict[str, FamilyAdapter] = {
     "mistral": _llama_like("mistral", "MistralForCausalLM", "mistral", qkv_bias=False),
     "qwen2": _llama_like("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
     "nemotron_h": FamilyAdapter(
-        name="nemotron_h", architectures=(_NEMOTRON_H,), settings_from_hf=_nemotron_h_settings,
-        hf_config_from_settings=_nemotron_h_config, global_rules=_nemotron_h_global_rules,
-        layer_rules=_nemotron_h_layer_rules, model_type="hybrid",
+        name="nemotron_h",
+        architectures=(_NEMOTRON_H,),
+        settings_from_hf=_nemotron_h_settings,
+        hf_config_from_settings=_nemotron_h_config,
+        global_rules=_nemotron_h_global_rules,
+        layer_rules=_nemotron_h_layer_rules,
+        model_type="hybrid",
     ),
     "mixtral": FamilyAdapter(
-        name="mixtral", architectures=("MixtralForCausalLM",), settings_from_hf=_mixtral_settings,
-        hf_config_from_settings=_mixtral_config, global_rules=_llama_like_global_rules,
-        layer_rules=_mixtral_layer_rules, ignorable_hf_suffixes=("rotary_emb.inv_freq",),
+        name="mixtral",
+        architectures=("MixtralForCausalLM",),
+        settings_from_hf=_mixtral_settings,
+        hf_config_from_settings=_mixtral_config,
+        global_rules=_llama_like_global_rules,
+        layer_rules=_mixtral_layer_rules,
+        ignorable_hf_suffixes=("rotary_emb.inv_freq",),
     ),
 }
 
 # Architectures whose Megatron side is being built elsewhere: refused with what they wait for.
-NOT_YET = {
-}
+NOT_YET = {}
 
 
 def family_for_architecture(architecture: Optional[str]) -> FamilyAdapter:

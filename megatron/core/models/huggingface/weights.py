@@ -95,8 +95,9 @@ def tensor_parallel_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int,
     return torch.cat([blocks[s * tp_size + tp_rank] for s in range(stride)], dim=dim)
 
 
-def tensor_parallel_sections_slice(full: torch.Tensor, sections: Sequence[int], tp_rank: int,
-                                   tp_size: int) -> torch.Tensor:
+def tensor_parallel_sections_slice(
+    full: torch.Tensor, sections: Sequence[int], tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """Rank ``tp_rank``'s rows of ``full`` whose axis 0 concatenates segments of the given sizes, each split over TP
     on its own (the Mamba in_proj's z|x|B|C|dt): piece ``tp_rank`` of every segment, in order."""
     if sum(sections) != full.shape[0]:
@@ -169,8 +170,15 @@ class HFCheckpointReader:
 # ---- writing safetensors, streamed -----------------------------------------------------------------------------------
 
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -203,8 +211,11 @@ class SafetensorsStreamWriter:
             if dtype not in _SAFETENSORS_DTYPES:
                 raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             self.shapes[name] = (torch.Size(shape), dtype)
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}
@@ -220,8 +231,10 @@ class SafetensorsStreamWriter:
         if name != expected:
             raise RuntimeError(f"{self.path}: got tensor {name!r} where {expected!r} was planned")
         if (tensor.shape, tensor.dtype) != self.shapes[name]:
-            raise RuntimeError(f"{self.path}: tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, planned "
-                               f"{tuple(self.shapes[name][0])} {self.shapes[name][1]}")
+            raise RuntimeError(
+                f"{self.path}: tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, planned "
+                f"{tuple(self.shapes[name][0])} {self.shapes[name][1]}"
+            )
         data = tensor.detach().contiguous().cpu()
         if data.numel():  # the tensor's own bytes, without a copy
             self.file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
@@ -246,9 +259,11 @@ def write_safetensors_streamed(
     """Write ``tensors`` (arriving in ``entries`` order) as ``model.safetensors``, or, above ``max_shard_bytes``, as
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Returns the files written."""
     shards = plan_shards(entries, max_shard_bytes)
-    names = [SAFETENSORS_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    names = (
+        [SAFETENSORS_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     iterator: Iterator[Tuple[str, torch.Tensor]] = iter(tensors)
     weight_map, total = {}, 0
     for file_name, indices in zip(names, shards):

@@ -101,8 +101,12 @@ class HybridStack(MegatronModule):
             self.final_norm = None
 
     def _build_layer(self, symbol: str, layer_number: int) -> torch.nn.Module:
-        common = dict(config=self.config, layer_number=layer_number, pg_collection=self.pg_collection,
-                      pp_layer_offset=self.pp_layer_offset)
+        common = dict(
+            config=self.config,
+            layer_number=layer_number,
+            pg_collection=self.pg_collection,
+            pp_layer_offset=self.pp_layer_offset,
+        )
         if symbol == Symbols.MAMBA:
             return build_module(self.submodules.mamba_layer, **common)
         # TransformerLayers add the transformer pipeline split's offset unless told not to; the number is global.
@@ -187,9 +191,7 @@ class HybridStack(MegatronModule):
             replace_prefix_for_sharding(layer_state, local_prefix, f"{prefix}layers.{layer.layer_number - 1}.")
             sharded_state_dict.update(layer_state)
         if self.final_norm is not None:
-            sharded_state_dict.update(
-                sharded_state_dict_default(self.final_norm, f"{prefix}final_norm.", (), metadata)
-            )
+            sharded_state_dict.update(sharded_state_dict_default(self.final_norm, f"{prefix}final_norm.", (), metadata))
         return sharded_state_dict
 
 

@@ -176,8 +176,9 @@ def _spread(layers: List[str], symbol: str, gap: float) -> None:
             budget -= 1
 
 
-def _even_or_uneven_slice(num_layers: int, pp_rank: int, pp_size: int, first: Optional[int],
-                          last: Optional[int]) -> Tuple[int, int]:
+def _even_or_uneven_slice(
+    num_layers: int, pp_rank: int, pp_size: int, first: Optional[int], last: Optional[int]
+) -> Tuple[int, int]:
     """(offset, count) of pipeline rank ``pp_rank``'s layers when the pattern has no ``|``: the pipeline split of
     transformer models (even, or with fixed first/last stage sizes)."""
     from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
@@ -237,14 +238,15 @@ def select_pipeline_segment(
         layers = validate_segment_layers(main_pattern)
         offset = 0
         if pp_size > 1:
-            offset, count = _even_or_uneven_slice(len(layers), pp_rank, pp_size, first_stage_layers,
-                                                  last_stage_layers)
+            offset, count = _even_or_uneven_slice(len(layers), pp_rank, pp_size, first_stage_layers, last_stage_layers)
             layers = layers[offset : offset + count]
     log_on_each_pipeline_stage(
-        logger, logging.INFO,
+        logger,
+        logging.INFO,
         f"HybridModel: pp_rank={pp_rank}/{pp_size}, vp_stage={vp_stage}, layers='{''.join(layers)}' "
         f"({len(layers)} layers), layer_offset={offset}",
-        tp_group=tp_group, dp_cp_group=dp_cp_group,
+        tp_group=tp_group,
+        dp_cp_group=dp_cp_group,
     )
     return layers, offset
 

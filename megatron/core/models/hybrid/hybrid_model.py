@@ -110,7 +110,10 @@ class HybridModel(LanguageModule):
     ) -> None:
         super().__init__(config, pg_collection)
         pattern = resolve_hybrid_layer_pattern(
-            config.num_layers, hybrid_layer_pattern, hybrid_attention_ratio, hybrid_mlp_ratio,
+            config.num_layers,
+            hybrid_layer_pattern,
+            hybrid_attention_ratio,
+            hybrid_mlp_ratio,
             hybrid_override_pattern,
         )
         self._check_settings(config, pattern, vocab_size, position_embedding_type, pg_collection)

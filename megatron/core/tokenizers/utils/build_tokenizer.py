@@ -87,7 +87,9 @@ def vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool = 
     padded = -(-int(orig_vocab_size) // multiple) * multiple
     if logging_enabled and getattr(args, "rank", 0) == 0:
         logger.info(
-            "padded vocab (size: %d) with %d dummy tokens (new size: %d)", orig_vocab_size, padded - orig_vocab_size,
+            "padded vocab (size: %d) with %d dummy tokens (new size: %d)",
+            orig_vocab_size,
+            padded - orig_vocab_size,
             padded,
         )
     return padded

@@ -243,6 +243,5 @@ class ContextParallelAttention:
         if attention_mask is not None:
             masked = attention_mask if masked is None else masked | attention_mask
         keep = None if masked is None else ~masked
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
-                                                 scale=self.softmax_scale)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale)
         return context.permute(2, 0, 1, 3)

@@ -72,11 +72,12 @@ def _plans(layout: RingLayout, source: int, device) -> List[_BlockPlan]:
         if layout.causal and q_id in visible_ids:
             hidden = torch.zeros(c, c * len(visible), dtype=torch.bool, device=device)
             at = visible_ids.index(q_id) * c
-            hidden[:, at:at + c] = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+            hidden[:, at : at + c] = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
             causal_part = hidden
         mask_cols = torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in visible_ids])
-        plans.append(_BlockPlan(slice(q_pos * c, (q_pos + 1) * c), _token_index(visible, c, device), mask_cols,
-                                causal_part))
+        plans.append(
+            _BlockPlan(slice(q_pos * c, (q_pos + 1) * c), _token_index(visible, c, device), mask_cols, causal_part)
+        )
     return plans
 
 
@@ -151,8 +152,12 @@ class RingAttentionFunction(torch.autograd.Function):
             plans[source] = _plans(layout, source, q.device)
             for plan in plans[source]:
                 block_out, block_lse = block_forward(
-                    q[..., plan.q_rows, :], _select(kv[0], plan.kv_index), _select(kv[1], plan.kv_index),
-                    _block_mask(plan, attention_mask), scale, dropout_p,
+                    q[..., plan.q_rows, :],
+                    _select(kv[0], plan.kv_index),
+                    _select(kv[1], plan.kv_index),
+                    _block_mask(plan, attention_mask),
+                    scale,
+                    dropout_p,
                 )
                 merge_into(out[..., plan.q_rows, :], lse[..., plan.q_rows], block_out, block_lse)
             if step + 1 < ring.size:
@@ -181,9 +186,15 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv = torch.zeros_like(kv)
             for plan in ctx.plans[source]:
                 block_dq, block_dk, block_dv = block_backward(
-                    q[..., plan.q_rows, :], _select(kv[0], plan.kv_index), _select(kv[1], plan.kv_index),
-                    _block_mask(plan, attention_mask), ctx.scale, ctx.dropout_p,
-                    dout[..., plan.q_rows, :], lse[..., plan.q_rows], delta[..., plan.q_rows],
+                    q[..., plan.q_rows, :],
+                    _select(kv[0], plan.kv_index),
+                    _select(kv[1], plan.kv_index),
+                    _block_mask(plan, attention_mask),
+                    ctx.scale,
+                    ctx.dropout_p,
+                    dout[..., plan.q_rows, :],
+                    lse[..., plan.q_rows],
+                    delta[..., plan.q_rows],
                 )
                 dq[..., plan.q_rows, :] += block_dq
                 _add_at(dkv[0], plan.kv_index, block_dk)

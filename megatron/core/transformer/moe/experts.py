@@ -94,13 +94,19 @@ class SequentialMLP(MegatronModule):
         for i in range(num_local_experts):
             with expert_init_stream(config, self.local_expert_offset + i):
                 self.local_experts.append(
-                    MLP(expert_config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size,
-                        tp_group=self.tp_group)
+                    MLP(
+                        expert_config,
+                        submodules,
+                        is_expert=True,
+                        ffn_hidden_size=config.moe_ffn_hidden_size,
+                        tp_group=self.tp_group,
+                    )
                 )
         _mark_expert_parameters(self)
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ):
         """``(output, None)``: each expert's rows through its MLP, weighted by their probabilities."""
         hidden, probs = _probs_on_input(self.config, permuted_local_hidden_states, permuted_probs)
         counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
@@ -142,8 +148,9 @@ def _probs_on_input(config: TransformerConfig, hidden: torch.Tensor, probs: torc
 class GroupedLinearFc1Interface(Protocol):
     """What TEGroupedMLP needs of its fc1: ``(output, per-row bias)`` from the grouped input."""
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: list[int], /
-                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: list[int], /
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def backward_dw(self) -> None: ...
 
@@ -151,15 +158,15 @@ class GroupedLinearFc1Interface(Protocol):
 class GroupedLinearFc1Builder(Protocol):
     """How TEGroupedMLP builds fc1 (ColumnParallelGroupedLinear fits)."""
 
-    def __call__(self, num_gemms: int, input_size: int, output_size: int, /, **kwargs) -> GroupedLinearFc1Interface:
-        ...
+    def __call__(self, num_gemms: int, input_size: int, output_size: int, /, **kwargs) -> GroupedLinearFc1Interface: ...
 
 
 class GroupedLinearFc2Interface(Protocol):
     """What TEGroupedMLP needs of its fc2."""
 
-    def forward(self, intermediate_parallel: torch.Tensor, tokens_per_expert: list[int], /
-                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def forward(
+        self, intermediate_parallel: torch.Tensor, tokens_per_expert: list[int], /
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def backward_dw(self) -> None: ...
 
@@ -167,8 +174,7 @@ class GroupedLinearFc2Interface(Protocol):
 class GroupedLinearFc2Builder(Protocol):
     """How TEGroupedMLP builds fc2 (RowParallelGroupedLinear fits)."""
 
-    def __call__(self, num_gemms: int, input_size: int, output_size: int, /, **kwargs) -> GroupedLinearFc2Interface:
-        ...
+    def __call__(self, num_gemms: int, input_size: int, output_size: int, /, **kwargs) -> GroupedLinearFc2Interface: ...
 
 
 @dataclass
@@ -199,15 +205,27 @@ class TEGroupedMLP(MegatronModule):
         self.local_expert_offset = ep_rank * num_local_experts
         ffn = config.moe_ffn_hidden_size
         self.gated = config.gated_linear_unit
-        common = dict(config=config, bias=config.add_bias_linear, skip_bias_add=True, is_expert=True,
-                      tp_group=self.tp_group)
+        common = dict(
+            config=config, bias=config.add_bias_linear, skip_bias_add=True, is_expert=True, tp_group=self.tp_group
+        )
         self.linear_fc1 = build_module(
-            submodules.linear_fc1, num_local_experts, config.hidden_size, ffn * 2 if self.gated else ffn,
-            init_method=config.init_method, stride=2 if self.gated else 1, tp_comm_buffer_name="fc1", **common,
+            submodules.linear_fc1,
+            num_local_experts,
+            config.hidden_size,
+            ffn * 2 if self.gated else ffn,
+            init_method=config.init_method,
+            stride=2 if self.gated else 1,
+            tp_comm_buffer_name="fc1",
+            **common,
         )
         self.linear_fc2 = build_module(
-            submodules.linear_fc2, num_local_experts, ffn, config.hidden_size,
-            init_method=config.output_layer_init_method, tp_comm_buffer_name="fc2", **common,
+            submodules.linear_fc2,
+            num_local_experts,
+            ffn,
+            config.hidden_size,
+            init_method=config.output_layer_init_method,
+            tp_comm_buffer_name="fc2",
+            **common,
         )
         self.activation_func = config.activation_func
         if config.perform_initialization:
@@ -274,8 +292,12 @@ class TEGroupedMLP(MegatronModule):
         sharded_state_dict = {}
         for name, linear in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
             pieces = linear.sharded_state_dict(
-                f"{prefix}{name}.", sharded_offsets, metadata, expert_offset=self.local_expert_offset,
-                num_global_experts=num_global_experts, gated=self.gated and name == "linear_fc1",
+                f"{prefix}{name}.",
+                sharded_offsets,
+                metadata,
+                expert_offset=self.local_expert_offset,
+                num_global_experts=num_global_experts,
+                gated=self.gated and name == "linear_fc1",
             )
             _set_expert_data_parallel_replica(pieces, self.expt_dp_group)
             sharded_state_dict.update(pieces)
@@ -293,7 +315,7 @@ def _this_rank_slice(master: torch.Tensor, linear) -> torch.Tensor:
     ColumnParallelLinear / RowParallelLinear give a full weight)."""
     dim, tp = linear.partition_dim, linear.tp_size
     blocks = torch.chunk(master, linear.stride * tp, dim=dim)
-    return torch.cat(blocks[linear.tp_rank::tp], dim=dim).to(linear.config.params_dtype)
+    return torch.cat(blocks[linear.tp_rank :: tp], dim=dim).to(linear.config.params_dtype)
 
 
 class InferenceGroupedMLP(TEGroupedMLP):
@@ -307,4 +329,3 @@ class InferenceGroupedMLP(TEGroupedMLP):
         routing_map: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-

@@ -112,9 +112,7 @@ class _GroupedLinear(torch.nn.Module):
             weight.allreduce = False
             self.register_parameter(f"weight{i}", weight)
             if bias:
-                bias_param = Parameter(
-                    torch.zeros(local_shape[0], dtype=config.params_dtype, device=device)
-                )
+                bias_param = Parameter(torch.zeros(local_shape[0], dtype=config.params_dtype, device=device))
                 set_tensor_model_parallel_attributes(bias_param, self.partition_dim == 0, 0, stride)
                 bias_param.allreduce = False
                 self.register_parameter(f"bias{i}", bias_param)
@@ -144,12 +142,20 @@ class _GroupedLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Experts 1.. have their own (empty) extra-state entries in checkpoints, as Transformer Engine writes them.
-        for key in [k for k in state_dict if k.startswith(prefix) and _EXTRA_STATE_OF_EXPERT.match(k[len(prefix):])]:
+        for key in [k for k in state_dict if k.startswith(prefix) and _EXTRA_STATE_OF_EXPERT.match(k[len(prefix) :])]:
             state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, *, expert_offset: int = 0,
-                           num_global_experts: Optional[int] = None, gated: bool = False):
+    def sharded_state_dict(
+        self,
+        prefix="",
+        sharded_offsets=(),
+        metadata=None,
+        *,
+        expert_offset: int = 0,
+        num_global_experts: Optional[int] = None,
+        gated: bool = False,
+    ):
         """Each local expert's weight (bias, extra state) under the single key ``{prefix}weight`` with an expert
         axis in front of the tensor axes, at the expert's global index ``expert_offset + i``; dict keys stay the
         parameter names (``weight{i}``; ``_extra_state``, ``_extra_state1``, ...)."""

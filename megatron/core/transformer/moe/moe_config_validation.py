@@ -131,8 +131,10 @@ def _validate_load_balancing(config) -> None:
     kinds = _load_balancing_types(config)
     for kind in kinds:
         if kind == "quantile_balancing":
-            raise ValueError("not supported yet: moe_router_load_balancing_type='quantile_balancing'; use one of "
-                             f"{_LOAD_BALANCING_TYPES}")
+            raise ValueError(
+                "not supported yet: moe_router_load_balancing_type='quantile_balancing'; use one of "
+                f"{_LOAD_BALANCING_TYPES}"
+            )
         if kind not in _LOAD_BALANCING_TYPES:
             raise ValueError(f"moe_router_load_balancing_type {kind!r} is not one of {_LOAD_BALANCING_TYPES}")
     coeff = config.moe_aux_loss_coeff

@@ -39,15 +39,17 @@ class RouterInterface(Protocol):
 class RouterBuilder(Protocol):
     """How MoELayer builds its router (TopKRouter fits)."""
 
-    def __call__(self, *, config: TransformerConfig, pg_collection: ProcessGroupCollection | None,
-                 is_mtp_layer: bool) -> RouterInterface: ...
+    def __call__(
+        self, *, config: TransformerConfig, pg_collection: ProcessGroupCollection | None, is_mtp_layer: bool
+    ) -> RouterInterface: ...
 
 
 class ExpertsInterface(Protocol):
     """What MoELayer needs of its experts: ``(output, bias)`` for the grouped tokens."""
 
-    def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
-                /) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def forward(
+        self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, /
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def backward_dw(self) -> None: ...
 
@@ -55,8 +57,9 @@ class ExpertsInterface(Protocol):
 class ExpertsBuilder(Protocol):
     """How MoELayer builds its experts (SequentialMLP / TEGroupedMLP fit)."""
 
-    def __call__(self, num_local_experts: int, /, *, config: TransformerConfig,
-                 pg_collection: ProcessGroupCollection | None) -> ExpertsInterface: ...
+    def __call__(
+        self, num_local_experts: int, /, *, config: TransformerConfig, pg_collection: ProcessGroupCollection | None
+    ) -> ExpertsInterface: ...
 
 
 class SharedExpertsInterface(Protocol):
@@ -70,8 +73,9 @@ class SharedExpertsInterface(Protocol):
 class SharedExpertsBuilder(Protocol):
     """How MoELayer builds its shared experts (SharedExpertMLP fits)."""
 
-    def __call__(self, *, config: TransformerConfig, pg_collection: ProcessGroupCollection | None,
-                 gate: bool) -> SharedExpertsInterface: ...
+    def __call__(
+        self, *, config: TransformerConfig, pg_collection: ProcessGroupCollection | None, gate: bool
+    ) -> SharedExpertsInterface: ...
 
 
 @dataclass
@@ -156,10 +160,13 @@ class MoELayer(BaseMoELayer):
         name: str | None = None,
     ):
         if submodules is None:
-            raise ValueError("MoELayer needs submodules (MoESubmodules with at least the experts); use "
-                             "megatron.core.models.gpt.moe_module_specs.get_moe_module_spec()")
-        super().__init__(config=config, layer_number=layer_number, pg_collection=pg_collection,
-                         is_mtp_layer=is_mtp_layer)
+            raise ValueError(
+                "MoELayer needs submodules (MoESubmodules with at least the experts); use "
+                "megatron.core.models.gpt.moe_module_specs.get_moe_module_spec()"
+            )
+        super().__init__(
+            config=config, layer_number=layer_number, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer
+        )
         self.name = name
         self.submodules = submodules
         self.moe_layer_recompute = config.moe_layer_recompute
@@ -176,12 +183,14 @@ class MoELayer(BaseMoELayer):
                 f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not one of 'allgather', "
                 "'alltoall', 'flex'"
             )
-        self.token_dispatcher = dispatcher_class(self.num_local_experts, self.local_expert_indices, config=config,
-                                                 pg_collection=pg)
+        self.token_dispatcher = dispatcher_class(
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg
+        )
         self.experts = build_module(submodules.experts, self.num_local_experts, config=config, pg_collection=pg)
         if config.moe_shared_expert_intermediate_size is not None and submodules.shared_experts is not None:
-            self.shared_experts = build_module(submodules.shared_experts, config=config, pg_collection=pg,
-                                               gate=config.moe_shared_expert_gate)
+            self.shared_experts = build_module(
+                submodules.shared_experts, config=config, pg_collection=pg, gate=config.moe_shared_expert_gate
+            )
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 
     # The steps, in the order forward runs them; each is public as in Megatron, for schedules that interleave them.
@@ -249,8 +258,9 @@ class MoELayer(BaseMoELayer):
         output, _ = self.routed_experts_compute(tokens, probs)
         return self.postprocess(self.combine(output), shared_expert_output)
 
-    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
-                padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(output, None)`` for ``hidden_states`` ``[s(/tp), b, h]``. ``intermediate_tensors`` (the partial
         CUDA-graph capture of Megatron) is not supported and must be None."""
         if intermediate_tensors is not None:

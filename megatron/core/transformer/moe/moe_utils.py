@@ -183,7 +183,9 @@ def _score(logits: torch.Tensor, score_function: str) -> torch.Tensor:
         return torch.sigmoid(logits.float())
     if score_function == "sqrtsoftplus":
         return torch.nn.functional.softplus(logits.float()).sqrt()
-    raise ValueError(f"moe_router_score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got {score_function!r}")
+    raise ValueError(
+        f"moe_router_score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got {score_function!r}"
+    )
 
 
 def topk_routing_with_score_function(
@@ -213,7 +215,9 @@ def topk_routing_with_score_function(
     if router_replay is not None:
         raise ValueError("routing replay (router_replay) is not supported yet; leave moe_enable_routing_replay off")
     if logits.dim() != 2:
-        raise ValueError(f"topk_routing_with_score_function expects [tokens, experts] logits, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"topk_routing_with_score_function expects [tokens, experts] logits, got {tuple(logits.shape)}"
+        )
     num_tokens, num_experts = logits.shape
 
     def choose(scores):

@@ -122,7 +122,8 @@ class TopKRouter(Router):
         if self.enable_expert_bias:
             # Counts are per step and not saved; the bias is model state (fp32 whatever the params' dtype).
             self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32, device=device),
+                "local_tokens_per_expert",
+                torch.zeros(self.num_experts, dtype=torch.float32, device=device),
                 persistent=False,
             )
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
@@ -131,7 +132,8 @@ class TopKRouter(Router):
             self.expert_bias = None
         if self.get_aux_loss_coeff("global_aux_loss") > 0:
             self.register_buffer(
-                "global_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32, device=device),
+                "global_tokens_per_expert",
+                torch.zeros(self.num_experts, dtype=torch.float32, device=device),
                 persistent=False,
             )
             self.register_buffer("ga_steps", torch.tensor(0.0, device=device), persistent=False)
@@ -202,9 +204,10 @@ class TopKRouter(Router):
         tokens_per_expert, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
             routing_map, self.tp_cp_group, topk=self.topk * bsz, with_padding_mask=with_padding_mask
         )
-        aux_loss = switch_load_balancing_loss_func(
-            scores, tokens_per_expert, total_tokens, self.topk, self.num_experts, coeff
-        ) / bsz
+        aux_loss = (
+            switch_load_balancing_loss_func(scores, tokens_per_expert, total_tokens, self.topk, self.num_experts, coeff)
+            / bsz
+        )
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=local_tokens
         )
@@ -223,7 +226,12 @@ class TopKRouter(Router):
         averaged = self.global_tokens_per_expert / self.ga_steps
         aux_loss = switch_load_balancing_loss_func(scores, averaged, total_tokens, self.topk, self.num_experts, coeff)
         return self.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "global_load_balancing_loss", self.tp_dp_cp_group, needs_dp_avg=False,
+            probs,
+            coeff,
+            aux_loss,
+            "global_load_balancing_loss",
+            self.tp_dp_cp_group,
+            needs_dp_avg=False,
             valid_token_count=local_tokens,
         )
 
@@ -244,8 +252,12 @@ class TopKRouter(Router):
         backward. With per-token loss normalisation the gradients are later divided by the global token count, so
         the loss is multiplied by this rank's tokens times the TP x CP size, which cancels that division."""
         save_to_aux_losses_tracker(
-            aux_loss_name, aux_loss / aux_loss_coeff, self.layer_number, self._num_layers_for_logging(),
-            reduce_group=reduce_group, reduce_group_has_dp=not needs_dp_avg,
+            aux_loss_name,
+            aux_loss / aux_loss_coeff,
+            self.layer_number,
+            self._num_layers_for_logging(),
+            reduce_group=reduce_group,
+            reduce_group_has_dp=not needs_dp_avg,
         )
         if self.calculate_per_token_loss:
             tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
@@ -268,8 +280,9 @@ class TopKRouter(Router):
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
         # Each TP x CP rank holds the mean over its own equal slice: their average is the whole sequence's z-loss
         # (Megatron logs one rank's slice).
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self._num_layers_for_logging(),
-                                   avg_group=self.tp_cp_group)
+        save_to_aux_losses_tracker(
+            "z_loss", z_loss / coeff, self.layer_number, self._num_layers_for_logging(), avg_group=self.tp_cp_group
+        )
         return logits
 
     def apply_input_jitter(self, input: torch.Tensor):

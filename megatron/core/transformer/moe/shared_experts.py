@@ -64,7 +64,10 @@ class SharedExpertMLP(MLP):
         if self.use_shared_expert_gate:
             key = f"{prefix}gate_weight"
             sharded_state_dict[key] = make_sharded_tensor_for_checkpoint(
-                self.gate_weight, key, prepend_offsets=sharded_offsets, tp_group=self.tp_group,
+                self.gate_weight,
+                key,
+                prepend_offsets=sharded_offsets,
+                tp_group=self.tp_group,
                 dp_cp_group=(metadata or {}).get("dp_cp_group"),
             )
         return sharded_state_dict

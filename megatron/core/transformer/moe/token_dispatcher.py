@@ -255,10 +255,16 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """All-to-all over EP, then all-gather over ETP (backward: reduce-scatter, the ETP ranks' gradients are
         partial)."""
-        tokens = all_to_all(self.ep_group, permutated_local_input_tokens, self.output_splits, self.input_splits) \
-            if self.ep_size > 1 else permutated_local_input_tokens
-        probs = all_to_all(self.ep_group, permuted_probs, self.output_splits, self.input_splits) \
-            if self.ep_size > 1 else permuted_probs
+        tokens = (
+            all_to_all(self.ep_group, permutated_local_input_tokens, self.output_splits, self.input_splits)
+            if self.ep_size > 1
+            else permutated_local_input_tokens
+        )
+        probs = (
+            all_to_all(self.ep_group, permuted_probs, self.output_splits, self.input_splits)
+            if self.ep_size > 1
+            else permuted_probs
+        )
         if self.tp_size > 1:
             tokens = gather_from_sequence_parallel_region(
                 tokens, group=self.tp_group, output_split_sizes=self.output_splits_tp
@@ -291,8 +297,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             )
         return hidden_states
 
-    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
-                      allocate_on_comm_stream: bool = True):
+    def token_combine(
+        self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True
+    ):
         """The reverse all-to-all over EP (``async_finish`` / ``allocate_on_comm_stream`` are CUDA-stream knobs of
         the overlapped schedule, accepted and not used)."""
         if self.ep_size > 1:

@@ -21,8 +21,9 @@ class _BrokenEngine:
     def add_request(self, request_id, prompt, sampling_params=None):
         if prompt[0] == 0:
             raise ValueError(f"request {request_id}: does not fit the KV cache")
-        self.requests[request_id] = DynamicInferenceRequest(request_id=request_id, prompt_tokens=list(prompt),
-                                                            sampling_params=sampling_params)
+        self.requests[request_id] = DynamicInferenceRequest(
+            request_id=request_id, prompt_tokens=list(prompt), sampling_params=sampling_params
+        )
 
     def has_unfinished_requests(self):
         return any(not r.finished for r in self.requests.values())
@@ -66,8 +67,11 @@ def test_engine_refusal_is_a_400_and_engine_failure_a_500_then_503(server):
 
 
 def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server):
-    with httpx.stream("POST", server + "/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True},
+    ) as r:
         assert r.status_code == 200
         events = [e for e in r.read().decode().split("\n\n") if e]
     assert '"role": "assistant"' in events[0]

@@ -20,8 +20,16 @@ from tests.unit_tests.inference.text_generation_server.tiny_server import MAX_RE
 from tests.functional_tests.harness import free_port
 
 SERVER_SCRIPT = Path(__file__).with_name("tiny_server.py")
-PROMPTS = ["To be, or not to be", "Friends, Romans, countrymen", "Now is the winter", "O Romeo", "All the world",
-           "Once more unto the breach", "What light through yonder", "The quality of mercy"]
+PROMPTS = [
+    "To be, or not to be",
+    "Friends, Romans, countrymen",
+    "Now is the winter",
+    "O Romeo",
+    "All the world",
+    "Once more unto the breach",
+    "What light through yonder",
+    "The quality of mercy",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,13 @@ def tokenizer():
 def base_url():
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, str(SERVER_SCRIPT), str(port)], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER_SCRIPT), str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
@@ -66,8 +79,7 @@ def client(base_url):
 
 
 def _greedy(client, prompt, max_tokens=8, **kwargs):
-    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                     **kwargs)
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, **kwargs)
 
 
 def test_health_and_models(base_url, client):
@@ -101,14 +113,19 @@ def test_completion_usage_logprobs_and_streaming_equal_non_streaming(client, tok
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
     # Without the /v1 prefix too, and echo puts the prompt in front.
-    plain = httpx.post(str(client.base_url).replace("/v1/", "/completions"),
-                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": True}).json()
+    plain = httpx.post(
+        str(client.base_url).replace("/v1/", "/completions"),
+        json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": True},
+    ).json()
     assert plain["choices"][0]["text"] == prompt + choice.text
 
 
 def test_sse_wire_format(base_url):
-    with httpx.stream("POST", base_url + "/v1/completions",
-                      json={"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        base_url + "/v1/completions",
+        json={"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         body = response.read().decode()
@@ -119,16 +136,18 @@ def test_sse_wire_format(base_url):
 
 def test_chat_completion_and_streaming(client, tokenizer):
     messages = [{"role": "system", "content": "Speak in verse."}, {"role": "user", "content": "Who art thou?"}]
-    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=1)
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1
+    )
     choice = full.choices[0]
     assert full.object == "chat.completion" and choice.message.role == "assistant"
     assert full.usage.prompt_tokens == len(tokenizer.tokenize(default_chat_prompt(messages)))
     assert full.usage.completion_tokens == 6
     assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
 
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -136,8 +155,9 @@ def test_chat_completion_and_streaming(client, tokenizer):
 
 
 def test_n_choices_are_seeded_and_ordered(client):
-    request = dict(model=MODEL_NAME, prompt=[PROMPTS[2], PROMPTS[3]], max_tokens=6, n=2, seed=11, temperature=1.0,
-                   echo=True)
+    request = dict(
+        model=MODEL_NAME, prompt=[PROMPTS[2], PROMPTS[3]], max_tokens=6, n=2, seed=11, temperature=1.0, echo=True
+    )
     first = client.completions.create(**request)
     again = client.completions.create(**request)
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
@@ -164,10 +184,12 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(base_url, 
 
     async def together():
         async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0) as aclient:
-            return await asyncio.gather(*[
-                aclient.completions.create(model=MODEL_NAME, prompt=p, max_tokens=n, temperature=0)
-                for p, n in zip(prompts, lengths)
-            ])
+            return await asyncio.gather(
+                *[
+                    aclient.completions.create(model=MODEL_NAME, prompt=p, max_tokens=n, temperature=0)
+                    for p, n in zip(prompts, lengths)
+                ]
+            )
 
     results = asyncio.run(together())
     assert [r.choices[0].text for r in results] == alone
@@ -176,7 +198,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(base_url, 
 
 def test_stop_sequence_ends_the_text_before_it(client):
     reference = _greedy(client, PROMPTS[4], max_tokens=12).choices[0].text
-    stop = reference[len(reference) // 2: len(reference) // 2 + 3]
+    stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
     expected = reference[: reference.index(stop)]
     stopped = _greedy(client, PROMPTS[4], max_tokens=12, stop=[stop]).choices[0]
     assert (stopped.text, stopped.finish_reason) == (expected, "stop")
@@ -186,8 +208,9 @@ def test_stop_sequence_ends_the_text_before_it(client):
 
 def test_legacy_put_api(base_url, client):
     prompt = PROMPTS[5]
-    reply = httpx.put(base_url + "/api", json={"prompts": [prompt], "tokens_to_generate": 5, "top_k": 1,
-                                               "logprobs": True}).json()
+    reply = httpx.put(
+        base_url + "/api", json={"prompts": [prompt], "tokens_to_generate": 5, "top_k": 1, "logprobs": True}
+    ).json()
     completion = _greedy(client, prompt, max_tokens=5, echo=True, logprobs=0).choices[0]
     assert reply["text"] == [completion.text]
     assert "".join(reply["segments"][0]) == completion.text
@@ -203,42 +226,100 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing_required_parameter", "'prompt'"),
     ("POST", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages", "missing_required_parameter", "'messages'"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "below_min_value", "-1"),
-    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_type",
-     "expected an integer, but got a string"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": "5"},
+        400,
+        "max_tokens",
+        "invalid_type",
+        "expected an integer, but got a string",
+    ),
     ("POST", "/v1/completions", {"prompt": 7}, 400, "prompt", "invalid_type", "'prompt'"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature", "above_max_value", "3"),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type", "boolean"),
-    ("POST", "/v1/completions", {"prompt": _LONG_PROMPT}, 400, "prompt", "context_length_exceeded",
-     f"maximum context length is {MAX_SEQUENCE_LENGTH} tokens"),
-    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": MAX_SEQUENCE_LENGTH}, 400, "max_tokens",
-     "context_length_exceeded", "Reduce the length"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": _LONG_PROMPT},
+        400,
+        "prompt",
+        "context_length_exceeded",
+        f"maximum context length is {MAX_SEQUENCE_LENGTH} tokens",
+    ),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": MAX_SEQUENCE_LENGTH},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "Reduce the length",
+    ),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", "model_not_found", "'gpt-9'"),
     ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "invalid_value", "outside"),
     ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "below_min_value", "n"),
-    ("POST", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop (count)",
-     "above_max_value", "4"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+        400,
+        "stop (count)",
+        "above_max_value",
+        "4",
+    ),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "above_max_value", "20"),
-    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
-     "invalid_value", "stream"),
-    ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
-     "unsupported_parameter", "not supported"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
-     "invalid_value", "wizard"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "invalid_value",
+        "stream",
+    ),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "presence_penalty": 0.5},
+        400,
+        "presence_penalty",
+        "unsupported_parameter",
+        "not supported",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "invalid_value",
+        "wizard",
+    ),
     ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", "invalid_type", "array"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "top_logprobs", "invalid_value", "'logprobs': true"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "invalid_value",
+        "'logprobs': true",
+    ),
     ("PUT", "/api", {"tokens_to_generate": 3}, 400, "prompts", "missing_required_parameter", "'prompts'"),
     ("PUT", "/api", {"prompts": "x"}, 400, "prompts", "invalid_type", "array of strings"),
-    ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": -3}, 400, "tokens_to_generate", "below_min_value",
-     "-3"),
+    ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": -3}, 400, "tokens_to_generate", "below_min_value", "-3"),
     ("GET", "/v1/nothing-here", None, 404, None, "unknown_url", "/v1/nothing-here"),
     ("GET", "/v1/completions", None, 405, None, "method_not_allowed", "GET"),
     ("GET", "/v1/models/gpt-9", None, 404, "model", "model_not_found", "'gpt-9'"),
 ]
 
 
-@pytest.mark.parametrize("method,path,body,status,param,code,words", BAD_REQUESTS,
-                         ids=[f"{case[1]}-{case[5]}-{i}" for i, case in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "method,path,body,status,param,code,words",
+    BAD_REQUESTS,
+    ids=[f"{case[1]}-{case[5]}-{i}" for i, case in enumerate(BAD_REQUESTS)],
+)
 def test_bad_request_gets_openai_error_body(base_url, method, path, body, status, param, code, words):
     kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
     response = httpx.request(method, base_url + path, headers={"Content-Type": "application/json"}, **kwargs)

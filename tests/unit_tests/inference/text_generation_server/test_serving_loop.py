@@ -33,11 +33,13 @@ def _serve(tp: int, pp: int):
     loop = ServingLoop(engine, group=control_group(), heartbeat_s=0.05)
     got = None
     if dist.get_rank() == 0:
+
         async def clients():
             async def one(prompt, delay):
                 await asyncio.sleep(delay)  # later requests arrive while earlier ones decode
-                handle = loop.submit(prompt, SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS,
-                                                            termination_id=-1))
+                handle = loop.submit(
+                    prompt, SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
+                )
                 tokens = []
                 async for progress in handle:
                     assert progress.error is None, progress.error
@@ -54,8 +56,12 @@ def _serve(tp: int, pp: int):
     else:
         loop.follow()
     allocator = context.block_allocator
-    return {"got": got, "expected": expected, "left": len(engine.requests),
-            "free": allocator.total_avail == allocator.total_count}
+    return {
+        "got": got,
+        "expected": expected,
+        "left": len(engine.requests),
+        "free": allocator.total_avail == allocator.total_count,
+    }
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])

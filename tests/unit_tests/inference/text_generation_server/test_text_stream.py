@@ -69,8 +69,10 @@ def test_default_chat_prompt_is_role_lines_then_assistant():
 
 def test_chat_template_file_and_tokenizer_template(tokenizer, tmp_path):
     template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    template.write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     render = build_chat_renderer(tokenizer, str(template))
     assert render([{"role": "user", "content": "Hi"}]) == "<user>Hi<assistant>"
 
@@ -80,7 +82,8 @@ def test_chat_template_file_and_tokenizer_template(tokenizer, tmp_path):
         eos = -1
 
     assert build_chat_renderer(WithTemplate())([{"role": "user", "content": "x"}]) == json.dumps(
-        [{"role": "user", "content": "x"}])
+        [{"role": "user", "content": "x"}]
+    )
     assert build_chat_renderer(tokenizer) is default_chat_prompt  # GPT-2's BPE files carry no template
 
 
@@ -105,8 +108,10 @@ def test_huggingface_tokenizer_reads_its_chat_template(tmp_path):
     assert HuggingFaceTokenizer(directory).chat_template is None
     config_path = tmp_path / "hf" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = [{"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"},
-                               {"name": "tool_use", "template": "unused"}]
+    config["chat_template"] = [
+        {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "unused"},
+    ]
     config_path.write_text(json.dumps(config))
     tokenizer = HuggingFaceTokenizer(directory)
     assert build_chat_renderer(tokenizer)([{"role": "user", "content": "hey"}]) == "<s>hey"

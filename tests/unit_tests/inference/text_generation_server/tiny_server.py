@@ -54,14 +54,28 @@ def main(port: int) -> None:
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
     tokenizer = GPT2BPETokenizer(builtin_data.vocab_file(), builtin_data.merge_file())
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=tokenizer.vocab_size,
-                     max_sequence_length=MAX_SEQUENCE_LENGTH).eval()
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=tokenizer.vocab_size, max_sequence_length=MAX_SEQUENCE_LENGTH
+    ).eval()
     context = DynamicInferenceContext(
-        params_dtype=torch.float32, num_layers=2, kv_channels=8, num_attention_heads=4,
-        max_sequence_length=MAX_SEQUENCE_LENGTH, block_size_tokens=16, num_blocks=MAX_REQUESTS * 4,
-        max_requests=MAX_REQUESTS, max_tokens=256,
+        params_dtype=torch.float32,
+        num_layers=2,
+        kv_channels=8,
+        num_attention_heads=4,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        block_size_tokens=16,
+        num_blocks=MAX_REQUESTS * 4,
+        max_requests=MAX_REQUESTS,
+        max_tokens=256,
     )
     engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), tokenizer), context)
     server = TextGenerationServer(engine, tokenizer, model_name=MODEL_NAME, max_sequence_length=MAX_SEQUENCE_LENGTH)

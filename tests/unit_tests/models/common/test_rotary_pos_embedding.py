@@ -52,7 +52,9 @@ def test_relative_positions_only():
     freqs = rope(10)
 
     def score(i, j):
-        return (apply_rotary_pos_emb(q, freqs[i : i + 1], config) * apply_rotary_pos_emb(k, freqs[j : j + 1], config)).sum()
+        return (
+            apply_rotary_pos_emb(q, freqs[i : i + 1], config) * apply_rotary_pos_emb(k, freqs[j : j + 1], config)
+        ).sum()
 
     assert torch.allclose(score(2, 5), score(6, 9), atol=1e-5)
 

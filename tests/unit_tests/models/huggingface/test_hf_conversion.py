@@ -79,12 +79,18 @@ def _logits_at_layout(hf_dir, megatron_dir, input_ids, tp, pp):
 
     ps.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(1)
-    stage = dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                 use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    stage = dict(
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     in_memory = build_gpt_model_from_hf(hf_dir, **stage).eval()
     from_checkpoint = build_gpt_model_from_hf(hf_dir, load_weights=False, **stage).eval()
-    state = dist_checkpointing.load({"model": from_checkpoint.sharded_state_dict()},
-                                    os.path.join(megatron_dir, "release"))
+    state = dist_checkpointing.load(
+        {"model": from_checkpoint.sharded_state_dict()}, os.path.join(megatron_dir, "release")
+    )
     from_checkpoint.load_state_dict(state["model"])
     exported = hf_state_dict_from_model(in_memory, hf_dir=hf_dir) if tp == pp == 1 else None
     return _forward(in_memory, input_ids), _forward(from_checkpoint, input_ids), exported
@@ -128,8 +134,19 @@ def test_export_gives_back_every_tensor_and_hf_logits(models, family, tmp_path):
         source_config = json.load(file)
     with open(os.path.join(out, "config.json")) as file:
         exported_config = json.load(file)
-    for key in ("architectures", "hidden_size", "n_embd", "num_key_value_heads", "head_dim", "rope_parameters",
-                "rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings", "vocab_size", "activation_function"):
+    for key in (
+        "architectures",
+        "hidden_size",
+        "n_embd",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_parameters",
+        "rms_norm_eps",
+        "layer_norm_epsilon",
+        "tie_word_embeddings",
+        "vocab_size",
+        "activation_function",
+    ):
         if key in source_config:
             assert exported_config[key] == source_config[key], key
     assert torch.equal(hf_logits(out, input_ids), entry["logits"])

@@ -68,8 +68,9 @@ def _ep_logits(hf_dir, megatron_dir, input_ids, tp, ep):
     stage = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
     in_memory = build_gpt_model_from_hf(hf_dir, **stage).eval()
     from_checkpoint = build_gpt_model_from_hf(hf_dir, load_weights=False, **stage).eval()
-    state = dist_checkpointing.load({"model": from_checkpoint.sharded_state_dict()},
-                                    os.path.join(megatron_dir, "release"))
+    state = dist_checkpointing.load(
+        {"model": from_checkpoint.sharded_state_dict()}, os.path.join(megatron_dir, "release")
+    )
     from_checkpoint.load_state_dict(state["model"])
 
     def forward(model):
@@ -120,11 +121,20 @@ def test_converted_checkpoint_stores_experts_and_moe_args(mixtral, tmp_path):
     assert not any(key.startswith("decoder.layers.mlp.linear_fc1.weight") for key in stored)
     args = common_args = load_common_state_dict(checkpoint)["args"]
     assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 48)
-    assert (args.moe_router_score_function, args.moe_router_pre_softmax, args.moe_grouped_gemm) == ("softmax", False,
-                                                                                                    False)
+    assert (args.moe_router_score_function, args.moe_router_pre_softmax, args.moe_grouped_gemm) == (
+        "softmax",
+        False,
+        False,
+    )
     assert args.moe_aux_loss_coeff == 0.02 and args.moe_token_dispatcher_type == "allgather"
-    run_args = argparse.Namespace(load=megatron_dir, ckpt_step=None, num_experts=None, moe_router_topk=2,
-                                  moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.0)
+    run_args = argparse.Namespace(
+        load=megatron_dir,
+        ckpt_step=None,
+        num_experts=None,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=None,
+        moe_aux_loss_coeff=0.0,
+    )
     load_args_from_checkpoint(run_args)
     assert (run_args.num_experts, run_args.moe_ffn_hidden_size, run_args.moe_aux_loss_coeff) == (4, 48, 0.02)
     assert common_args.hf_vocab_size == VOCAB
@@ -142,14 +152,23 @@ def _refused(hf_dir, tmp_path, match):
     assert not out.exists(), "nothing may be written before a refusal"
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"sliding_window": 16}, r"MixtralForCausalLM: sliding_window = 16 is not supported"),
-    ({"router_jitter_noise": 0.1}, r"MixtralForCausalLM: router_jitter_noise = 0.1 is not supported; Megatron's "
-                                   r"router has no multiplicative jitter"),
-    ({"num_experts_per_tok": 5}, r"num_experts_per_tok = 5 is not supported; it must be between 1 and "
-                                 r"num_local_experts \(4\)"),
-    ({"num_local_experts": None}, r"MixtralForCausalLM: config.json has no 'num_local_experts'"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"sliding_window": 16}, r"MixtralForCausalLM: sliding_window = 16 is not supported"),
+        (
+            {"router_jitter_noise": 0.1},
+            r"MixtralForCausalLM: router_jitter_noise = 0.1 is not supported; Megatron's "
+            r"router has no multiplicative jitter",
+        ),
+        (
+            {"num_experts_per_tok": 5},
+            r"num_experts_per_tok = 5 is not supported; it must be between 1 and "
+            r"num_local_experts \(4\)",
+        ),
+        ({"num_local_experts": None}, r"MixtralForCausalLM: config.json has no 'num_local_experts'"),
+    ],
+)
 def test_mixtral_config_values_refused(tmp_path, changes, match):
     directory = tmp_path / "config_only"
     directory.mkdir()
@@ -170,18 +189,26 @@ def _with_tensors(mixtral, tmp_path, change):
 def test_fused_expert_layout_refused(mixtral, tmp_path):
     """transformers 5's in-memory layout (experts fused into [E, ...] tensors), if a writer put it on disk, is not
     read: the per-expert names it replaces are missing, and it is named."""
+
     def fuse(state):
         for layer in range(2):
             experts = f"model.layers.{layer}.block_sparse_moe.experts."
             state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([state.pop(f"{experts}{e}.w1.weight"), state.pop(f"{experts}{e}.w3.weight")])
-                 for e in range(4)])
+                [
+                    torch.cat([state.pop(f"{experts}{e}.w1.weight"), state.pop(f"{experts}{e}.w3.weight")])
+                    for e in range(4)
+                ]
+            )
             state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
-                [state.pop(f"{experts}{e}.w2.weight") for e in range(4)])
+                [state.pop(f"{experts}{e}.w2.weight") for e in range(4)]
+            )
         return state
 
-    _refused(_with_tensors(mixtral, tmp_path, fuse), tmp_path,
-             r"tensors missing from the checkpoint: \['model.layers.0.block_sparse_moe.experts.0.w1.weight'")
+    _refused(
+        _with_tensors(mixtral, tmp_path, fuse),
+        tmp_path,
+        r"tensors missing from the checkpoint: \['model.layers.0.block_sparse_moe.experts.0.w1.weight'",
+    )
 
 
 def test_extra_expert_refused(mixtral, tmp_path):
@@ -189,15 +216,33 @@ def test_extra_expert_refused(mixtral, tmp_path):
         state["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = torch.zeros(48, 32)
         return state
 
-    _refused(_with_tensors(mixtral, tmp_path, add), tmp_path, r"tensors with no place in the mixtral mapping "
-             r"\(nothing is dropped silently\): \['model.layers.0.block_sparse_moe.experts.4.w1.weight'\]")
+    _refused(
+        _with_tensors(mixtral, tmp_path, add),
+        tmp_path,
+        r"tensors with no place in the mixtral mapping "
+        r"\(nothing is dropped silently\): \['model.layers.0.block_sparse_moe.experts.4.w1.weight'\]",
+    )
 
 
 def _moe_args(**changes):
-    args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-                position_embedding_type="rope", normalization="RMSNorm", layernorm_epsilon=1e-5, swiglu=True,
-                add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
-                attention_dropout=0.0, ffn_hidden_size=48, num_experts=4, moe_router_topk=2, hf_vocab_size=VOCAB)
+    args = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        ffn_hidden_size=48,
+        num_experts=4,
+        moe_router_topk=2,
+        hf_vocab_size=VOCAB,
+    )
     return argparse.Namespace(**{**args, **changes})
 
 
@@ -210,11 +255,14 @@ def test_a_trained_moe_checkpoint_exports_as_mixtral():
     assert family_for_settings(settings).name == "mixtral"
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
-    ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
-    ({"moe_shared_expert_intermediate_size": 16}, "moe_shared_expert_intermediate_size=16"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
+        ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
+        ({"moe_shared_expert_intermediate_size": 16}, "moe_shared_expert_intermediate_size=16"),
+    ],
+)
 def test_moe_checkpoint_args_without_a_mixtral_equivalent_refused(changes, match):
     from megatron.core.models.huggingface import UnsupportedHFModelError
     from megatron.core.models.huggingface.config import settings_from_checkpoint_args
@@ -227,6 +275,9 @@ def test_grouped_gemm_checkpoint_refused():
     from megatron.core.models.huggingface import UnsupportedHFModelError
     from megatron.core.models.huggingface.config import settings_from_checkpoint_args
 
-    with pytest.raises(UnsupportedHFModelError, match=r"moe_grouped_gemm=True, whose experts are stored as grouped "
-                                                      r"linears .* convert the checkpoint without grouped GEMM"):
+    with pytest.raises(
+        UnsupportedHFModelError,
+        match=r"moe_grouped_gemm=True, whose experts are stored as grouped "
+        r"linears .* convert the checkpoint without grouped GEMM",
+    ):
         settings_from_checkpoint_args(_moe_args(moe_grouped_gemm=True))

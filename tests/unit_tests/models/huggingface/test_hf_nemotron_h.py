@@ -61,35 +61,54 @@ def test_transformer_config_and_model_from_settings():
     assert not kwargs["share_embeddings_and_output_weights"]
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"layers_block_type": ["linear_attention", "moe", "mlp", "linear_attention"]},
-     "MoE layers ('moe' / 'E' in the layer pattern) = 'ME-M' is not supported; the hybrid's MoE layers are not "
-     "mapped yet"),
-    ({"layers_block_type": None, "hybrid_override_pattern": "M*EM"}, "MoE layers ('moe' / 'E' in the layer "
-     "pattern) = 'M*EM' is not supported"),
-    ({"layers_block_type": None, "hybrid_override_pattern": "M*G"}, "hybrid_override_pattern symbol = 'G'"),
-    ({"layers_block_type": ["linear_attention", "cross_attention"]}, "layers_block_type entry = 'cross_attention'"),
-    ({"layers_block_type": None}, "config.json has neither 'layers_block_type' nor 'hybrid_override_pattern'"),
-    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act = 'gelu' is not supported; the MLP layers map to Megatron's "
-     "squared ReLU"),
-    ({"mamba_hidden_act": "relu"}, "mamba_hidden_act = 'relu' is not supported"),
-    ({"use_bias": True}, "use_bias = True is not supported; Megatron's Mamba in/out projections have no bias"),
-    ({"mlp_bias": True}, "mlp_bias = True is not supported"),
-    ({"use_conv_bias": False}, "use_conv_bias = False is not supported"),
-    ({"conv_kernel": 3}, "conv_kernel = 3 is not supported; Megatron's hybrid spec builds the Mamba conv with width 4"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers = 1 is not supported; multi-token prediction"),
-    ({"sliding_window": 16}, "sliding_window = 16 is not supported"),
-    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon = 1e-06 is not supported; Megatron's Mamba mixer fixes its "
-     "gated RMSNorm's epsilon at 1e-5"),
-    ({"mamba_num_heads": None}, "NemotronHForCausalLM: config.json has no 'mamba_num_heads'"),
-    ({"head_dim": None, "attention_head_dim": 16}, "attention_head_dim (without head_dim) = 16 is not supported; "
-     "transformers reads head_dim (default 128)"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            {"layers_block_type": ["linear_attention", "moe", "mlp", "linear_attention"]},
+            "MoE layers ('moe' / 'E' in the layer pattern) = 'ME-M' is not supported; the hybrid's MoE layers are not "
+            "mapped yet",
+        ),
+        (
+            {"layers_block_type": None, "hybrid_override_pattern": "M*EM"},
+            "MoE layers ('moe' / 'E' in the layer pattern) = 'M*EM' is not supported",
+        ),
+        ({"layers_block_type": None, "hybrid_override_pattern": "M*G"}, "hybrid_override_pattern symbol = 'G'"),
+        ({"layers_block_type": ["linear_attention", "cross_attention"]}, "layers_block_type entry = 'cross_attention'"),
+        ({"layers_block_type": None}, "config.json has neither 'layers_block_type' nor 'hybrid_override_pattern'"),
+        (
+            {"mlp_hidden_act": "gelu"},
+            "mlp_hidden_act = 'gelu' is not supported; the MLP layers map to Megatron's squared ReLU",
+        ),
+        ({"mamba_hidden_act": "relu"}, "mamba_hidden_act = 'relu' is not supported"),
+        ({"use_bias": True}, "use_bias = True is not supported; Megatron's Mamba in/out projections have no bias"),
+        ({"mlp_bias": True}, "mlp_bias = True is not supported"),
+        ({"use_conv_bias": False}, "use_conv_bias = False is not supported"),
+        (
+            {"conv_kernel": 3},
+            "conv_kernel = 3 is not supported; Megatron's hybrid spec builds the Mamba conv with width 4",
+        ),
+        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers = 1 is not supported; multi-token prediction"),
+        ({"sliding_window": 16}, "sliding_window = 16 is not supported"),
+        (
+            {"layer_norm_epsilon": 1e-6},
+            "layer_norm_epsilon = 1e-06 is not supported; Megatron's Mamba mixer fixes its "
+            "gated RMSNorm's epsilon at 1e-5",
+        ),
+        ({"mamba_num_heads": None}, "NemotronHForCausalLM: config.json has no 'mamba_num_heads'"),
+        (
+            {"head_dim": None, "attention_head_dim": 16},
+            "attention_head_dim (without head_dim) = 16 is not supported; transformers reads head_dim (default 128)",
+        ),
+    ],
+)
 def test_unmapped_config_values_are_refused(overrides, match):
     from megatron.core.models.huggingface import UnsupportedHFModelError
 
-    with pytest.raises(UnsupportedHFModelError, match=match.replace("(", r"\(").replace(")", r"\)")
-                       .replace("*", r"\*").replace("'", "'")):
+    with pytest.raises(
+        UnsupportedHFModelError,
+        match=match.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*").replace("'", "'"),
+    ):
         _settings(**overrides)
 
 
@@ -98,8 +117,11 @@ def test_model_type_and_tensor_parallel_refusals(tmp_path):
 
     hf_dir = save_hf_model("nemotron_h", str(tmp_path / "nh"), num_key_value_heads=4)
     out = str(tmp_path / "out")
-    with pytest.raises(UnsupportedHFModelError, match="--model-type GPT, but .* holds a nemotron_h model "
-                       r"\(NemotronHForCausalLM\), which converts as --model-type hybrid"):
+    with pytest.raises(
+        UnsupportedHFModelError,
+        match="--model-type GPT, but .* holds a nemotron_h model "
+        r"\(NemotronHForCausalLM\), which converts as --model-type hybrid",
+    ):
         save_megatron_checkpoint_from_hf(hf_dir, out, model_type="GPT")
     with pytest.raises(ValueError, match="--target-tensor-parallel-size 4 does not divide the 2 Mamba groups"):
         save_megatron_checkpoint_from_hf(hf_dir, out, 4, model_type="hybrid")
@@ -121,8 +143,11 @@ def test_unexpected_and_missing_tensors_are_refused(tmp_path):
         open_hf_model(hf_dir)
     del tensors["backbone.layers.3.mixer.dt_bias"]
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(UnsupportedHFModelError, match=r"missing from the checkpoint: \['backbone.layers.3.mixer"
-                                                      r"\.dt_bias'\]"):
+    with pytest.raises(
+        UnsupportedHFModelError,
+        match=r"missing from the checkpoint: \['backbone.layers.3.mixer"
+        r"\.dt_bias'\]",
+    ):
         open_hf_model(hf_dir)
 
 
@@ -154,8 +179,11 @@ def test_a_tied_megatron_hybrid_is_not_exported():
 
     _, s = _settings()
     tied = dataclasses.replace(s, untie_embeddings_and_output_weights=False)
-    with pytest.raises(UnsupportedHFModelError, match="tied embeddings .* transformers' NemotronH always has its "
-                                                      "own lm_head; train the hybrid with --untie-embeddings"):
+    with pytest.raises(
+        UnsupportedHFModelError,
+        match="tied embeddings .* transformers' NemotronH always has its "
+        "own lm_head; train the hybrid with --untie-embeddings",
+    ):
         FAMILIES["nemotron_h"].hf_config_from_settings(tied)
 
 
@@ -173,8 +201,11 @@ def test_converted_checkpoint_keys_and_args(tmp_path):
 
     hf_dir = save_hf_model("nemotron_h", str(tmp_path / "nh"))
     checkpoint = run_distributed(1, _convert, hf_dir, str(tmp_path / "megatron"))[0]
-    stored = {key: tuple(entry.size) for key, entry in read_dcp_metadata(checkpoint).state_dict_metadata.items()
-              if hasattr(entry, "size")}
+    stored = {
+        key: tuple(entry.size)
+        for key, entry in read_dcp_metadata(checkpoint).state_dict_metadata.items()
+        if hasattr(entry, "size")
+    }
     mamba = "decoder.layers.0.mixer."
     assert {stored[mamba + f"in_proj.weight.{n}"] for n in "zx"} == {(64, 32)}
     assert stored[mamba + "in_proj.weight.B"] == stored[mamba + "in_proj.weight.C"] == (16, 32)
@@ -190,4 +221,7 @@ def test_converted_checkpoint_keys_and_args(tmp_path):
     assert (args.is_hybrid_model, args.hybrid_layer_pattern, args.squared_relu) == (True, "M*-M", True)
     assert (args.mamba_state_dim, args.mamba_head_dim, args.mamba_num_groups, args.mamba_num_heads) == (8, 8, 2, 8)
     assert (args.position_embedding_type, args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (
-        "none", 2, 2)
+        "none",
+        2,
+        2,
+    )

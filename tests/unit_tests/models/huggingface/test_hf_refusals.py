@@ -53,11 +53,16 @@ def _config_only(tmp_path, config):
     return str(directory)
 
 
-@pytest.mark.parametrize("architecture, match", [
-    ("FooForCausalLM", "unknown architecture 'FooForCausalLM' in config.json; supported: "),
-    ("NemotronHForCausalLM", "NemotronHForCausalLM: config.json has neither 'layers_block_type' nor "
-                             "'hybrid_override_pattern'"),
-])
+@pytest.mark.parametrize(
+    "architecture, match",
+    [
+        ("FooForCausalLM", "unknown architecture 'FooForCausalLM' in config.json; supported: "),
+        (
+            "NemotronHForCausalLM",
+            "NemotronHForCausalLM: config.json has neither 'layers_block_type' nor 'hybrid_override_pattern'",
+        ),
+    ],
+)
 def test_architecture_refused(tmp_path, architecture, match):
     _refused(_config_only(tmp_path, {"architectures": [architecture]}), tmp_path, match)
 
@@ -65,19 +70,28 @@ def test_architecture_refused(tmp_path, architecture, match):
 LLAMA = {key: value for key, value in CONFIGS["llama"].items() if key != "model_type"}
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-     r"LlamaForCausalLM: rope_type = 'yarn' is not supported"),
-    ({"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     r"rope_type = 'linear' is not supported"),
-    ({"rope_parameters": {**CONFIGS["llama"]["rope_parameters"], "low_freq_factor": 2.0}},
-     r"rope_parameters\['low_freq_factor'\] = 2.0 is not supported; Megatron's Llama-3 RoPE scaling"),
-    ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
-    ({"attention_bias": True}, r"attention_bias = True is not supported"),
-    ({"dtype": "float64"}, r"dtype = 'float64' is not supported"),
-    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
-    ({"hidden_size": None}, r"config.json has no 'hidden_size'"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            r"LlamaForCausalLM: rope_type = 'yarn' is not supported",
+        ),
+        (
+            {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            r"rope_type = 'linear' is not supported",
+        ),
+        (
+            {"rope_parameters": {**CONFIGS["llama"]["rope_parameters"], "low_freq_factor": 2.0}},
+            r"rope_parameters\['low_freq_factor'\] = 2.0 is not supported; Megatron's Llama-3 RoPE scaling",
+        ),
+        ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
+        ({"attention_bias": True}, r"attention_bias = True is not supported"),
+        ({"dtype": "float64"}, r"dtype = 'float64' is not supported"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+        ({"hidden_size": None}, r"config.json has no 'hidden_size'"),
+    ],
+)
 def test_llama_config_values_refused(tmp_path, changes, match):
     _refused(_config_only(tmp_path, {**LLAMA, **changes}), tmp_path, match)
 
@@ -85,17 +99,23 @@ def test_llama_config_values_refused(tmp_path, changes, match):
 def test_sliding_window_refused(tmp_path):
     mistral = {**{k: v for k, v in CONFIGS["mistral"].items() if k != "model_type"}, "sliding_window": 16}
     _refused(_config_only(tmp_path, mistral), tmp_path, r"MistralForCausalLM: sliding_window = 16 is not supported")
-    qwen2 = {**{k: v for k, v in CONFIGS["qwen2"].items() if k != "model_type"}, "use_sliding_window": True,
-             "sliding_window": 32}
+    qwen2 = {
+        **{k: v for k, v in CONFIGS["qwen2"].items() if k != "model_type"},
+        "use_sliding_window": True,
+        "sliding_window": 32,
+    }
     shutil.rmtree(tmp_path / "config_only")
     _refused(_config_only(tmp_path, qwen2), tmp_path, r"Qwen2ForCausalLM: sliding_window = 32 is not supported")
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"scale_attn_by_inverse_layer_idx": True}, r"scale_attn_by_inverse_layer_idx = True is not supported"),
-    ({"reorder_and_upcast_attn": True}, r"reorder_and_upcast_attn = True is not supported"),
-    ({"activation_function": "relu"}, r"activation_function = 'relu' is not supported; use one of"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"scale_attn_by_inverse_layer_idx": True}, r"scale_attn_by_inverse_layer_idx = True is not supported"),
+        ({"reorder_and_upcast_attn": True}, r"reorder_and_upcast_attn = True is not supported"),
+        ({"activation_function": "relu"}, r"activation_function = 'relu' is not supported; use one of"),
+    ],
+)
 def test_gpt2_config_values_refused(tmp_path, changes, match):
     gpt2 = {key: value for key, value in CONFIGS["gpt2"].items() if key != "model_type"}
     _refused(_config_only(tmp_path, {**gpt2, **changes}), tmp_path, match)
@@ -126,14 +146,19 @@ def test_unexpected_tensor_refused(sources, tmp_path):
         return state
 
     hf_dir = _variant(sources, tmp_path, "qwen2", tensors=add)
-    _refused(hf_dir, tmp_path, r"no place in the qwen2 mapping \(nothing is dropped silently\): "
-                               r"\['model.layers.0.self_attn.q_norm.weight'\]")
+    _refused(
+        hf_dir,
+        tmp_path,
+        r"no place in the qwen2 mapping \(nothing is dropped silently\): "
+        r"\['model.layers.0.self_attn.q_norm.weight'\]",
+    )
 
 
 def test_gpt2_files_without_the_transformer_prefix_are_read(sources, tmp_path):
     """Hub GPT-2 files name tensors "h.0..." and carry causal-mask buffers: both are understood, not refused."""
+
     def strip(state):
-        renamed = {name[len("transformer."):]: tensor for name, tensor in state.items()}
+        renamed = {name[len("transformer.") :]: tensor for name, tensor in state.items()}
         renamed["h.0.attn.bias"] = torch.ones(1, 1, 32, 32).tril()
         return renamed
 
@@ -155,27 +180,50 @@ def test_missing_config_refused(tmp_path):
 
 
 def test_target_layout_refused(sources, tmp_path):
-    _refused(sources["llama"], tmp_path, r"--target-tensor-parallel-size 4 does not divide the 2 key/value heads",
-             target_tensor_parallel_size=4)
-    _refused(sources["llama"], tmp_path, r"--target-pipeline-parallel-size 3 does not divide the 2 layers",
-             target_pipeline_parallel_size=3)
+    _refused(
+        sources["llama"],
+        tmp_path,
+        r"--target-tensor-parallel-size 4 does not divide the 2 key/value heads",
+        target_tensor_parallel_size=4,
+    )
+    _refused(
+        sources["llama"],
+        tmp_path,
+        r"--target-pipeline-parallel-size 3 does not divide the 2 layers",
+        target_pipeline_parallel_size=3,
+    )
 
 
 def _megatron_args(**changes):
-    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-                  position_embedding_type="rope", normalization="RMSNorm", layernorm_epsilon=1e-6, swiglu=True,
-                  add_bias_linear=False, untie_embeddings_and_output_weights=False, hidden_dropout=0.0,
-                  attention_dropout=0.0, padded_vocab_size=128, ffn_hidden_size=64)
+    values = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        padded_vocab_size=128,
+        ffn_hidden_size=64,
+    )
     values.update(changes)
     return argparse.Namespace(**values)
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"qk_layernorm": True}, "uses qk_layernorm=True, which no supported Hugging Face family has"),
-    ({"num_experts": 8, "moe_router_enable_expert_bias": True}, "uses moe_router_enable_expert_bias=True"),
-    ({"rotary_percent": 0.5}, "rotary_percent=0.5 has no mapping"),
-    ({"hidden_size": None}, r"the checkpoint's arguments lack \['hidden_size'\]"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"qk_layernorm": True}, "uses qk_layernorm=True, which no supported Hugging Face family has"),
+        ({"num_experts": 8, "moe_router_enable_expert_bias": True}, "uses moe_router_enable_expert_bias=True"),
+        ({"rotary_percent": 0.5}, "rotary_percent=0.5 has no mapping"),
+        ({"hidden_size": None}, r"the checkpoint's arguments lack \['hidden_size'\]"),
+    ],
+)
 def test_export_of_unmappable_checkpoint_refused(changes, match):
     with pytest.raises(ValueError, match=match):
         settings_from_checkpoint_args(_megatron_args(**changes))
@@ -217,4 +265,5 @@ def test_in_memory_load_refuses_parameters_without_a_source(sources):
 
     message = run_distributed(1, _load_into_model_with_extra_parameters, sources["llama"])[0]
     assert message is not None and message.startswith(
-        "model parameter decoder.layers.0.self_attention.q_layernorm.weight has no source in the llama mapping")
+        "model parameter decoder.layers.0.self_attention.q_layernorm.weight has no source in the llama mapping"
+    )

@@ -53,21 +53,35 @@ def build_config(tp: int = 1, sp: bool = False, pp: int = 1, num_layers: int = 5
     return TransformerConfig(**settings)
 
 
-def build_model(tp: int = 1, sp: bool = False, pp: int = 1, pattern: str = PATTERN, seed: int = SEED, ep: int = 1,
-                config_overrides: Optional[dict] = None, **model_kwargs) -> HybridModel:
+def build_model(
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    pattern: str = PATTERN,
+    seed: int = SEED,
+    ep: int = 1,
+    config_overrides: Optional[dict] = None,
+    **model_kwargs,
+) -> HybridModel:
     """This rank's stage of the model (model parallel state initialised here for tp x pp x ep);
     ``config_overrides`` go to :func:`build_config` (the MoE fields of a pattern with 'E' layers, say)."""
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     model_parallel_cuda_manual_seed(seed)
     num_layers = len(pattern.replace("|", ""))
-    config = build_config(tp, sp, pp, num_layers=num_layers, expert_model_parallel_size=ep,
-                          **(config_overrides or {}))
+    config = build_config(tp, sp, pp, num_layers=num_layers, expert_model_parallel_size=ep, **(config_overrides or {}))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return HybridModel(
-        config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
-        pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, **model_kwargs,
+        config,
+        hybrid_stack_spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        hybrid_layer_pattern=pattern,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        **model_kwargs,
     )
 
 
@@ -76,11 +90,19 @@ def build_chunks(pp: int, vp: int, pattern: str, seed: int = SEED, config_overri
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     model_parallel_cuda_manual_seed(seed)
-    config = build_config(pp=pp, num_layers=len(pattern.replace("|", "")), virtual_pipeline_model_parallel_size=vp,
-                          **(config_overrides or {}))
+    config = build_config(
+        pp=pp,
+        num_layers=len(pattern.replace("|", "")),
+        virtual_pipeline_model_parallel_size=vp,
+        **(config_overrides or {}),
+    )
     return [
         HybridModel(
-            config, hybrid_stack_spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern,
+            config,
+            hybrid_stack_spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            hybrid_layer_pattern=pattern,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
             vp_stage=chunk,
@@ -124,9 +146,15 @@ def checkpoint_space(model: torch.nn.Module, gradients: bool = False) -> Dict[st
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
     pieces = [
-        (item.key, tuple(item.global_shape), tuple(item.global_offset), item.prepend_axis_num,
-         item.data.detach().clone())
-        for item in nested_values(sharded) if isinstance(item, ShardedTensor)
+        (
+            item.key,
+            tuple(item.global_shape),
+            tuple(item.global_offset),
+            item.prepend_axis_num,
+            item.data.detach().clone(),
+        )
+        for item in nested_values(sharded)
+        if isinstance(item, ShardedTensor)
     ]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, pieces)
@@ -190,12 +218,19 @@ def run_pipeline(pp: int, pattern: str, vp=None, config_overrides: Optional[dict
     loss and token count on the last stage, this rank's layers, and weights and gradients in checkpoint space."""
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    chunks = ([build_model(pp=pp, pattern=pattern, config_overrides=config_overrides)] if vp is None
-              else build_chunks(pp, vp, pattern, config_overrides=config_overrides))
+    chunks = (
+        [build_model(pp=pp, pattern=pattern, config_overrides=config_overrides)]
+        if vp is None
+        else build_chunks(pp, vp, pattern, config_overrides=config_overrides)
+    )
     microbatches = _microbatches()
     reduced = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(microbatches) for _ in chunks], model=chunks,
-        num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=2,
+        forward_step_func=_forward_step,
+        data_iterator=[iter(microbatches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(microbatches),
+        seq_length=SEQ,
+        micro_batch_size=2,
     )
     loss = torch.stack([item["lm loss"] for item in reduced]).sum(0) if reduced else None
     weights, grads = {}, {}

@@ -9,26 +9,43 @@ from tests.unit_tests.test_utilities import run_distributed
 # (key, global shape) of the "M*-M-" test model's first three layers (hidden 64, d_inner 128, 4 groups of state 8,
 # 8 Mamba heads, 8 attention heads of 8 with 4 key/value groups, ffn 128), the final norm and the embeddings.
 MAMBA_LAYER = [
-    ("mixer.A_log", (8,)), ("mixer.D", (8,)), ("mixer.dt_bias", (8,)),
-    ("mixer.conv1d.bias.B", (32,)), ("mixer.conv1d.bias.C", (32,)), ("mixer.conv1d.bias.x", (128,)),
-    ("mixer.conv1d.weight.B", (32, 1, 4)), ("mixer.conv1d.weight.C", (32, 1, 4)),
+    ("mixer.A_log", (8,)),
+    ("mixer.D", (8,)),
+    ("mixer.dt_bias", (8,)),
+    ("mixer.conv1d.bias.B", (32,)),
+    ("mixer.conv1d.bias.C", (32,)),
+    ("mixer.conv1d.bias.x", (128,)),
+    ("mixer.conv1d.weight.B", (32, 1, 4)),
+    ("mixer.conv1d.weight.C", (32, 1, 4)),
     ("mixer.conv1d.weight.x", (128, 1, 4)),
-    ("mixer.in_proj._extra_state", None), ("mixer.in_proj.layer_norm_weight", (64,)),
-    ("mixer.in_proj.weight.z", (128, 64)), ("mixer.in_proj.weight.x", (128, 64)),
-    ("mixer.in_proj.weight.B", (32, 64)), ("mixer.in_proj.weight.C", (32, 64)), ("mixer.in_proj.weight.dt", (8, 64)),
-    ("mixer.norm.weight", (128,)), ("mixer.out_proj._extra_state", None), ("mixer.out_proj.weight", (64, 128)),
+    ("mixer.in_proj._extra_state", None),
+    ("mixer.in_proj.layer_norm_weight", (64,)),
+    ("mixer.in_proj.weight.z", (128, 64)),
+    ("mixer.in_proj.weight.x", (128, 64)),
+    ("mixer.in_proj.weight.B", (32, 64)),
+    ("mixer.in_proj.weight.C", (32, 64)),
+    ("mixer.in_proj.weight.dt", (8, 64)),
+    ("mixer.norm.weight", (128,)),
+    ("mixer.out_proj._extra_state", None),
+    ("mixer.out_proj.weight", (64, 128)),
 ]
 ATTENTION_LAYER = [
-    ("self_attention.linear_proj._extra_state", None), ("self_attention.linear_proj.weight", (64, 64)),
-    ("self_attention.linear_qkv._extra_state", None), ("self_attention.linear_qkv.layer_norm_weight", (64,)),
+    ("self_attention.linear_proj._extra_state", None),
+    ("self_attention.linear_proj.weight", (64, 64)),
+    ("self_attention.linear_qkv._extra_state", None),
+    ("self_attention.linear_qkv.layer_norm_weight", (64,)),
     ("self_attention.linear_qkv.weight", (128, 64)),
 ]
 MLP_LAYER = [
-    ("mlp.linear_fc1._extra_state", None), ("mlp.linear_fc1.layer_norm_weight", (64,)),
-    ("mlp.linear_fc1.weight", (128, 64)), ("mlp.linear_fc2._extra_state", None), ("mlp.linear_fc2.weight", (64, 128)),
+    ("mlp.linear_fc1._extra_state", None),
+    ("mlp.linear_fc1.layer_norm_weight", (64,)),
+    ("mlp.linear_fc1.weight", (128, 64)),
+    ("mlp.linear_fc2._extra_state", None),
+    ("mlp.linear_fc2.weight", (64, 128)),
 ]
 MODEL = [
-    ("decoder.final_norm.weight", (64,)), ("embedding.word_embeddings.weight", (64, 64)),
+    ("decoder.final_norm.weight", (64,)),
+    ("embedding.word_embeddings.weight", (64, 64)),
     ("output_layer.weight", (64, 64)),
 ]
 

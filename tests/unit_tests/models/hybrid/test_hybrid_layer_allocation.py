@@ -55,12 +55,15 @@ def test_pipes_and_mtp_parts():
     assert validate_segment_layers("M*-") == ["M", "*", "-"]
 
 
-@pytest.mark.parametrize("pattern, message", [
-    ("M*X-", r"'X' at position 2 is not a layer symbol"),
-    ("M* -", r"' ' at position 2 is not a layer symbol"),
-    ("M*/M|M", r"MTP pattern 'M\|M': '\|' at position 1 is not a layer symbol \(pipeline separators"),
-    ("M*/MM/M*", r"every MTP depth must have the same pattern, but depth 1 is 'MM' and depth 2 is 'M\*'"),
-])
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ("M*X-", r"'X' at position 2 is not a layer symbol"),
+        ("M* -", r"' ' at position 2 is not a layer symbol"),
+        ("M*/M|M", r"MTP pattern 'M\|M': '\|' at position 1 is not a layer symbol \(pipeline separators"),
+        ("M*/MM/M*", r"every MTP depth must have the same pattern, but depth 1 is 'MM' and depth 2 is 'M\*'"),
+    ],
+)
 def test_bad_patterns_are_refused(pattern, message):
     with pytest.raises(ValueError, match=message):
         parse_hybrid_pattern(pattern)
@@ -71,13 +74,19 @@ def test_segments_have_no_pipes():
         validate_segment_layers("M|M")
 
 
-@pytest.mark.parametrize("pattern, message", [
-    ("MEG", r"not supported yet: Gated DeltaNet layers \('G'\) in hybrid_layer_pattern 'MEG'; build the model "
-             r"from 'M' \(Mamba\), '\*' \(attention\), '-' \(MLP\) and 'E' \(MoE\) layers"),
-    ("MD", r"DeepSeek sparse-attention layers \('D'\)"),
-    ("M+", r"multi-latent attention layers \('\+'\)"),
-    ("M*/M*", r"multi-token prediction \('/M\*' x 1\)"),
-])
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        (
+            "MEG",
+            r"not supported yet: Gated DeltaNet layers \('G'\) in hybrid_layer_pattern 'MEG'; build the model "
+            r"from 'M' \(Mamba\), '\*' \(attention\), '-' \(MLP\) and 'E' \(MoE\) layers",
+        ),
+        ("MD", r"DeepSeek sparse-attention layers \('D'\)"),
+        ("M+", r"multi-latent attention layers \('\+'\)"),
+        ("M*/M*", r"multi-token prediction \('/M\*' x 1\)"),
+    ],
+)
 def test_layer_types_not_built_are_refused(pattern, message):
     with pytest.raises(ValueError, match=message):
         refuse_layer_types_not_built(pattern)
@@ -89,13 +98,16 @@ def test_layer_types_built_pass():
     refuse_layer_types_not_built(None)
 
 
-@pytest.mark.parametrize("args, expected", [
-    ((8, 0.25, 0.0), "MM*MM*MM"),
-    ((8, 0.0, 0.5), "M-M-M-M-"),
-    ((10, 0.1, 0.4), "M-MM-*M-M-"),
-    ((4, 0.0, 0.0), "MMMM"),
-    ((4, 0.5, 0.5), "-**-"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((8, 0.25, 0.0), "MM*MM*MM"),
+        ((8, 0.0, 0.5), "M-M-M-M-"),
+        ((10, 0.1, 0.4), "M-MM-*M-M-"),
+        ((4, 0.0, 0.0), "MMMM"),
+        ((4, 0.5, 0.5), "-**-"),
+    ],
+)
 def test_pattern_from_ratios(args, expected):
     pattern = pattern_from_ratios(*args)
     assert pattern == expected
@@ -109,12 +121,15 @@ def test_pattern_from_ratios_gives_the_8b_pattern():
     assert pattern_from_ratios(56, 4 / 56, 28 / 56) == PATTERN_8B
 
 
-@pytest.mark.parametrize("args, message", [
-    ((0, 0.1, 0.1), r"num_layers must be a positive integer, got 0"),
-    ((4, -0.1, 0.0), r"attention_ratio must be in \[0, 1\], got -0.1"),
-    ((4, 0.0, 1.5), r"mlp_ratio must be in \[0, 1\], got 1.5"),
-    ((4, 0.6, 0.6), r"attention_ratio \(0.6\) \+ mlp_ratio \(0.6\) must be at most 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, 0.1, 0.1), r"num_layers must be a positive integer, got 0"),
+        ((4, -0.1, 0.0), r"attention_ratio must be in \[0, 1\], got -0.1"),
+        ((4, 0.0, 1.5), r"mlp_ratio must be in \[0, 1\], got 1.5"),
+        ((4, 0.6, 0.6), r"attention_ratio \(0.6\) \+ mlp_ratio \(0.6\) must be at most 1"),
+    ],
+)
 def test_pattern_from_ratios_errors(args, message):
     with pytest.raises(ValueError, match=message):
         pattern_from_ratios(*args)
@@ -136,13 +151,23 @@ def test_select_without_pipes_splits_like_a_transformer():
     assert select_pipeline_segment("M*-MMM", FakeGroup(1, 2), None, first_stage_layers=1) == (list("*-MMM"), 1)
 
 
-@pytest.mark.parametrize("pattern, rank, size, vp_stage, kwargs, message", [
-    ("M*|M", 0, 2, None, {"first_stage_layers": 1}, r"sets the pipeline stages with '\|'; do not also set"),
-    ("M*|M|M", 0, 2, None, {}, r"has 3 pipe-separated segments, not divisible by pipeline_model_parallel_size \(2\)"),
-    ("M*|M", 0, 2, 1, {}, r"virtual stage 1 needs segment 2 but the pattern has 2"),
-    ("M*MM", 0, 2, 0, {}, r"has no '\|' separators, so it cannot be split into virtual pipeline stages"),
-    ("M*M", 0, 2, None, {}, r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\)"),
-])
+@pytest.mark.parametrize(
+    "pattern, rank, size, vp_stage, kwargs, message",
+    [
+        ("M*|M", 0, 2, None, {"first_stage_layers": 1}, r"sets the pipeline stages with '\|'; do not also set"),
+        (
+            "M*|M|M",
+            0,
+            2,
+            None,
+            {},
+            r"has 3 pipe-separated segments, not divisible by pipeline_model_parallel_size \(2\)",
+        ),
+        ("M*|M", 0, 2, 1, {}, r"virtual stage 1 needs segment 2 but the pattern has 2"),
+        ("M*MM", 0, 2, 0, {}, r"has no '\|' separators, so it cannot be split into virtual pipeline stages"),
+        ("M*M", 0, 2, None, {}, r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\)"),
+    ],
+)
 def test_select_errors(pattern, rank, size, vp_stage, kwargs, message):
     with pytest.raises(ValueError, match=message):
         select_pipeline_segment(pattern, FakeGroup(rank, size), vp_stage, **kwargs)
@@ -162,12 +187,19 @@ def test_deprecated_settings_resolve_with_warnings():
     assert resolve_hybrid_layer_pattern(3) == "MMM"  # no pattern and no ratios: all Mamba, as in Megatron
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"hybrid_layer_pattern": "M*", "hybrid_override_pattern": "M*"},
-     r"hybrid_override_pattern and hybrid_layer_pattern cannot both be set"),
-    ({"hybrid_layer_pattern": "M*", "hybrid_mlp_ratio": 0.5},
-     r"hybrid_layer_pattern cannot be used together with hybrid_attention_ratio or hybrid_mlp_ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"hybrid_layer_pattern": "M*", "hybrid_override_pattern": "M*"},
+            r"hybrid_override_pattern and hybrid_layer_pattern cannot both be set",
+        ),
+        (
+            {"hybrid_layer_pattern": "M*", "hybrid_mlp_ratio": 0.5},
+            r"hybrid_layer_pattern cannot be used together with hybrid_attention_ratio or hybrid_mlp_ratio",
+        ),
+    ],
+)
 def test_conflicting_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve_hybrid_layer_pattern(2, **kwargs)

@@ -97,14 +97,20 @@ def _build_error(pattern: str, config_overrides: dict):
     return None
 
 
-@pytest.mark.parametrize("pattern, overrides, message", [
-    ("M*-M", {}, "config.num_layers (5) must equal the number of layers in the hybrid layer pattern 'M*-M' (4)"),
-    ("M*|-M-", {}, "has 2 '|'-separated segments but the model has 1 pipeline model chunks"),
-    ("M*EM-", {}, "layer_type_list 'M*EM-' has MoE layers ('E') but config.num_moe_experts is None"),
-    ("M*GM-", {}, "not supported yet: Gated DeltaNet layers ('G')"),
-    ("M*-M-", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-     "not supported yet: recompute_granularity='full' for hybrid models"),
-])
+@pytest.mark.parametrize(
+    "pattern, overrides, message",
+    [
+        ("M*-M", {}, "config.num_layers (5) must equal the number of layers in the hybrid layer pattern 'M*-M' (4)"),
+        ("M*|-M-", {}, "has 2 '|'-separated segments but the model has 1 pipeline model chunks"),
+        ("M*EM-", {}, "layer_type_list 'M*EM-' has MoE layers ('E') but config.num_moe_experts is None"),
+        ("M*GM-", {}, "not supported yet: Gated DeltaNet layers ('G')"),
+        (
+            "M*-M-",
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+            "not supported yet: recompute_granularity='full' for hybrid models",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_before_building(pattern, overrides, message):
     error = run_distributed(1, _build_error, pattern, overrides)[0]
     assert error is not None and message in error, error

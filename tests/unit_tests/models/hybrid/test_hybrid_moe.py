@@ -12,15 +12,28 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from tests.unit_tests.models.hybrid.hybrid_test_helpers import (
-    BATCH, SEQ, VOCAB, assert_close_dicts, build_config, build_model, checkpoint_space, relative_error, run_pipeline,
+    BATCH,
+    SEQ,
+    VOCAB,
+    assert_close_dicts,
+    build_config,
+    build_model,
+    checkpoint_space,
+    relative_error,
+    run_pipeline,
 )
 from tests.unit_tests.test_utilities import run_distributed
 from tests.unit_tests.transformer.moe.moe_test_helpers import fresh_moe_state, reduced_tracker
 
 PATTERN = "M*E-"
 MOE_FIELDS = dict(
-    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
-    moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="alltoall",
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    moe_aux_loss_coeff=0.01,
+    moe_z_loss_coeff=1e-3,
+    moe_token_dispatcher_type="alltoall",
 )
 
 
@@ -32,8 +45,13 @@ def _model(tp=1, ep=1, pattern=PATTERN, **overrides):
 
 def _batches(count):
     generator = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(count)]
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+        )
+        for _ in range(count)
+    ]
 
 
 def _step(model, tokens, labels):
@@ -118,8 +136,9 @@ def test_a_checkpoint_with_moe_layers_saved_at_pp2_loads_at_one_rank_and_at_ep2(
     saved = run_distributed(2, _save, directory, 2, "M*E|-E")[0]
     assert any(".mlp.experts." in key for key in saved)
     at_one_rank = run_distributed(1, _load, directory, 1, 1, "M*E-E")[0]
-    assert any(not at_one_rank[key].equal(value) for key, value in
-               run_distributed(1, _load_nothing, "M*E-E")[0].items())  # a fresh model differs: the load did work
+    assert any(
+        not at_one_rank[key].equal(value) for key, value in run_distributed(1, _load_nothing, "M*E-E")[0].items()
+    )  # a fresh model differs: the load did work
     assert_close_dicts(at_one_rank, saved, 0.0, "pp=1 load")
     for rank, at_ep2 in enumerate(run_distributed(2, _load, directory, 1, 2, "M*E-E")):
         assert_close_dicts(at_ep2, saved, 0.0, f"ep=2 load, rank {rank}")
@@ -133,8 +152,11 @@ def _keys_and_flags():
     model = _model(1, 2)
     layer = model.decoder.layers[2]
     expert_flags = {name: getattr(p, "allreduce", True) for name, p in layer.mlp.experts.named_parameters()}
-    shapes = {key: tuple(tensor.shape) for key, tensor in checkpoint_space(model).items()
-              if key.startswith("decoder.layers.2.")}
+    shapes = {
+        key: tuple(tensor.shape)
+        for key, tensor in checkpoint_space(model).items()
+        if key.startswith("decoder.layers.2.")
+    }
     return isinstance(layer.mlp, MoELayer), expert_flags, shapes
 
 
@@ -154,6 +176,9 @@ def test_moe_layer_checkpoint_keys_and_expert_parameters():
 
 def test_moe_layers_need_num_moe_experts():
     config = build_config(num_layers=2)
-    with pytest.raises(ValueError, match=r"layer_type_list 'ME' has MoE layers \('E'\) but config.num_moe_experts "
-                                         r"is None; set num_moe_experts \(--num-experts\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer_type_list 'ME' has MoE layers \('E'\) but config.num_moe_experts "
+        r"is None; set num_moe_experts \(--num-experts\)",
+    ):
         HybridStack(config, hybrid_stack_spec.submodules, layer_type_list=["M", "E"])

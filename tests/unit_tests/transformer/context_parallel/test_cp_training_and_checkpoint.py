@@ -2,7 +2,8 @@
 
 Four ranks train the same GPT (Llama-like: RoPE, GQA, SwiGLU) with DDP, finalize_model_grads and the distributed
 optimizer on the same global batches at CP1 x DP4, CP2 x DP2 and CP4: each CP rank of a data-parallel replica reads
-the same micro-batches and keeps its ``get_batch_on_this_cp_rank`` split. One Adam step each. The loss mask drops random tokens, so the
+the same micro-batches and keeps its ``get_batch_on_this_cp_rank`` split. One Adam step each. The loss mask drops
+random tokens, so the
 CP ranks hold different token counts: with ``calculate_per_token_loss`` the gradients are summed over DP x CP and
 divided by the token count reduced over the same group, which is exact, and the step's loss and the updated
 weights must match CP1. A checkpoint saved at CP4 then loads at CP1 with the weights unchanged, and the next
@@ -34,11 +35,16 @@ def _build(cp: int, seed: int):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
     model_parallel_cuda_manual_seed(seed)
-    overrides = {**VARIANTS["llama"]["config"], "context_parallel_size": cp, "calculate_per_token_loss": True,
-                 "finalize_model_grads_func": finalize_model_grads}
+    overrides = {
+        **VARIANTS["llama"]["config"],
+        "context_parallel_size": cp,
+        "calculate_per_token_loss": True,
+        "finalize_model_grads_func": finalize_model_grads,
+    }
     config = build_config(1, False, overrides)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     **VARIANTS["llama"]["model"])
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ, **VARIANTS["llama"]["model"]
+    )
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
     return ddp, optimizer
@@ -76,10 +82,14 @@ def _train(ddp, optimizer, steps):
     for step in steps:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = _microbatches(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        batches = _microbatches(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         reduced = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=per_rank,
-            seq_length=SEQ, micro_batch_size=BATCH,
+            forward_step_func=_forward_step,
+            data_iterator=iter(batches),
+            model=[ddp],
+            num_microbatches=per_rank,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
         )
         assert optimizer.step()[0]
         totals = torch.stack([item["lm loss"] for item in reduced]).sum(dim=0)

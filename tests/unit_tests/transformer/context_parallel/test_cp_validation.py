@@ -38,8 +38,12 @@ def _refusals():
     record("odd", lambda: attention(torch.zeros(3, 1, 4, 8), torch.zeros(3, 1, 4, 8), torch.zeros(3, 1, 4, 8), None))
     record("mask", lambda: attention(q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.bool)))
     parallel_state.destroy_model_parallel()
-    record("hierarchy", lambda: parallel_state.initialize_model_parallel(
-        context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 2]))
+    record(
+        "hierarchy",
+        lambda: parallel_state.initialize_model_parallel(
+            context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 2]
+        ),
+    )
     return messages
 
 
@@ -49,7 +53,7 @@ EXPECTED = {
     "thd": r"not supported yet: packed sequences \(THD\) with context parallelism",
     "bias": r"not supported yet: attention_bias with context parallelism",
     "odd": r"context parallelism needs an even number of tokens per CP rank \(got 3\); use a sequence length "
-           r"divisible by 2 x context_parallel_size = 4",
+    r"divisible by 2 x context_parallel_size = 4",
     "mask": r"attention_mask must be this rank's query rows over all keys, \[b or 1, 1, 4, 8\] .*got \(1, 1, 4, 4\)",
     "hierarchy": r"hierarchical_context_parallel_sizes=\[2, 2\] multiply to 4, not context_parallel_size=2",
 }
@@ -64,14 +68,27 @@ def test_every_refusal_names_the_problem_and_the_fix():
             assert re.search(pattern, messages[name]), f"{name}: {messages[name]}"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(cp_comm_type=["p2p", "nope"]), r"cp_comm_type='nope' is not one of"),
-    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4]),
-     r"needs hierarchical_context_parallel_sizes=\[a2a size, p2p size\] with product context_parallel_size=4, got \[4\]"),
-    (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 0]), r"must be positive integers"),
-    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 1],
-          num_query_groups=2), r"cp_comm_type='a2a\+p2p' scatters heads over 4 .* num_query_groups=2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(cp_comm_type=["p2p", "nope"]), r"cp_comm_type='nope' is not one of"),
+        (
+            dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4]),
+            r"needs hierarchical_context_parallel_sizes=\[a2a size, p2p size\] "
+            r"with product context_parallel_size=4, got \[4\]",
+        ),
+        (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 0]), r"must be positive integers"),
+        (
+            dict(
+                context_parallel_size=4,
+                cp_comm_type="a2a+p2p",
+                hierarchical_context_parallel_sizes=[4, 1],
+                num_query_groups=2,
+            ),
+            r"cp_comm_type='a2a\+p2p' scatters heads over 4 .* num_query_groups=2",
+        ),
+    ],
+)
 def test_config_refusals(overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(**overrides)
@@ -81,8 +98,10 @@ def _hierarchical_group_ranks():
     import torch.distributed as dist
 
     parallel_state.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
-    return [sorted(dist.get_process_group_ranks(group))
-            for group in parallel_state.get_hierarchical_context_parallel_groups()]
+    return [
+        sorted(dist.get_process_group_ranks(group))
+        for group in parallel_state.get_hierarchical_context_parallel_groups()
+    ]
 
 
 def test_hierarchical_groups_are_consecutive_then_strided():

@@ -35,8 +35,13 @@ def _loss_and_grads(tp, sp, cp, variant, comm_type=None, hierarchical=None, extr
     )
     model_parallel_cuda_manual_seed(1234)
     spec = VARIANTS[variant]
-    overrides = {**spec["config"], "context_parallel_size": cp, "cp_comm_type": comm_type,
-                 "hierarchical_context_parallel_sizes": hierarchical, **(extra or {})}
+    overrides = {
+        **spec["config"],
+        "context_parallel_size": cp,
+        "cp_comm_type": comm_type,
+        "hierarchical_context_parallel_sizes": hierarchical,
+        **(extra or {}),
+    }
     config = build_config(tp, sp, overrides)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ, **spec["model"])
     core = [layer.self_attention.core_attention for layer in model.decoder.layers]
@@ -76,8 +81,9 @@ ALL_CP4 = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", [2, 2
         pytest.param(4, 1, False, 4, "gpt2", ALL_CP4, id="cp4-gpt2"),
         pytest.param(4, 1, False, 4, "llama", ALL_CP4, id="cp4-llama"),
         pytest.param(4, 2, False, 2, "gpt2", [("p2p", None), ("a2a", None)], id="tp2-cp2-gpt2"),
-        pytest.param(4, 2, True, 2, "llama", [("p2p", None), ("all_gather", None), ("a2a", None)],
-                     id="tp2-sp-cp2-llama"),
+        pytest.param(
+            4, 2, True, 2, "llama", [("p2p", None), ("all_gather", None), ("a2a", None)], id="tp2-sp-cp2-llama"
+        ),
     ],
 )
 def test_gpt_at_context_parallel_layout_matches_one_process(world, tp, sp, cp, variant, comm_types):

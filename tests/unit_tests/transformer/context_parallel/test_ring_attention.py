@@ -23,8 +23,10 @@ B, HEADS, GROUPS, D = 2, 8, 4, 8
 
 def _reference(q, k, v, mask, causal, scale):
     """Single-process attention on [s, b, n, d] tensors; mask [b, 1, s, s] True = masked."""
-    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(HEADS // GROUPS, 2),
-                                                 v.repeat_interleave(HEADS // GROUPS, 2)))
+    qq, kk, vv = (
+        t.permute(1, 2, 0, 3)
+        for t in (q, k.repeat_interleave(HEADS // GROUPS, 2), v.repeat_interleave(HEADS // GROUPS, 2))
+    )
     s = q.shape[0]
     masked = torch.zeros(1, 1, s, s, dtype=torch.bool)
     if causal:
@@ -60,8 +62,15 @@ def _check_against_full(cases, seq):
         local = [chunks_of_cp_rank(t, 0, cp, rank).detach().requires_grad_() for t in (q, k, v)]
         local_mask = None if mask is None else chunks_of_cp_rank(mask, 2, cp, rank)
         mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
-        attention = ContextParallelAttention(comm_type, group, mask_type, scale, HEADS, GROUPS,
-                                             parallel_state.get_hierarchical_context_parallel_groups(False))
+        attention = ContextParallelAttention(
+            comm_type,
+            group,
+            mask_type,
+            scale,
+            HEADS,
+            GROUPS,
+            parallel_state.get_hierarchical_context_parallel_groups(False),
+        )
         out = attention(*local, local_mask, None, 0.0, False)
         out.backward(chunks_of_cp_rank(dout, 0, cp, rank))
         key = f"{comm_type} causal={causal} mask={with_mask}"
@@ -79,8 +88,12 @@ def _assert_small(results, tolerance=1e-5):
 
 
 def test_every_comm_type_equals_full_attention_on_four_ranks():
-    cases = [(c, causal, m) for c in ("p2p", "all_gather", "a2a", "a2a+p2p") for causal in (True, False)
-             for m in (False, True)]
+    cases = [
+        (c, causal, m)
+        for c in ("p2p", "all_gather", "a2a", "a2a+p2p")
+        for causal in (True, False)
+        for m in (False, True)
+    ]
     _assert_small(run_distributed(4, _check_against_full, cases, 32))
 
 

@@ -49,8 +49,9 @@ def build_moe_layer(config: TransformerConfig, seed: int = 1234, layer_number: i
     """An MoE layer at the current parallel layout, drawn from layer ``layer_number``'s stream as a block would."""
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
-                               moe_grouped_gemm=config.moe_grouped_gemm)
+    spec = get_moe_module_spec(
+        use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
+    )
     with layout_independent_init(config, stream_offset=layer_number):
         layer = build_module(spec, config=config)
     layer.set_layer_number(layer_number)

@@ -64,7 +64,10 @@ def _parallel(tp: int, ep: int, etp: int, overrides: dict, num_batches: int):
             assert not getattr(param, "sequence_parallel", False), name
     assert layer.router.weight.sequence_parallel == (tp > 1)
     return dict(
-        dp_rank=dp_rank, tp_rank=tp_rank, output=output.detach(), grads=summed_full_gradients(layer),
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        output=output.detach(),
+        grads=summed_full_gradients(layer),
         tracker=reduced_tracker(),
     )
 
@@ -83,19 +86,43 @@ LAYOUTS = [
     (4, 2, 2, 2, "alltoall", {"moe_grouped_gemm": True}),
     (2, 1, 1, 2, "allgather", {"add_bias_linear": True, "moe_grouped_gemm": True}),
     (2, 1, 2, 1, "alltoall", {"add_bias_linear": True}),
-    (2, 1, 2, 1, "alltoall", {"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0,
-                              "moe_router_topk_scaling_factor": 2.0, "moe_router_dtype": "fp32"}),
+    (
+        2,
+        1,
+        2,
+        1,
+        "alltoall",
+        {
+            "moe_router_load_balancing_type": "sinkhorn",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_router_topk_scaling_factor": 2.0,
+            "moe_router_dtype": "fp32",
+        },
+    ),
     # z-loss off: it is a per-batch mean, which the concatenated reference batch would halve.
     (4, 2, 2, 2, "alltoall", {"moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": None}),
-    (2, 1, 2, 1, "alltoall", {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-                              "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_num_groups": 2,
-                              "moe_router_group_topk": 1}),
+    (
+        2,
+        1,
+        2,
+        1,
+        "alltoall",
+        {
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_load_balancing_type": "seq_aux_loss",
+            "moe_router_num_groups": 2,
+            "moe_router_group_topk": 1,
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize("world,tp,ep,etp,dispatcher,extra", LAYOUTS,
-                         ids=[f"tp{t}-ep{e}-etp{x}-{d}{'-' + '-'.join(k) if k else ''}"
-                              for _, t, e, x, d, k in LAYOUTS])
+@pytest.mark.parametrize(
+    "world,tp,ep,etp,dispatcher,extra",
+    LAYOUTS,
+    ids=[f"tp{t}-ep{e}-etp{x}-{d}{'-' + '-'.join(k) if k else ''}" for _, t, e, x, d, k in LAYOUTS],
+)
 def test_moe_layer_matches_single_process(world, tp, ep, etp, dispatcher, extra):
     overrides = {"moe_token_dispatcher_type": dispatcher, **extra}
     num_batches = world // tp
@@ -117,8 +144,12 @@ def test_moe_layer_matches_single_process(world, tp, ep, etp, dispatcher, extra)
 
 @pytest.mark.parametrize("policy,pad", [("probs", False), ("position", True)])
 def test_capacity_and_token_dropping_match_single_process(policy, pad):
-    overrides = {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 0.5,
-                 "moe_token_drop_policy": policy, "moe_pad_expert_input_to_capacity": pad}
+    overrides = {
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_expert_capacity_factor": 0.5,
+        "moe_token_drop_policy": policy,
+        "moe_pad_expert_input_to_capacity": pad,
+    }
     ref_outputs, ref_grads, _ = reference(tuple(sorted(overrides.items())), 2)
     for result in run_distributed(2, _parallel, 1, 2, 1, overrides, 2):
         assert relative_error(result["output"], ref_outputs[result["dp_rank"]]) <= TOLERANCE
@@ -151,8 +182,9 @@ def test_grouped_matmul_paths_agree():
     assert torch.allclose(aligned, expected, atol=1e-5)
     odd_x = x[:, :15]
     odd = grouped_matmul(odd_x, [w[:, :15] for w in weights], counts)  # unaligned: the padded batched matmul
-    assert torch.allclose(odd, torch.cat([b @ w[:, :15].t() for b, w in zip(torch.split(odd_x, counts), weights)]),
-                          atol=1e-5)
+    assert torch.allclose(
+        odd, torch.cat([b @ w[:, :15].t() for b, w in zip(torch.split(odd_x, counts), weights)]), atol=1e-5
+    )
     aligned.pow(2).sum().backward()
     assert x.grad is not None and all(w.grad is not None for w in weights)
 
@@ -184,8 +216,8 @@ def _padding(valid_only: bool):
 
 
 def test_padding_tokens_are_left_out_of_the_losses_and_the_expert_counts():
-    (padded_tracker, padded_counts), = run_distributed(1, _padding, False)
-    (valid_tracker, valid_counts), = run_distributed(1, _padding, True)
+    ((padded_tracker, padded_counts),) = run_distributed(1, _padding, False)
+    ((valid_tracker, valid_counts),) = run_distributed(1, _padding, True)
     assert torch.equal(padded_counts, valid_counts) and padded_counts.sum() == 13 * 2
     for name in ("load_balancing_loss", "z_loss"):
         assert relative_error(padded_tracker[name], valid_tracker[name]) <= TOLERANCE, name

@@ -46,8 +46,9 @@ def test_switch_load_balancing_loss_is_e_sum_f_times_p():
     # Balanced routing with uniform probabilities gives exactly coeff (the loss's minimum).
     uniform = torch.full((tokens, experts), 1.0 / experts)
     balanced = torch.full((experts,), tokens * topk / experts)
-    assert torch.allclose(switch_load_balancing_loss_func(uniform, balanced, tokens, topk, experts, coeff),
-                          torch.tensor(coeff))
+    assert torch.allclose(
+        switch_load_balancing_loss_func(uniform, balanced, tokens, topk, experts, coeff), torch.tensor(coeff)
+    )
 
 
 def test_z_loss_is_mean_squared_logsumexp():
@@ -78,7 +79,9 @@ def _literal_drop(probs, routing_map, topk, factor, policy, pad):
         if policy == "probs":
             order = sorted(range(tokens), key=lambda t: -probs[t, e].item())
         else:  # earliest selected tokens first, then the rest
-            order = [t for t in range(tokens) if routing_map[t, e]] + [t for t in range(tokens) if not routing_map[t, e]]
+            order = [t for t in range(tokens) if routing_map[t, e]] + [
+                t for t in range(tokens) if not routing_map[t, e]
+            ]
         for t in order[:capacity]:
             keep[t, e] = True
     final = keep if pad else routing_map & keep
@@ -152,8 +155,9 @@ def test_permute_and_unpermute_round_trip():
     permuted, permuted_probs, sorted_indices, _, _ = permute(tokens, routing_map, probs=probs, num_out_tokens=7)
     assert sorted_indices.tolist() == [0, 2, 4, 1, 2, 0, 3]  # expert 0's tokens, then expert 1's, then 2's
     assert torch.equal(permuted, tokens[sorted_indices])
-    assert torch.allclose(permuted_probs, torch.stack([probs[t, e] for e, t in
-                                                       zip([0, 0, 0, 1, 1, 2, 2], sorted_indices.tolist())]))
+    assert torch.allclose(
+        permuted_probs, torch.stack([probs[t, e] for e, t in zip([0, 0, 0, 1, 1, 2, 2], sorted_indices.tolist())])
+    )
     restored = unpermute(permuted, sorted_indices, tokens.shape, probs=probs, routing_map=routing_map)
     assert torch.allclose(restored, tokens * probs.sum(dim=1, keepdim=True))
     chunks, _ = sort_chunks_by_idxs(torch.arange(6.0).view(6, 1), torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1]))
@@ -213,8 +217,9 @@ def _tracker():
     moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0 + rank), 1, 4)
     moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(3.0 + rank), 3, 4)
     totals, writer = {}, _Writer()
-    line = moe_utils.track_moe_metrics(0.5, 10, writer, total_loss_dict=totals, per_layer_logging=True,
-                                       num_layers=4, moe_layer_freq=2)
+    line = moe_utils.track_moe_metrics(
+        0.5, 10, writer, total_loss_dict=totals, per_layer_logging=True, num_layers=4, moe_layer_freq=2
+    )
     after = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
     return totals["load_balancing_loss"].item(), writer.scalars, line, after
 

@@ -72,8 +72,11 @@ class LanguageModelEmbedding(MegatronModule):
     def zero_parameters(self):
         """Zero every embedding weight and mark it ``shared``: the weights of a copy whose values come from
         elsewhere (e.g. a checkpoint or an all-reduce), which the optimizer must not count twice."""
-        for embedding in (self.word_embeddings, getattr(self, "position_embeddings", None),
-                          getattr(self, "tokentype_embeddings", None)):
+        for embedding in (
+            self.word_embeddings,
+            getattr(self, "position_embeddings", None),
+            getattr(self, "tokentype_embeddings", None),
+        ):
             if embedding is not None:
                 embedding.weight.data.fill_(0)
                 embedding.weight.shared = True

@@ -129,8 +129,10 @@ class RotaryEmbedding(torch.nn.Module):
             return inference_context.max_sequence_length
         if packed_seq_params is not None:
             return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
-        hidden = transformer.input_tensor if transformer is not None and transformer.input_tensor is not None else (
-            transformer_input
+        hidden = (
+            transformer.input_tensor
+            if transformer is not None and transformer.input_tensor is not None
+            else (transformer_input)
         )
         seq_len = hidden.size(0)
         if transformer_config.sequence_parallel:
@@ -156,7 +158,8 @@ class MultimodalRotaryEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.cp_group = cp_group
         self.register_buffer(
-            "inv_freq", _inverse_frequencies(kv_channels, rotary_percent, rotary_base, get_current_device()),
+            "inv_freq",
+            _inverse_frequencies(kv_channels, rotary_percent, rotary_base, get_current_device()),
             persistent=False,
         )
 

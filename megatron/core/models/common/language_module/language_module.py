@@ -53,9 +53,7 @@ class LanguageModule(MegatronModule):
             weight.shared_embedding = True
         if self.pre_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
-        if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group(
-            ignore_virtual=True
-        ):
+        if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
             weight = self.shared_embedding_or_output_weight()
             embedding_group = getattr(self.pg_collection, "embd", None) or parallel_state.get_embedding_group()
             torch.distributed.all_reduce(weight.data, group=embedding_group)
@@ -126,7 +124,8 @@ class LanguageModule(MegatronModule):
             return  # no output layer here, or it uses the embedding weight itself (not in the state dict)
         dp_cp_group = metadata.get("dp_cp_group")
         dp_rank = (
-            dp_cp_group.rank() if dp_cp_group is not None
+            dp_cp_group.rank()
+            if dp_cp_group is not None
             else parallel_state.get_data_parallel_rank(with_context_parallel=True)
         )
         replica_id = (1, 0, dp_rank)
