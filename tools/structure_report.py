@@ -4,7 +4,8 @@
     python tools/structure_report.py --walk tensor_model_parallel_size
 
 Imports are read from the source with ``ast`` (nothing is executed): module-level and function-level imports count,
-imports inside ``if TYPE_CHECKING:`` blocks do not. ``from pkg import name`` is an edge to ``pkg.name`` when that is a
+imports inside ``if TYPE_CHECKING:`` blocks do not, nor do those of a module-level ``__getattr__`` that serves a
+``_MOVED`` table (the compatibility shims that keep an old public path working after its name moved up a floor). ``from pkg import name`` is an edge to ``pkg.name`` when that is a
 module, else to ``pkg`` itself. The floors are the layer order of docs/architecture.md; the layering test
 (tests/unit_tests/test_structure.py) enforces them with the same functions.
 """
@@ -105,6 +106,15 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def moved_names(tree: ast.Module) -> set[str]:
+    """Names of the module's ``_MOVED`` table (a dict or tuple literal at module level), or an empty set."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_MOVED" for t in node.targets):
+            value = ast.literal_eval(node.value)
+            return set(value)
+    return set()
+
+
 def _resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     if node.level == 0:
         return node.module or ""
@@ -127,6 +137,8 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
             found.append(Import(target, node.lineno, in_function))
 
     def visit(node: ast.AST, in_function: bool):
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__" and node in tree.body and moved_names(tree):
+            return
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child, in_function)
@@ -189,12 +201,12 @@ def cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
 
 def upward_imports(graph: dict[str, list[Import]]) -> list[tuple[str, Import]]:
     """Imports that point to a higher floor than their importer's."""
-    return [
-        (module, edge)
-        for module, edges in sorted(graph.items())
-        for edge in edges
-        if floor_of(edge.target) > floor_of(module)
-    ]
+    found = {}
+    for module, edges in sorted(graph.items()):
+        for edge in edges:
+            if floor_of(edge.target) > floor_of(module):
+                found.setdefault((module, edge.target), (module, edge))
+    return list(found.values())
 
 
 def core_to_training(graph: dict[str, list[Import]]) -> list[tuple[str, Import]]:
