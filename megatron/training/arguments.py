@@ -253,7 +253,7 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
     """``parse_args``, then (with ``--use-checkpoint-args``) the model arguments from the checkpoint, then
     ``validate_args``; the result becomes the run's arguments (``get_args()``), which ``initialize_megatron``
     starts from."""
-    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.checkpoint_args import load_args_from_checkpoint
     from megatron.training.global_vars import set_args
 
     args = parse_args(extra_args_provider, ignore_unknown_args)
