@@ -496,19 +496,8 @@ def load_checkpoint(
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
         finetune = True
-    if found is None and hugging_face_load_dir(args, load_arg) is not None:
-        load_hf_checkpoint(ddp_model, optimizer, hugging_face_load_dir(args, load_arg))
-        set_loaded_iteration(0)
-        dist.barrier()
-        return 0, 0
     if found is None:
-        if args.exit_on_missing_checkpoint:
-            raise CheckpointingException(
-                f"--exit-on-missing-checkpoint: no checkpoint in {load_dir} "
-                f"({get_checkpoint_tracker_filename(load_dir)} not found)"
-            )
-        print_rank_0(f"WARNING: could not find a checkpoint in {load_dir}; training from scratch")
-        return 0, 0
+        return _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir)
     checkpoint_dir, iteration, release = found
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     set_checkpoint_version(common.get("checkpoint_version", 0))
@@ -577,6 +566,27 @@ def load_checkpoint(
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
+
+
+def _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir):
+    """load_checkpoint's (iteration, FLOPs) = (0, 0) when there is no Megatron checkpoint: the weights of a Hugging
+    Face model directory when --load names one, else a fresh start (or an exit with --exit-on-missing-checkpoint)."""
+    import torch.distributed as dist
+
+    from megatron.training.utils import print_rank_0
+
+    if hugging_face_load_dir(args, load_arg) is not None:
+        load_hf_checkpoint(ddp_model, optimizer, hugging_face_load_dir(args, load_arg))
+        set_loaded_iteration(0)
+        dist.barrier()
+        return 0, 0
+    if args.exit_on_missing_checkpoint:
+        raise CheckpointingException(
+            f"--exit-on-missing-checkpoint: no checkpoint in {load_dir} "
+            f"({get_checkpoint_tracker_filename(load_dir)} not found)"
+        )
+    print_rank_0(f"WARNING: could not find a checkpoint in {load_dir}; training from scratch")
+    return 0, 0
 
 
 def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
