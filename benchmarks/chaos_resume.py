@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
-from megatron.training.checkpointing import find_checkpoint_to_load  # noqa: E402
+from megatron.core.dist_checkpointing.checkpoint_dir import find_checkpoint_to_load  # noqa: E402
 from tests.functional_tests.configs import GOLDEN_FLAGS, with_flag  # noqa: E402
 from tests.functional_tests.harness import (  # noqa: E402
     CPU_FLAGS,

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import get_args, get_model, get_tokenizer, print_rank_0  # noqa: E402
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
-from megatron.training.checkpointing import load_args_from_checkpoint, load_checkpoint  # noqa: E402
+from megatron.training.checkpoint_args import load_args_from_checkpoint  # noqa: E402
+from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.error_handling import exit_on_error  # noqa: E402
 from megatron.training.global_vars import set_args  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402

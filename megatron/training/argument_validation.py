@@ -23,6 +23,7 @@ from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BU
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_moe import validate_moe_args
+from megatron.training.flag_tables import DEPRECATED_FLAGS, FLAG_TABLES, TOKENIZER_TYPES
 from megatron.training.arguments_support import (
     FlagTable,
     ignore_flags_without_effect,
@@ -95,13 +96,6 @@ _FUSION_SWITCHES = {
     "cross_entropy_loss_fusion": "no --cross-entropy-loss-fusion",
 }
 
-# Megatron-LM's flags that no longer work, and what to use instead (validate_args names the replacement).
-DEPRECATED_FLAGS = {
-    "--batch-size": "--micro-batch-size",
-    "--warmup": "--lr-warmup-fraction",
-    "--model-parallel-size": "--tensor-model-parallel-size",
-    "--checkpoint-activations": "--recompute-activations, or --recompute-granularity with --recompute-method",
-}
 
 # Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
 # with the implemented ones in arguments.py; these rows only carry their defaults).
@@ -196,8 +190,6 @@ def _apply_script_defaults(args, defaults) -> None:
 def _check_flag_support(args) -> None:
     """Megatron-LM's flags for what is not here: deprecated ones name their replacement, features not built yet are
     refused, knobs without effect are reset with a warning (see arguments_support)."""
-    from megatron.training.arguments import FLAG_TABLES, TOKENIZER_TYPES
-
     for flag, replacement in DEPRECATED_FLAGS.items():
         if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
             raise ValueError(f"{flag} is no longer valid; use {replacement}")

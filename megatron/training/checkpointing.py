@@ -19,18 +19,36 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed import ProcessGroup
 
-from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
+# The directory layout lives in megatron.core (the HF conversion needs it too) and the checkpoint's arguments in
+# checkpoint_args; both are re-exported here, Megatron-LM's public path.
+from megatron.core.dist_checkpointing.checkpoint_dir import (  # noqa: F401
+    CHECKPOINT_VERSION,
+    RELEASE_DIRNAME,
+    TRACKER_FNAME,
+    checkpoint_exists,
+    describe_incomplete_checkpoints,
+    find_checkpoint_rank_0,
+    find_checkpoint_to_load,
+    get_checkpoint_name,
+    get_checkpoint_tracker_filename,
+    get_distributed_optimizer_checkpoint_name,
+    incomplete_checkpoints,
+    read_metadata,
+    remove_incomplete_checkpoints,
+    write_tracker_atomically,
+)
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME
-from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint, take_hf_model_args
-
-TRACKER_FNAME = "latest_checkpointed_iteration.txt"
-RELEASE_DIRNAME = "release"
-CHECKPOINT_VERSION = 3.0
+from megatron.training.checkpoint_args import (  # noqa: F401
+    check_checkpoint_args,
+    get_load_checkpoint_path_by_args,
+    load_args_from_checkpoint,
+)
+from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint
 
 
 class CheckpointType(enum.Enum):
@@ -75,162 +93,13 @@ def get_loaded_iteration():
     return _LOADED_ITERATION
 
 
-# ---- names and the tracker ----------------------------------------------------------------------------------------
-
-
-def _parallel_rank(explicit, getter):
-    from megatron.core import parallel_state
-
-    if explicit is not None:
-        return explicit
-    return getter() if parallel_state.model_parallel_is_initialized() else 0
-
-
-def get_checkpoint_name(
-    checkpoints_path,
-    iteration,
-    release=False,
-    pipeline_parallel=None,
-    tensor_rank=None,
-    pipeline_rank=None,
-    expert_parallel=None,
-    expert_rank=None,
-    return_base_dir=False,
-    basename="model_optim_rng.pt",
-):
-    """The checkpoint of ``iteration``: with ``return_base_dir`` its directory ``<checkpoints_path>/iter_<7 digits>``
-    (or ``/release``); else this rank's file of the legacy per-rank format,
-    ``<dir>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/<basename>``. Ranks (and whether pipeline / expert parallelism
-    is used) default to this process's."""
-    from megatron.core import parallel_state
-
-    directory = os.path.join(checkpoints_path, RELEASE_DIRNAME if release else f"iter_{iteration:07d}")
-    if return_base_dir:
-        return directory
-    if pipeline_parallel is None:
-        pipeline_parallel = _parallel_rank(None, parallel_state.get_pipeline_model_parallel_world_size) > 1
-    if expert_parallel is None:
-        expert_parallel = _parallel_rank(None, parallel_state.get_expert_model_parallel_world_size) > 1
-    name = f"mp_rank_{_parallel_rank(tensor_rank, parallel_state.get_tensor_model_parallel_rank):02d}"
-    if pipeline_parallel:
-        name += f"_{_parallel_rank(pipeline_rank, parallel_state.get_pipeline_model_parallel_rank):03d}"
-    if expert_parallel:
-        name += f"_{_parallel_rank(expert_rank, parallel_state.get_expert_model_parallel_rank):03d}"
-    return os.path.join(directory, name, basename)
-
-
-def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
-    """The legacy format's distributed-optimizer file beside a rank's model file: ``distrib_optim.pt``."""
-    return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
-
-
-def get_checkpoint_tracker_filename(checkpoints_path):
-    """``<checkpoints_path>/latest_checkpointed_iteration.txt``."""
-    return os.path.join(checkpoints_path, TRACKER_FNAME)
-
-
-def checkpoint_exists(checkpoints_path):
-    """Whether ``checkpoints_path`` has a tracker file, i.e. a checkpoint to resume from."""
-    if checkpoints_path is None:
-        return False
-    return os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
-
-
-def read_metadata(tracker_filename) -> Tuple[int, bool]:
-    """(iteration, release) from a tracker file holding an iteration number or ``release``."""
-    try:
-        text = Path(tracker_filename).read_text().strip()
-    except FileNotFoundError:
-        raise CheckpointingException(f"checkpoint tracker {tracker_filename} does not exist") from None
-    if text == RELEASE_DIRNAME:
-        return 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointingException(
-            f"checkpoint tracker {tracker_filename} holds {text[:80]!r}, not an iteration number or 'release'; "
-            "write the iteration of the checkpoint to resume from into it"
-        ) from None
-    if iteration < 0:
-        raise CheckpointingException(f"checkpoint tracker {tracker_filename} holds the negative iteration {iteration}")
-    return iteration, False
-
-
-def write_tracker_atomically(checkpoints_path: Union[str, Path], iteration) -> None:
-    """Point the tracker at ``iteration`` (or ``"release"``): write a temporary file, fsync it, rename it over the
-    tracker and fsync the directory, so readers see the old or the new value and never a partial file."""
-    tracker = get_checkpoint_tracker_filename(checkpoints_path)
-    temporary = f"{tracker}.tmp.{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, tracker)
-    directory = os.open(checkpoints_path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+# ---- files ---------------------------------------------------------------------------------------------------
 
 
 def ensure_directory_exists(filename, check_parent=True):
     """Create the directory of ``filename`` (or, with ``check_parent=False``, ``filename`` itself)."""
     directory = os.path.dirname(filename) if check_parent else filename
     os.makedirs(directory, exist_ok=True)
-
-
-def _missing_completion_markers(checkpoint_dir: Union[str, Path]) -> List[str]:
-    """The files a finished save writes last (``metadata.json``, the DCP index) that ``checkpoint_dir`` lacks."""
-    markers = (CONFIG_FNAME, DCP_METADATA_FNAME)
-    return [name for name in markers if not os.path.exists(os.path.join(checkpoint_dir, name))]
-
-
-def find_checkpoint_to_load(
-    load_dir: Union[str, Path], iteration: Optional[int] = None
-) -> Optional[Tuple[str, int, bool]]:
-    """(checkpoint directory, iteration, release) of the checkpoint to resume from, or None when ``load_dir`` has
-    no tracker (a fresh start). ``iteration`` overrides the tracker (``--ckpt-step``). Raises, naming the directory
-    and the missing files, when that checkpoint is not complete."""
-    release = False
-    if iteration is None:
-        tracker = get_checkpoint_tracker_filename(load_dir)
-        if not os.path.exists(tracker):
-            return None
-        iteration, release = read_metadata(tracker)
-        source = f"named by {tracker}"
-    else:
-        source = "requested"
-    checkpoint_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    what = f"checkpoint {checkpoint_dir} ({source})"
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointingException(f"{what} does not exist")
-    missing = _missing_completion_markers(checkpoint_dir)
-    if missing:
-        raise CheckpointingException(
-            f"{what} is incomplete: {', '.join(missing)} missing (its save was interrupted); resume from an earlier "
-            "iteration by writing it into the tracker file, or remove the directory"
-        )
-    maybe_load_config(checkpoint_dir)  # raises on a corrupt metadata.json
-    return checkpoint_dir, iteration, release
-
-
-def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
-    """The directory of the distributed checkpoint of ``iteration`` when it is complete, else None (no
-    collective: any rank may ask)."""
-    checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release, return_base_dir=True)
-    return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
-
-
-def get_load_checkpoint_path_by_args(args, load_arg="load"):
-    """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
-    when that does; else ``args.<load_arg>`` (nothing to resume)."""
-    load_dir = getattr(args, load_arg)
-    if checkpoint_exists(load_dir):
-        return load_dir
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained is not None and checkpoint_exists(pretrained):
-        return pretrained
-    return load_dir
 
 
 # ---- non-persistent checkpoints: only the latest few are kept ------------------------------------------------------
@@ -299,132 +168,6 @@ def maybe_save_dataloader_state(
     torch.save({"dataloader_state_dict": train_iterator.iterable.save_state()}, path)
 
 
-# ---- the checkpoint's arguments ------------------------------------------------------------------------------------
-
-# Model-defining arguments that --use-checkpoint-args takes from the checkpoint (Megatron-LM's list, for what exists;
-# the padded vocabulary size follows from vocab_size and make_vocab_size_divisible_by when the tokenizer is built).
-_CHECKPOINT_MODEL_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "seq_length",
-    "num_attention_heads",
-    "num_query_groups",
-    "group_query_attention",
-    "kv_channels",
-    "max_position_embeddings",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "rotary_interleaved",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "swiglu",
-    "squared_relu",
-    "openai_gelu",
-    "untie_embeddings_and_output_weights",
-    "normalization",
-    "layernorm_epsilon",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "apply_query_key_layer_scaling",
-    "hidden_dropout",
-    "attention_dropout",
-    "tokenizer_type",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "is_hybrid_model",
-    "hybrid_layer_pattern",
-    "mamba_state_dim",
-    "mamba_head_dim",
-    "mamba_num_groups",
-    "mamba_num_heads",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_router_topk",
-    "moe_router_score_function",
-    "moe_router_pre_softmax",
-    "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff",
-    "moe_grouped_gemm",
-)
-# The layout, taken as well only with --use-mp-args-from-checkpoint-args (as in Megatron-LM): otherwise the command
-# line's layout holds and the checkpoint is resharded on load.
-_CHECKPOINT_PARALLEL_ARGS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "num_virtual_stages_per_pipeline_rank",
-    "num_layers_per_virtual_pipeline_stage",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-)
-# What a checkpoint's model must share with this run's to load at all (the layout may differ: it reshards).
-_CHECKED_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "position_embedding_type",
-    "max_position_embeddings",
-    "make_vocab_size_divisible_by",
-    "padded_vocab_size",
-)
-
-
-def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
-    """Refuse, naming each argument, a checkpoint whose model shape differs from this run's (those in
-    ``skip_args`` are not compared; arguments either side lacks are skipped)."""
-    from megatron.training.global_vars import get_args
-
-    args = get_args()
-    skip_args = skip_args or set()
-    differing = [
-        f"{name}: checkpoint {getattr(checkpoint_args, name)!r}, this run {getattr(args, name)!r}"
-        for name in _CHECKED_ARGS
-        if name not in skip_args
-        and hasattr(checkpoint_args, name)
-        and hasattr(args, name)
-        and getattr(checkpoint_args, name) != getattr(args, name)
-    ]
-    if differing:
-        raise CheckpointingException("the checkpoint was saved for another model: " + "; ".join(differing))
-
-
-def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
-    """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments (of
-    ``--load``, or of ``--pretrained-checkpoint`` when ``--load`` holds none).
-
-    Called before validation, on every rank (each reads the small common state). Values the checkpoint lacks keep
-    their command-line values. Raises, naming the directory, when there is no checkpoint to take them from.
-    ``checkpointing_context`` serves Megatron's node-local checkpoints, which are not part of this project: the
-    arguments always come from the global checkpoint.
-    """
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
-    # --load when it holds a checkpoint, else --pretrained-checkpoint (what load_checkpoint will load).
-    load_dir = get_load_checkpoint_path_by_args(args, load_arg)
-    found = find_checkpoint_to_load(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
-    names = _CHECKPOINT_MODEL_ARGS
-    if found is None and hugging_face_load_dir(args, load_arg) is not None:
-        take_hf_model_args(args, hugging_face_load_dir(args, load_arg), names)  # the layout stays the run's
-        return args
-    if found is None:
-        raise CheckpointingException(
-            f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
-            f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
-        )
-    saved = load_common_state_dict(found[0]).get("args")
-    if saved is None:
-        raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
-    if getattr(args, "use_mp_args_from_checkpoint_args", False):
-        names += _CHECKPOINT_PARALLEL_ARGS
-    for name in names:
-        if hasattr(saved, name):
-            setattr(args, name, getattr(saved, name))
-    return args
-
-
 def fix_query_key_value_ordering(model, checkpoint_version):
     """Checkpoints of version 2.0 and later (all that this project and current Megatron write) store the fused
     QKV weights in the order the model uses; older ones, which need reordering, are refused."""
@@ -435,50 +178,8 @@ def fix_query_key_value_ordering(model, checkpoint_version):
         )
 
 
-def incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[Tuple[int, str]]:
-    """(iteration, directory) of every ``iter_*`` checkpoint under ``checkpoints_path`` whose save never finished.
-
-    ``metadata.json`` is the last file a save writes (after every rank's data is durable), so a directory without
-    it, or without the DCP index, is the remains of an interrupted save: the tracker never pointed at it.
-    """
-    found = []
-    if not os.path.isdir(checkpoints_path):
-        return found
-    for name in sorted(os.listdir(checkpoints_path)):
-        directory = os.path.join(checkpoints_path, name)
-        if not (name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(directory)):
-            continue
-        if _missing_completion_markers(directory):
-            found.append((int(name[5:]), directory))
-    return found
-
-
-def describe_incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[str]:
-    """One line per incomplete checkpoint, saying that it is ignored and when it goes away."""
-    return [
-        f"ignoring incomplete checkpoint {os.path.basename(directory)} in {checkpoints_path}: no metadata (its save "
-        "was interrupted); it is removed after the next successful save"
-        for _, directory in incomplete_checkpoints(checkpoints_path)
-    ]
-
-
-def remove_incomplete_checkpoints(checkpoints_path: Union[str, Path], saved_iteration: int) -> List[str]:
-    """Delete the incomplete checkpoints of iterations before ``saved_iteration``, which was just marked latest.
-
-    Only earlier iterations: asynchronous saves finish in order, so an earlier one still lacking its metadata was
-    interrupted, while a later one may be in flight. Complete checkpoints are never touched. Returns what was removed.
-    """
-    removed = []
-    for iteration, directory in incomplete_checkpoints(checkpoints_path):
-        if iteration < saved_iteration:
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
-    return removed
-
-
 # ---- saving and loading a training job ---------------------------------------------------------------------------
-# The functions below use the training globals (arguments, model chunks, optimizer, scheduler); everything above is
-# plain path handling that tools can use without them.
+# The functions below use the training globals (arguments, model chunks, optimizer, scheduler).
 
 _ASYNC_CALLS = None
 
@@ -795,19 +496,8 @@ def load_checkpoint(
     if found is None and args.pretrained_checkpoint is not None:
         found = find_checkpoint_to_load(args.pretrained_checkpoint)
         finetune = True
-    if found is None and hugging_face_load_dir(args, load_arg) is not None:
-        load_hf_checkpoint(ddp_model, optimizer, hugging_face_load_dir(args, load_arg))
-        set_loaded_iteration(0)
-        dist.barrier()
-        return 0, 0
     if found is None:
-        if args.exit_on_missing_checkpoint:
-            raise CheckpointingException(
-                f"--exit-on-missing-checkpoint: no checkpoint in {load_dir} "
-                f"({get_checkpoint_tracker_filename(load_dir)} not found)"
-            )
-        print_rank_0(f"WARNING: could not find a checkpoint in {load_dir}; training from scratch")
-        return 0, 0
+        return _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir)
     checkpoint_dir, iteration, release = found
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     set_checkpoint_version(common.get("checkpoint_version", 0))
@@ -876,3 +566,46 @@ def load_checkpoint(
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
+
+
+def _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir):
+    """load_checkpoint's (iteration, FLOPs) = (0, 0) when there is no Megatron checkpoint: the weights of a Hugging
+    Face model directory when --load names one, else a fresh start (or an exit with --exit-on-missing-checkpoint)."""
+    import torch.distributed as dist
+
+    from megatron.training.utils import print_rank_0
+
+    if hugging_face_load_dir(args, load_arg) is not None:
+        load_hf_checkpoint(ddp_model, optimizer, hugging_face_load_dir(args, load_arg))
+        set_loaded_iteration(0)
+        dist.barrier()
+        return 0, 0
+    if args.exit_on_missing_checkpoint:
+        raise CheckpointingException(
+            f"--exit-on-missing-checkpoint: no checkpoint in {load_dir} "
+            f"({get_checkpoint_tracker_filename(load_dir)} not found)"
+        )
+    print_rank_0(f"WARNING: could not find a checkpoint in {load_dir}; training from scratch")
+    return 0, 0
+
+
+def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """With ADLR autoresume, when the cluster asks for termination: save, request a resume and exit."""
+    import torch.distributed as dist
+
+    from megatron.training.global_vars import get_adlr_autoresume, get_args
+    from megatron.training.utils import is_rank0, print_rank_0
+
+    args = get_args()
+    autoresume = get_adlr_autoresume()
+    dist.barrier()
+    if autoresume is None or not autoresume.termination_requested():
+        return
+    if args.save:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+        finalize_async_saves()
+    print_rank_0(">>> autoresume termination request found!")
+    if is_rank0():
+        autoresume.request_resume()
+    print_rank_0(">>> training terminated. Returning")
+    raise SystemExit(0)

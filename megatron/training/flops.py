@@ -13,9 +13,19 @@ activations are recomputed. Norms, softmax, activations and the optimizer are ig
 
 import math
 import time
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
+
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+from megatron.training.model_arithmetic import (
+    MAMBA_EXPAND,
+    gated_linear_multiplier,
+    hybrid_layer_counts,
+    moe_layer_pattern,
+    num_query_groups,
+    required_arg,
+)
 
 # Forward + input-gradient + weight-gradient GEMMs, each 2 FLOPs per multiply-add.
 _FLOPS_PER_WEIGHT_PER_TOKEN = 3 * 2
@@ -36,44 +46,6 @@ KNOWN_DEVICE_PEAK_FLOPS = (
     ("B200", 2250e12),
     ("L40S", 362e12),
 )
-
-
-def required_arg(args, name: str, fix: str):
-    """``args.<name>``, or a ValueError naming the field and how to set it when it is missing or None."""
-    value = getattr(args, name, None)
-    if value is None:
-        raise ValueError(f"args.{name} is not set; {fix}")
-    return value
-
-
-def num_query_groups(args) -> int:
-    """Key/value heads: ``num_query_groups`` with ``--group-query-attention``, else one per attention head."""
-    if getattr(args, "group_query_attention", False):
-        return required_arg(args, "num_query_groups", "pass --num-query-groups with --group-query-attention")
-    return args.num_attention_heads
-
-
-def gated_linear_multiplier(args) -> float:
-    """SwiGLU's fc1 has two halves, so the MLP holds 3 matrices of h x f instead of 2."""
-    return 3 / 2 if args.swiglu else 1
-
-
-def moe_layer_pattern(args) -> List[int]:
-    """1 for each MoE layer, 0 for each dense one (Megatron's ``--moe-layer-freq``: an int k makes every k-th layer
-    from layer 0 MoE; a list gives the pattern). All dense without ``--num-experts``."""
-    if getattr(args, "num_experts", None) is None:
-        return [0] * args.num_layers
-    frequency = getattr(args, "moe_layer_freq", 1)
-    if isinstance(frequency, int):
-        if frequency < 1:
-            raise ValueError(f"--moe-layer-freq must be a positive integer or a list of 0/1, got {frequency}")
-        return [1 if layer % frequency == 0 else 0 for layer in range(args.num_layers)]
-    pattern = list(frequency)
-    if len(pattern) != args.num_layers or any(flag not in (0, 1) for flag in pattern):
-        raise ValueError(
-            f"--moe-layer-freq pattern {pattern} must have one 0/1 entry per layer ({args.num_layers} layers)"
-        )
-    return pattern
 
 
 def num_floating_point_operations(args, batch_size: int, causal_attention: bool = True) -> float:
@@ -98,11 +70,9 @@ def num_floating_point_operations(args, batch_size: int, causal_attention: bool 
     work over more ranks (ring attention skips the masked half of the causal blocks, which the ``s/2`` above
     already leaves out), and :func:`throughput_and_mfu` divides by the world size, CP ranks included.
     Hybrid models (``--hybrid-layer-pattern``) use Megatron-LM's hybrid formula instead
-    (``hybrid_accounting.hybrid_floating_point_operations``).
+    (:func:`hybrid_floating_point_operations`).
     """
     if getattr(args, "hybrid_layer_pattern", None):
-        from megatron.training.hybrid_accounting import hybrid_floating_point_operations
-
         return hybrid_floating_point_operations(args, batch_size, causal_attention)
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
@@ -131,6 +101,63 @@ def num_floating_point_operations(args, batch_size: int, causal_attention: bool 
 
     logits = _FLOPS_PER_WEIGHT_PER_TOKEN * hidden * vocab
     return float(batch_size * seq * (layers * attention_per_layer + mlp + logits))
+
+
+# ---- hybrid models: Megatron-LM's hybrid_flops --------------------------------------------------------------
+
+
+def mamba_layer_forward_flops(args, batch_size: int) -> float:
+    """Megatron-LM's forward FLOPs of one Mamba layer (``mamba_layer_flops``): in_proj ``2 B s h (2 d + 2 G N +
+    H)``, the scan ``7 B s d N`` and out_proj ``2 B s d h``, with Megatron's d = 2 h and H = ``--mamba-num-heads``
+    or d / ``--mamba-head-dim``."""
+    tokens = batch_size * args.seq_length
+    hidden, state, groups = args.hidden_size, args.mamba_state_dim, args.mamba_num_groups
+    d_inner = MAMBA_EXPAND * hidden
+    heads = args.mamba_num_heads or d_inner // args.mamba_head_dim
+    in_proj = 2 * tokens * hidden * (2 * d_inner + 2 * groups * state + heads)
+    scan = 7 * tokens * d_inner * state
+    out_proj = 2 * tokens * d_inner * hidden
+    return in_proj + scan + out_proj
+
+
+def moe_layer_forward_flops(args, batch_size: int) -> float:
+    """Megatron-LM's forward FLOPs of one MoE layer (``moe_layer_flops``): each token through ``--moe-router-topk``
+    experts of ``--moe-ffn-hidden-size`` and the shared expert, ``4 B s h (k f_e + f_s) x`` (x = 3/2 with SwiGLU);
+    the router's GEMM is not counted, as in Megatron."""
+    tokens = batch_size * args.seq_length
+    expert_ffn = required_arg(args, "moe_ffn_hidden_size", "run validate_args or pass --moe-ffn-hidden-size")
+    shared_ffn = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    width = args.moe_router_topk * expert_ffn + shared_ffn
+    return 4 * tokens * args.hidden_size * width * gated_linear_multiplier(args)
+
+
+def hybrid_floating_point_operations(args, batch_size: int, causal_attention: bool = True) -> float:
+    """Megatron-LM's ``hybrid_flops``: three times (forward + both backward GEMMs) the forward FLOPs of each layer
+    kind times its count, plus the logits; MoE layers as :func:`moe_layer_forward_flops`. Attention ``4 B s h p (h + h
+    g/n + s/2)`` (p = kv_channels n / h; the
+    causal half of the scores, ``s`` instead of ``s/2`` with ``causal_attention=False``), MLP ``4 B s h f x``
+    (x = 3/2 with SwiGLU), logits ``2 B s h V``."""
+    counts = hybrid_layer_counts(args)
+    tokens = batch_size * args.seq_length
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
+    vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
+    ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
+    query_fraction = kv_channels * heads / hidden
+    visible_positions = args.seq_length / 2 if causal_attention else args.seq_length
+    attention = (
+        4 * tokens * hidden * query_fraction * (hidden + hidden * num_query_groups(args) / heads + visible_positions)
+    )
+    mlp = 4 * tokens * hidden * ffn * gated_linear_multiplier(args)
+    logits = 2 * tokens * hidden * vocab
+    forward = (
+        counts[Symbols.ATTENTION] * attention
+        + counts[Symbols.MLP] * mlp
+        + counts[Symbols.MAMBA] * mamba_layer_forward_flops(args, batch_size)
+        + (counts[Symbols.MOE] * moe_layer_forward_flops(args, batch_size) if counts[Symbols.MOE] else 0)
+        + logits
+    )
+    return float(3 * forward)
 
 
 class Throughput(NamedTuple):

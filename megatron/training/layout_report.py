@@ -9,6 +9,7 @@ local layer spec, biases included, and for a hybrid model (``--hybrid-layer-patt
 layers of each stage) for the local hybrid spec, each chunk listing its layer kinds.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -19,9 +20,14 @@ from megatron.core.parallel_state import (
 )
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
-from megatron.training.flops import moe_layer_pattern, num_query_groups, required_arg
-from megatron.training.hybrid_accounting import layer_parameters as hybrid_layer_parameters
-from megatron.training.hybrid_accounting import moe_layer_parameters as hybrid_moe_layer_parameters
+from megatron.training.model_arithmetic import (
+    hybrid_layer_parameters,
+    moe_layer_pattern,
+    moe_mlp_parameters,
+    required_arg,
+    transformer_layer_parameters,
+    transformer_moe_layer_parameters,
+)
 
 # How many groups of one kind to list before summarising the rest.
 _GROUPS_SHOWN = 8
@@ -57,6 +63,48 @@ class ParallelLayout:
     def stage_ranks(self, pipeline_rank: int) -> List[int]:
         """Every global rank that runs pipeline stage ``pipeline_rank``."""
         return sorted(group[pipeline_rank] for group in self.groups["pipeline-parallel"])
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """A layout to compute: the parallel sizes (``etp=None`` means ``etp = tp``), the rank order and how the layers
+    split into (virtual) pipeline stages; the one bundle that parallel_layout and describe_parallel_layout share."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: Optional[int]
+    order: str
+    num_layers: int
+    vpp: Optional[int] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    hybrid_layer_pattern: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args) -> "LayoutRequest":
+        """The layout of Megatron-LM's parsed and validated args."""
+        return cls(
+            args.world_size,
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            getattr(args, "context_parallel_size", 1),
+            getattr(args, "expert_model_parallel_size", 1),
+            getattr(args, "expert_tensor_parallel_size", None),
+            # Megatron-LM's --use-tp-pp-dp-mapping swaps the pp and dp axes.
+            "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+            args.num_layers,
+            getattr(args, "virtual_pipeline_model_parallel_size", None),
+            getattr(args, "decoder_first_pipeline_num_layers", None),
+            getattr(args, "decoder_last_pipeline_num_layers", None),
+            getattr(args, "account_for_embedding_in_pipeline_split", False),
+            getattr(args, "account_for_loss_in_pipeline_split", False),
+            getattr(args, "hybrid_layer_pattern", None),
+        )
 
 
 def layers_per_virtual_stage(
@@ -181,9 +229,9 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     tp, ep, etp = layout.sizes["tp"], layout.sizes["ep"], layout.sizes["etp"]
     hybrid_pattern = (getattr(model_args, "hybrid_layer_pattern", None) or "").split(Symbols.MTP_SEPARATOR)[0]
     layer_kinds = hybrid_pattern.replace(Symbols.PIPE, "")
-    dense_layer = _layer_parameters(model_args) + (0, 0) if not layer_kinds else None
+    dense_layer = transformer_layer_parameters(model_args) + (0, 0) if not layer_kinds else None
     moe_layer = (
-        _moe_layer_parameters(model_args, ep, etp)
+        transformer_moe_layer_parameters(model_args, ep, etp)
         if getattr(model_args, "num_experts", None) and not layer_kinds
         else None
     )
@@ -191,7 +239,7 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
 
     def layer_counts(layer: int) -> Tuple[int, int, int, int]:
         if layer_kinds and layer_kinds[layer] == Symbols.MOE:
-            return hybrid_moe_layer_parameters(model_args, ep, etp)
+            return moe_mlp_parameters(model_args, ep, etp)
         if layer_kinds:
             return hybrid_layer_parameters(model_args, layer_kinds[layer]) + (0, 0)
         return moe_layer if pattern and pattern[layer] else dense_layer
@@ -224,52 +272,6 @@ def stage_parameter_counts(model_args, layout: ParallelLayout) -> List[Tuple[int
     ]
 
 
-def _layer_parameters(args) -> Tuple[int, int]:
-    """(parameters split over TP, parameters every TP rank holds in full) of one transformer layer."""
-    hidden = args.hidden_size
-    kv_channels = required_arg(args, "kv_channels", "run validate_args or pass --kv-channels")
-    ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
-    norm_size = 1 if args.normalization == "RMSNorm" else 2
-    bias = args.add_bias_linear
-    qkv_width = kv_channels * (args.num_attention_heads + 2 * num_query_groups(args))
-    fc1_width = ffn * (2 if args.swiglu else 1)
-    # Column-parallel layers (QKV, fc1) split weight and bias; row-parallel ones (proj, fc2) split only the weight.
-    split = hidden * qkv_width + (qkv_width if bias or args.add_qkv_bias else 0)
-    split += kv_channels * args.num_attention_heads * hidden
-    split += hidden * fc1_width + (fc1_width if bias else 0)
-    split += ffn * hidden
-    replicated = 2 * hidden * norm_size + (2 * hidden if bias else 0)
-    if args.qk_layernorm:
-        replicated += 2 * kv_channels * norm_size
-    return split, replicated
-
-
-def _moe_layer_parameters(args, ep: int, etp: int) -> Tuple[int, int, int, int]:
-    """(split over TP, replicated, routed experts, routed experts on one EP x expert-TP rank) of one MoE layer:
-    attention and norms as in a dense layer, the router (one row per expert), the shared expert (split over TP like
-    a dense MLP, its gate replicated) and the routed experts (fc1 weight and bias and fc2 weight split over
-    expert-TP, fc2 bias whole on every expert-TP rank)."""
-    hidden, bias = args.hidden_size, args.add_bias_linear
-    num_experts = args.num_experts
-    expert_ffn = required_arg(args, "moe_ffn_hidden_size", "run validate_args or pass --moe-ffn-hidden-size")
-    shared_ffn = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
-    glu = 2 if args.swiglu else 1
-    dense_split, dense_replicated = _layer_parameters(args)
-    ffn = required_arg(args, "ffn_hidden_size", "run validate_args or pass --ffn-hidden-size")
-    # The dense layer's MLP: fc1 weight (+bias), fc2 weight split; fc2 bias replicated.
-    split = dense_split - (hidden * ffn * glu + (ffn * glu if bias else 0) + ffn * hidden)
-    replicated = dense_replicated - (hidden if bias else 0)
-    replicated += hidden * num_experts + (num_experts if bias else 0)  # router
-    if shared_ffn:
-        split += hidden * shared_ffn * glu + (shared_ffn * glu if bias else 0) + shared_ffn * hidden
-        replicated += (hidden if bias else 0) + (hidden if getattr(args, "moe_shared_expert_gate", False) else 0)
-    expert_split = hidden * expert_ffn * glu + (expert_ffn * glu if bias else 0) + expert_ffn * hidden
-    expert_whole = hidden if bias else 0
-    experts = num_experts * (expert_split + expert_whole)
-    experts_per_rank = num_experts // ep * (expert_split // etp + expert_whole)
-    return split, replicated, experts, experts_per_rank
-
-
 def describe_parallel_layout(
     world_size: int,
     tp: int,
@@ -289,8 +291,7 @@ def describe_parallel_layout(
 ) -> str:
     """A readable report of :func:`parallel_layout`: rank groups, each stage's ranks and layers (with their kinds
     for a hybrid), and with ``model_args`` (Megatron-LM's args) the parameters per stage."""
-    pattern = getattr(model_args, "hybrid_layer_pattern", None)
-    layout = parallel_layout(
+    request = LayoutRequest(
         world_size,
         tp,
         pp,
@@ -304,8 +305,21 @@ def describe_parallel_layout(
         last_stage_layers,
         account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split,
-        hybrid_layer_pattern=pattern,
+        getattr(model_args, "hybrid_layer_pattern", None),
     )
+    return describe_layout(request, model_args)
+
+
+def describe_parallel_layout_for_args(args) -> str:
+    """:func:`describe_parallel_layout` for Megatron-LM's parsed and validated args (as ``--dry-run`` uses it)."""
+    return describe_layout(LayoutRequest.from_args(args), args)
+
+
+def describe_layout(request: LayoutRequest, model_args=None) -> str:
+    """The report of :func:`describe_parallel_layout` for one :class:`LayoutRequest`."""
+    layout = parallel_layout(**dataclasses.asdict(request))
+    world_size, tp, pp, cp, ep = request.world_size, request.tp, request.pp, request.cp, request.ep
+    order, num_layers, vpp, pattern = request.order, request.num_layers, request.vpp, request.hybrid_layer_pattern
     layer_kinds = (pattern or "").split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
     sizes = layout.sizes
     lines = [
@@ -334,27 +348,6 @@ def describe_parallel_layout(
             where = "per rank (TP share + 1/EP of the experts)" if moe else "per tensor-parallel rank"
             lines.append(f"    parameters: {total:,} in the stage, {per_rank:,} {where}")
     return "\n".join(lines)
-
-
-def describe_parallel_layout_for_args(args) -> str:
-    """:func:`describe_parallel_layout` for Megatron-LM's parsed and validated args (as ``--dry-run`` uses it)."""
-    return describe_parallel_layout(
-        args.world_size,
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        getattr(args, "context_parallel_size", 1),
-        getattr(args, "expert_model_parallel_size", 1),
-        getattr(args, "expert_tensor_parallel_size", None),
-        # Megatron-LM's --use-tp-pp-dp-mapping swaps the pp and dp axes.
-        "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
-        args.num_layers,
-        getattr(args, "virtual_pipeline_model_parallel_size", None),
-        getattr(args, "decoder_first_pipeline_num_layers", None),
-        getattr(args, "decoder_last_pipeline_num_layers", None),
-        account_for_embedding_in_pipeline_split=getattr(args, "account_for_embedding_in_pipeline_split", False),
-        account_for_loss_in_pipeline_split=getattr(args, "account_for_loss_in_pipeline_split", False),
-        model_args=args,
-    )
 
 
 def _describe_context_parallel(cp: int, model_args) -> str:

@@ -27,7 +27,17 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron.core.utils import print_rank_0
-from megatron.training.flops import gated_linear_multiplier, moe_layer_pattern, num_query_groups, required_arg
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+from megatron.training.model_arithmetic import (
+    gated_linear_multiplier,
+    hybrid_layer_counts,
+    hybrid_layer_parameters,
+    mamba_sizes,
+    moe_layer_pattern,
+    moe_mlp_parameters,
+    num_query_groups,
+    required_arg,
+)
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -141,20 +151,18 @@ def count_parameters(args) -> ParameterCounts:
 
 
 def _count_hybrid_parameters(args) -> ParameterCounts:
-    """A hybrid model's counts: each layer of the pattern by its kind (hybrid_accounting), exactly as built."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
-    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_parameters, moe_layer_parameters
+    """A hybrid model's counts: each layer of the pattern by its kind (model_arithmetic), exactly as built."""
 
     split = replicated = 0.0
     counts = hybrid_layer_counts(args)
     for symbol, count in counts.items():
         if count and symbol != Symbols.MOE:
-            layer_split, layer_replicated = layer_parameters(args, symbol)
+            layer_split, layer_replicated = hybrid_layer_parameters(args, symbol)
             split, replicated = split + count * layer_split, replicated + count * layer_replicated
     # MoE layers: router, norm and shared expert with the layers above; routed experts split over EP x expert-TP.
     routed = active_routed = 0
     if counts[Symbols.MOE]:
-        moe_split, moe_replicated, routed, _ = moe_layer_parameters(args)
+        moe_split, moe_replicated, routed, _ = moe_mlp_parameters(args)
         split, replicated = split + counts[Symbols.MOE] * moe_split, replicated + counts[Symbols.MOE] * moe_replicated
         active_routed = routed / args.num_experts * args.moe_router_topk
     vocab = required_arg(args, "padded_vocab_size", "build the tokenizer (it pads the vocabulary) first")
@@ -177,6 +185,34 @@ def _count_hybrid_parameters(args) -> ParameterCounts:
     )
 
 
+def layer_activation_bytes(args, symbol: str) -> float:
+    """16-bit activations one hybrid layer keeps for backward, per micro-batch (all TP ranks together), with
+    selective recomputation. Attention and MLP layers take their parts of Korthikanti et al.'s ``18 + 4 f/h`` per
+    ``s b h``: ``11 + 2`` (attention and its norm) and ``3 + 4 f/h + 2`` (MLP and its norm). A Mamba layer keeps
+    its norm input and output (``4 s b h``), in_proj's output (``2 s b (2 d + 2 G N + H)``), the convolved x, B,
+    C (``2 s b (d + 2 G N)``), the scan output and the gated norm's output (``4 s b d``) and the dropout mask
+    (``s b h``): our estimate, the chunk states of the scan left out. An MoE layer is counted as an MLP layer whose
+    width is what one token passes through (``topk`` experts and the shared expert): our estimate, the dispatch
+    buffers left out."""
+    tokens = args.seq_length * args.micro_batch_size
+    hidden = args.hidden_size
+    if symbol == Symbols.ATTENTION:
+        return tokens * hidden * 13
+    if symbol == Symbols.MLP:
+        return tokens * hidden * (5 + 4 * args.ffn_hidden_size / hidden)
+    if symbol == Symbols.MOE:
+        width = args.moe_router_topk * args.moe_ffn_hidden_size + (args.moe_shared_expert_intermediate_size or 0)
+        return tokens * hidden * (5 + 4 * width / hidden)
+    sizes = mamba_sizes(args)
+    group_width = 2 * sizes.groups * sizes.state
+    return tokens * (
+        5 * hidden
+        + 2 * (2 * sizes.d_inner + group_width + sizes.heads)
+        + 2 * (sizes.d_inner + group_width)
+        + 4 * sizes.d_inner
+    )
+
+
 _HYBRID_LAYER_NAMES = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
 
 
@@ -184,8 +220,6 @@ def _hybrid_block_activations(args, tp: int, sequence_parallel: bool, verbose: b
     """Activation bytes of a hybrid model's layers on one TP rank (``tp`` 1: all ranks together): with sequence
     parallelism everything is split over TP; without it each layer's norm input and output and dropout mask
     (``5 s b h``) are replicated."""
-    from megatron.training.hybrid_accounting import hybrid_layer_counts, layer_activation_bytes
-
     replicated_per_layer = 5 * args.seq_length * args.micro_batch_size * args.hidden_size
     memory = 0.0
     for symbol, count in hybrid_layer_counts(args).items():

@@ -7,42 +7,28 @@ Read top to bottom it is the life of a job: `pretrain` initialises, builds the m
 
 import argparse
 import copy
-import dataclasses
 import gc
 import logging
 import math
-import os
 import sys
-import time
 from datetime import datetime
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.distributed.distributed_data_parallel import (
-    DEFAULT_BUCKET_SIZE_PER_DP_RANK,
-    DEFAULT_MIN_BUCKET_SIZE,
-)
-from megatron.core.enums import ModelType
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
-    get_current_global_batch_size,
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
-from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_current_device
 from megatron.training import checkpointing
-from megatron.training import flops
-from megatron.training.argument_utils import core_ddp_config_from_args, core_optimizer_config_from_args
-from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training import progress_log
 from megatron.training.error_handling import exit_on_error
 from megatron.training.global_vars import (
     destroy_global_vars,
@@ -54,7 +40,37 @@ from megatron.training.global_vars import (
     set_args,
 )
 from megatron.training.initialize import initialize_megatron
+
+# The job's setup and its clock live in model_setup and progress_log; Megatron-LM's path re-exports them.
+from megatron.training.model_setup import (  # noqa: F401
+    arguments_from_container,
+    build_train_valid_test_data_iterators,
+    build_train_valid_test_data_loaders,
+    build_train_valid_test_datasets,
+    cyclic_iter,
+    disable_forward_pre_hook,
+    enable_forward_pre_hook,
+    force_param_sync,
+    get_megatron_ddp_config,
+    get_megatron_optimizer_config,
+    get_model,
+    get_optimizer_param_scheduler,
+    get_train_valid_test_num_samples,
+    resolve_ddp_bucket_size,
+    setup_model_and_optimizer,
+    should_disable_forward_pre_hook,
+    update_train_iters,
+    wrap_model_chunks_with_ddp,
+)
 from megatron.training.moe_logging import track_moe_losses
+from megatron.training.progress_log import (  # noqa: F401
+    compute_throughputs_and_append_to_progress_log,
+    get_start_time_from_progress_log,
+    consume_seqlen_stats_in_iteration,
+    num_floating_point_operations,
+    set_startup_timestamps,
+    update_seqlen_stats_from_cu_seqlens,
+)
 from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
@@ -66,22 +82,6 @@ from megatron.training.utils import (
 )
 
 logger = logging.getLogger(__name__)
-# When the program started (set_startup_timestamps can move it earlier): --exit-duration-in-mins counts from here.
-_TRAIN_START_TIME = time.time()
-_MAIN_ENTRY_TIME: Optional[float] = None
-# Packed-sequence statistics of the running iteration (update_seqlen_stats_from_cu_seqlens), for exact FLOPs.
-_SEQLEN_SQUARED_SUM: Optional[float] = None
-_TOTAL_REAL_TOKENS: Optional[float] = None
-# Floating-point operations done before this job (those of the checkpoint it resumed from), for its throughput.
-_JOB_START_FLOPS = 0.0
-
-
-def set_startup_timestamps(program_start=None, main_entry=None):
-    """Record when the program started (``time.time()`` values; default now) and when its main entry ran, so the
-    start-up time is reported and --exit-duration-in-mins counts from the real start."""
-    global _TRAIN_START_TIME, _MAIN_ENTRY_TIME
-    _TRAIN_START_TIME = time.time() if program_start is None else program_start
-    _MAIN_ENTRY_TIME = main_entry
 
 
 def print_datetime(string, override_timestamp=None):
@@ -90,21 +90,6 @@ def print_datetime(string, override_timestamp=None):
         dist.barrier()
     moment = datetime.now() if override_timestamp is None else datetime.fromtimestamp(override_timestamp)
     print_rank_0(f"[{string}] datetime: {moment.strftime('%Y-%m-%d %H:%M:%S')} ")
-
-
-def _arguments_from(cfg_container):
-    """The run's arguments: ``cfg_container`` when it is the validated ``argparse.Namespace`` (what
-    ``parse_and_validate_args`` returns), else the arguments already set. Megatron-LM 0.19's typed
-    ``PretrainConfigContainer`` (megatron.training.config) is not part of this project."""
-    if cfg_container is None:
-        return None
-    if not isinstance(cfg_container, argparse.Namespace):
-        raise ValueError(
-            f"not supported yet: Megatron's configuration container ({type(cfg_container).__name__}) as pretrain's "
-            "cfg_container; pass the arguments returned by megatron.training.arguments.parse_and_validate_args(), "
-            "or None to use the arguments already parsed"
-        )
-    return cfg_container
 
 
 def _flush_log_writers() -> None:
@@ -140,7 +125,7 @@ def pretrain(
     ``initialize_megatron``; ``p2p_communicator`` and ``pg_collection`` to the schedules (and ``pg_collection`` to
     the model provider and DDP).
     """
-    args = _arguments_from(cfg_container)
+    args = arguments_from_container(cfg_container)
     if model_provider is None:
         raise ValueError(
             "not supported yet: building the model from Megatron's configuration container (model_provider=None); "
@@ -160,7 +145,7 @@ def pretrain(
         skip_model_parallel_init=skip_model_parallel_init,
     )
     args = get_args()
-    print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
+    print_rank_0(f"time to initialize megatron (seconds): {progress_log.seconds_since_start():.3f}")
     if getattr(args, "log_progress", False):
         append_to_progress_log("Starting job")
     if getattr(args, "dry_run", False):
@@ -246,322 +231,6 @@ def destroy_global_state():
     parallel_state.destroy_global_memory_buffer()
     parallel_state.destroy_model_parallel()
     destroy_rerun_state_machine()
-
-
-# ---- model, optimizer, scheduler -------------------------------------------------------------------------------
-
-
-def get_model(
-    model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True, config=None, pg_collection=None
-):
-    """This rank's model chunks (one per virtual pipeline stage), on the device, fp16/bf16-wrapped, DDP-wrapped.
-
-    ``model_provider_func(pre_process=, post_process=[, vp_stage=])`` builds a chunk; ``config`` and
-    ``pg_collection``, when given, are handed to it too (``config=``, ``pg_collection=``) and ``pg_collection``
-    to DDP.
-    """
-    args = get_args()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    extra = {name: value for name, value in (("config", config), ("pg_collection", pg_collection)) if value is not None}
-    # With --use-cpu-initialization the weights come from per-layer streams of this seed (layout-independent);
-    # build from the base seed, then restore the per-stage stream set at initialisation for dropout.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        if vpp is not None:
-            model = []
-            for vp_stage in range(vpp):
-                chunk = model_provider_func(
-                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    vp_stage=vp_stage,
-                    **extra,
-                )
-                chunk.model_type = model_type
-                model.append(chunk)
-        else:
-            chunk = model_provider_func(
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
-                **extra,
-            )
-            chunk.model_type = model_type
-            model = [chunk]
-
-    num_parameters = sum(sum(p.numel() for p in chunk.parameters()) for chunk in model)
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(
-            f" > number of parameters on (tensor, pipeline) model parallel rank "
-            f"({parallel_state.get_tensor_model_parallel_rank()}, "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters}",
-            flush=True,
-        )
-    model = [chunk.to(get_current_device()) for chunk in model]
-    if args.fp16 or args.bf16:
-        model = [Float16Module(chunk.config, chunk) for chunk in model]
-    if not wrap_with_ddp:
-        return model
-    model = wrap_model_chunks_with_ddp(model, None, get_megatron_ddp_config(args), pg_collection=pg_collection)
-    for chunk in model:
-        chunk.broadcast_params()
-    return model
-
-
-def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """The DistributedDataParallelConfig of the run's flags (``--overlap-grad-reduce``, ``--ddp-bucket-size``, ...)."""
-    return core_ddp_config_from_args(args)
-
-
-def resolve_ddp_bucket_size(ddp_config, dp_cp_group, overlap_grad_reduce, num_parameters):
-    """Elements per gradient bucket DDP will use: None (one bucket) without ``overlap_grad_reduce`` or when one
-    bucket would hold all ``num_parameters`` anyway; else ``ddp_config.bucket_size``, by default
-    max(40M, 1M x the size of ``dp_cp_group``)."""
-    if not overlap_grad_reduce:
-        return None
-    bucket_size = ddp_config.bucket_size
-    if bucket_size is None:
-        bucket_size = max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp_cp_group.size())
-    return None if bucket_size >= num_parameters else bucket_size
-
-
-def wrap_model_chunks_with_ddp(
-    model_chunks,
-    config,
-    ddp_config,
-    *,
-    use_layer_wise_distributed_optimizer=False,
-    use_layer_wise_param_layout=True,
-    DP=DistributedDataParallel,
-    pg_collection=None,
-    bucket_sizes=None,
-    disable_bucketing_per_chunk=None,
-):
-    """Wrap each model chunk in ``DP`` (DistributedDataParallel, or a subclass).
-
-    ``config`` is the model config given to DDP (default: each chunk's own); ``bucket_sizes`` (one per chunk)
-    replace ``ddp_config.bucket_size`` chunk by chunk; ``disable_bucketing_per_chunk`` (one bool per chunk)
-    defaults to bucketing only the first chunk (later virtual-pipeline chunks reduce in one bucket each, as
-    Megatron does). ``use_layer_wise_param_layout`` only applies to the layer-wise distributed optimizer, which is
-    not supported yet.
-    """
-    if use_layer_wise_distributed_optimizer:
-        raise ValueError(
-            "not supported yet: the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer=True)"
-        )
-    for name, values in (("bucket_sizes", bucket_sizes), ("disable_bucketing_per_chunk", disable_bucketing_per_chunk)):
-        if values is not None and len(values) != len(model_chunks):
-            raise ValueError(f"{name} has {len(values)} entries for {len(model_chunks)} model chunks")
-    wrapped = []
-    for index, chunk in enumerate(model_chunks):
-        chunk_ddp_config = ddp_config
-        if bucket_sizes is not None:
-            chunk_ddp_config = dataclasses.replace(ddp_config, bucket_size=bucket_sizes[index])
-        disable_bucketing = disable_bucketing_per_chunk[index] if disable_bucketing_per_chunk else index > 0
-        wrapped.append(
-            DP(
-                config=config if config is not None else unwrap_model(chunk).config,
-                ddp_config=chunk_ddp_config,
-                module=chunk,
-                disable_bucketing=disable_bucketing,
-                pg_collection=pg_collection,
-            )
-        )
-    return wrapped
-
-
-def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """LR and weight-decay schedule in samples (Megatron's units), from --train-iters or --train-samples."""
-    args = get_args()
-    iteration_based = args.train_samples is None
-    if not iteration_based and args.train_iters is None:
-        update_train_iters(args)
-    unit = "iters" if iteration_based else "samples"
-    if iteration_based:
-        lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
-        wd_incr_steps = args.train_iters * args.global_batch_size
-        wsd_decay_steps = (args.lr_wsd_decay_iters or 0) * args.global_batch_size
-        if args.lr_warmup_fraction is not None:
-            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
-        else:
-            lr_warmup_steps = args.lr_warmup_iters * args.global_batch_size
-    else:
-        lr_decay_steps = args.lr_decay_samples or args.train_samples
-        wd_incr_steps = args.train_samples
-        wsd_decay_steps = args.lr_wsd_decay_samples or 0
-        if args.lr_warmup_fraction is not None:
-            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
-        else:
-            lr_warmup_steps = args.lr_warmup_samples
-    # Which flag set each value, so that a resume mismatch names it (in iterations for an iteration-based run).
-    flags = {
-        "max_lr": "--lr",
-        "min_lr": "--min-lr",
-        "lr_decay_style": "--lr-decay-style",
-        "start_wd": "--start-weight-decay",
-        "end_wd": "--end-weight-decay",
-        "wd_incr_style": "--weight-decay-incr-style",
-        "wd_incr_steps": f"--train-{unit}",
-        "lr_decay_steps": f"--lr-decay-{unit}" if getattr(args, f"lr_decay_{unit}") else f"--train-{unit}",
-        "lr_warmup_steps": "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
-    }
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=lr_warmup_steps,
-        lr_decay_steps=lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=wd_incr_steps,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=wsd_decay_steps,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-    )
-    scheduler.set_command_line_sources(flags, args.global_batch_size if iteration_based else None)
-    return scheduler
-
-
-def update_train_iters(args):
-    """``args.train_iters`` for a run given in samples (``--train-samples``): the global batch size divides them,
-    following the ``--rampup-batch-size`` schedule while it ramps up."""
-    if args.rampup_batch_size is None:
-        args.train_iters = args.train_samples // args.global_batch_size
-    else:
-        rampup_samples = int(args.rampup_batch_size[2])
-        iterations = consumed_samples = 0
-        while consumed_samples <= rampup_samples and consumed_samples <= args.train_samples:
-            update_num_microbatches(consumed_samples, consistency_check=False)
-            consumed_samples += get_current_global_batch_size()
-            iterations += 1
-        update_num_microbatches(0, consistency_check=False)  # back to the start of the schedule
-        iterations += (args.train_samples - consumed_samples) // args.global_batch_size
-        args.train_iters = iterations
-    print_rank_0(f"setting training iterations to {args.train_iters}")
-
-
-def get_megatron_optimizer_config(args: Any) -> OptimizerConfig:
-    """The OptimizerConfig of the run's flags (every field read by its name)."""
-    return core_optimizer_config_from_args(args)
-
-
-def setup_model_and_optimizer(
-    model_type,
-    model_provider_func=None,
-    checkpointing_context=None,
-    *,
-    cfg_container=None,
-    pg_collection: ProcessGroupCollection | MultiModuleProcessGroupCollection | None = None,
-):
-    """Model chunks, optimizer (Megatron's standard per-parameter rules: no weight decay on biases and norms,
-    ``--decoupled-lr`` for embeddings and output) and scheduler; resumes their state from --load when given.
-
-    ``cfg_container`` may be the validated arguments (the run's arguments are used otherwise); ``pg_collection``
-    goes to the model provider and DDP; ``checkpointing_context`` to ``load_checkpoint``.
-    """
-    args = _arguments_from(cfg_container) or get_args()
-    if model_provider_func is None:
-        raise ValueError(
-            "not supported yet: building the model from Megatron's configuration container "
-            "(model_provider_func=None); pass model_provider_func"
-        )
-    model = get_model(model_provider_func, model_type, pg_collection=pg_collection)
-    config = get_megatron_optimizer_config(args)
-    optimizer = get_megatron_optimizer(config, model, config_overrides=get_standard_config_overrides(config))
-    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-    args.iteration, args.num_floating_point_operations_so_far = 0, 0
-    if args.load is not None or args.pretrained_checkpoint is not None:
-        args.iteration, args.num_floating_point_operations_so_far = checkpointing.load_checkpoint(
-            model, optimizer, opt_param_scheduler, checkpointing_context=checkpointing_context
-        )
-    global _JOB_START_FLOPS
-    _JOB_START_FLOPS = args.num_floating_point_operations_so_far
-    for chunk in model:
-        chunk.iteration = args.iteration  # DDP names the iteration in NaN reports
-    return model, optimizer, opt_param_scheduler
-
-
-# ---- data ------------------------------------------------------------------------------------------------------
-
-
-def get_train_valid_test_num_samples():
-    """Samples each split must provide (Megatron's formula: enough for every evaluation the run will do)."""
-    args = get_args()
-    train_samples = args.train_samples or args.train_iters * args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
-    return (
-        train_samples,
-        eval_runs * args.eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
-    )
-
-
-def build_train_valid_test_datasets(build_train_valid_test_datasets_provider, train_valid_test_num_samples=None):
-    """The provider's (train, valid, test) datasets for ``train_valid_test_num_samples`` (default: what the run
-    needs, ``get_train_valid_test_num_samples()``)."""
-    if train_valid_test_num_samples is None:
-        train_valid_test_num_samples = get_train_valid_test_num_samples()
-    return build_train_valid_test_datasets_provider(train_valid_test_num_samples)
-
-
-def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider):
-    """Datasets from the provider, then Megatron's samplers resuming at the consumed sample counts; sets
-    ``args.do_train`` / ``do_valid`` / ``do_test`` identically on every rank."""
-    args = get_args()
-    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
-    loaders = []
-    for dataset, consumed in (
-        (train_ds, args.consumed_train_samples),
-        (valid_ds, args.consumed_valid_samples),
-        (test_ds, 0),
-    ):
-        loaders.append(
-            build_pretraining_data_loader(
-                dataset,
-                consumed,
-                dataloader_type=args.dataloader_type,
-                micro_batch_size=args.micro_batch_size,
-                data_parallel_rank=parallel_state.get_data_parallel_rank(),
-                data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                num_workers=args.num_workers,
-            )
-            if dataset is not None
-            else None
-        )
-    args.do_train = loaders[0] is not None and args.train_iters > 0
-    args.do_valid = loaders[1] is not None and args.eval_iters > 0
-    args.do_test = loaders[2] is not None and args.eval_iters > 0
-    # Ranks that hold no dataset (middle pipeline stages, TP ranks > 0) must still agree on what will run.
-    flags = torch.tensor([int(args.do_train), int(args.do_valid), int(args.do_test)], device=get_current_device())
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    args.do_train, args.do_valid, args.do_test = (bool(f) for f in flags.tolist())
-    return tuple(loaders)
-
-
-def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
-    """Iterators over the data loaders (cycling over them with ``--dataloader-type cyclic``)."""
-    args = get_args()
-    loaders = build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider)
-    # Starting a DataLoader iterator draws from the global generator; keep it out of the training stream so a
-    # resumed run (RNG restored from the checkpoint) continues exactly like an uninterrupted one.
-    with torch.random.fork_rng(devices=[]):
-        return tuple(_iterator(loader, args.dataloader_type) for loader in loaders)
-
-
-def _iterator(loader, dataloader_type: str):
-    if loader is None:
-        return None
-    if dataloader_type == "cyclic":
-        return cyclic_iter(loader)
-    return iter(loader)
-
-
-def cyclic_iter(iterable):
-    """Iterate over ``iterable`` again and again."""
-    while True:
-        yield from iterable
 
 
 # ---- one step --------------------------------------------------------------------------------------------------
@@ -829,7 +498,7 @@ def save_checkpoint_and_time(
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if getattr(args, "log_progress", False):
-        compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far)
+        progress_log.compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far)
 
 
 def preprocess_common_state_dict(common_state_dict):
@@ -849,7 +518,7 @@ def _exit_reason(iteration, signal_handler) -> Optional[str]:
     if signal_handler is not None and any(signal_handler.signals_received()):
         return f"after receiving a termination signal at iteration {iteration}"
     if args.exit_duration_in_mins:
-        elapsed_mins = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=get_current_device())
+        elapsed_mins = torch.tensor([(progress_log.seconds_since_start()) / 60.0], device=get_current_device())
         dist.all_reduce(elapsed_mins, op=dist.ReduceOp.MAX)
         if elapsed_mins.item() > args.exit_duration_in_mins:
             return f"after {elapsed_mins.item():.1f} minutes"
@@ -1028,7 +697,7 @@ def evaluate(
 
 def _elapsed_minutes() -> float:
     """Minutes since the program started, the maximum over ranks (so every rank takes the same decision)."""
-    elapsed = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=get_current_device())
+    elapsed = torch.tensor([(progress_log.seconds_since_start()) / 60.0], device=get_current_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
@@ -1083,120 +752,7 @@ def evaluate_and_print_results(
     return total_loss_dict
 
 
-# ---- hooks, FLOPs, progress log, callbacks ----------------------------------------------------------------------
-
-
-def should_disable_forward_pre_hook(args):
-    """Whether DDP's forward pre-hooks (which wait for the overlapped parameter all-gather) must be lifted around
-    evaluation and checkpointing: with the distributed optimizer and --overlap-param-gather."""
-    return bool(args.use_distributed_optimizer and args.overlap_param_gather)
-
-
-def enable_forward_pre_hook(model_chunks):
-    """Let each chunk's submodules wait for their parameters' all-gather before their forward."""
-    for chunk in model_chunks:
-        chunk.enable_forward_pre_hook()
-
-
-def disable_forward_pre_hook(model_chunks, optimizer=None, param_sync=True):
-    """Remove the pre-hooks; with ``param_sync`` first gather every parameter. The gather belongs to DDP here, so
-    ``optimizer`` (Megatron's layer-wise optimizer gathers itself) needs no call."""
-    for chunk in model_chunks:
-        chunk.disable_forward_pre_hook(param_sync=param_sync)
-
-
-def force_param_sync(model_chunks, optimizer=None) -> None:
-    """All-gather every chunk's updated parameters now (blocking). As for disable_forward_pre_hook, the gather is
-    DDP's, whatever the ``optimizer``."""
-    for chunk in model_chunks:
-        chunk.start_param_sync(force_sync=True)
-
-
-def update_seqlen_stats_from_cu_seqlens(cu_seqlens):
-    """Add a packed micro-batch's sequences (cumulative lengths ``cu_seqlens``, THD layout) to this iteration's
-    statistics: the sum of squared lengths (attention FLOPs) and the number of real tokens (everything else)."""
-    global _SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
-    _SEQLEN_SQUARED_SUM = (_SEQLEN_SQUARED_SUM or 0.0) + float((lengths * lengths).sum())
-    _TOTAL_REAL_TOKENS = (_TOTAL_REAL_TOKENS or 0.0) + float(lengths.sum())
-
-
-def consume_seqlen_stats_in_iteration() -> Tuple[Optional[float], Optional[float]]:
-    """(sum of squared sequence lengths, real tokens) recorded this iteration, summed over the data-parallel ranks,
-    and reset; (None, None) when no packed sequences were recorded."""
-    global _SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS
-    if _SEQLEN_SQUARED_SUM is None:
-        return None, None
-    stats = torch.tensor([_SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS], dtype=torch.float64, device=get_current_device())
-    dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
-    _SEQLEN_SQUARED_SUM = _TOTAL_REAL_TOKENS = None
-    return stats[0].item(), stats[1].item()
-
-
-def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None):
-    """Training FLOPs of one iteration (megatron.training.flops' model) over ``batch_size`` sequences of
-    --seq-length tokens, or, for packed sequences, over ``total_real_tokens_in_batch`` tokens whose attention
-    covers ``seqlen_squared_sum_in_batch`` (the sum of squared sequence lengths)."""
-    if seqlen_squared_sum_in_batch is None or total_real_tokens_in_batch is None:
-        return flops.num_floating_point_operations(args, batch_size)
-    # The count per sequence of s tokens is a*s + c*s^2 (linear layers and logits; attention scores); two
-    # evaluations of the model at s = 1 and s = 2 give a and c.
-    one, two = (
-        flops.num_floating_point_operations(argparse.Namespace(**{**vars(args), "seq_length": s}), 1) for s in (1, 2)
-    )
-    per_square = (two - 2 * one) / 2
-    per_token = one - per_square
-    return per_token * total_real_tokens_in_batch + per_square * seqlen_squared_sum_in_batch
-
-
-def _progress_log_path(args) -> str:
-    return os.path.join(args.save, "progress.txt")
-
-
-def get_start_time_from_progress_log():
-    """(start time, floating-point operations done before it) of this run in the progress log: the first
-    "Starting job" after the last change of world size, and the operations of the last checkpoint saved before
-    it. The log's lines are tab-separated: time, job id, "# GPUs: N", event, then event fields."""
-    args = get_args()
-    start_time = start_flops = None
-    latest_flops = 0.0
-    with open(_progress_log_path(args)) as progress:
-        for line in progress:
-            fields = line.rstrip("\n").split("\t")
-            world_size = int(fields[2].split(":")[1])
-            if fields[3] == "Saved checkpoint":
-                latest_flops = float(fields[7].split(":")[1])
-            if world_size != args.world_size:
-                start_time = start_flops = None
-                continue
-            if fields[3] == "Starting job" and start_time is None:
-                start_time, start_flops = fields[0], latest_flops
-    if start_time is None:
-        raise ValueError(f"{_progress_log_path(args)} records no start of a job at world size {args.world_size}")
-    return datetime.strptime(start_time, "%Y-%m-%d %H:%M:%S"), start_flops
-
-
-def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far):
-    """Append "Saved checkpoint" with this job's and the run's throughput (TFLOP/s per device), the operations and
-    the tokens so far to the progress log (--log-progress)."""
-    args = get_args()
-    if args.save is None:
-        return
-    start_time, start_flops = get_start_time_from_progress_log()
-    elapsed_job = time.time() - _TRAIN_START_TIME
-    elapsed_run = (datetime.now() - start_time).total_seconds()
-    job_flops = num_floating_point_operations_so_far - _JOB_START_FLOPS
-    job_throughput = job_flops / max(elapsed_job, 1e-9) / 1e12 / args.world_size
-    run_throughput = (
-        (num_floating_point_operations_so_far - start_flops) / max(elapsed_run, 1e-9) / 1e12 / (args.world_size)
-    )
-    tokens_so_far = args.consumed_train_samples * args.seq_length
-    append_to_progress_log(
-        f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
-        f"Cumulative throughput: {run_throughput:.1f} TFLOP/s/GPU\t"
-        f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\t"
-        f"Tokens (in billions): {tokens_so_far / 10**9:.2f}"
-    )
+# ---- skipped steps, callbacks, dry run -------------------------------------------------------------------------
 
 
 def dummy_train_step(data_iterator):

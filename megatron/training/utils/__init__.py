@@ -1,12 +1,13 @@
 """Helpers of the training application (Megatron-LM's ``megatron.training.utils``): printing on the right rank,
 unwrapping model chunks, norms and reductions, memory reports, batches and masks, the progress log."""
 
+import importlib
+
 from megatron.training.utils.common_utils import (
     ALL_MODULE_WRAPPER_CLASSNAMES,
     average_losses_across_data_parallel_group,
     calc_dtensor_params_l2_norm,
     calc_params_l2_norm,
-    check_adlr_autoresume_termination,
     get_batch_on_this_tp_rank,
     get_blend_and_blend_per_split,
     get_device_arch_version,
@@ -31,3 +32,14 @@ from megatron.training.utils.common_utils import (
 )
 from megatron.training.utils.log_utils import append_to_progress_log
 from megatron.training.utils.utils import start_memory_history_recording
+
+
+# Names that moved up to a module that imports this one; PEP 562 looks them up there on first use, so the old path
+# keeps working without an upward import.
+_MOVED = {"check_adlr_autoresume_termination": "megatron.training.checkpointing"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """Small helpers of the training application: rank-aware printing, unwrapping, norms, memory, batches, masks."""
 
+import importlib
 import importlib.util
 import warnings
 from contextlib import contextmanager
@@ -233,29 +234,6 @@ def has_nvrx_checkpointing_async_support() -> bool:
     return importlib.util.find_spec("nvidia_resiliency_ext.checkpointing.async_ckpt") is not None
 
 
-# ---- auto-resume ------------------------------------------------------------------------------------------------
-
-
-def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
-    """With ADLR autoresume, when the cluster asks for termination: save, request a resume and exit."""
-    from megatron.training.checkpointing import finalize_async_saves, save_checkpoint
-    from megatron.training.global_vars import get_adlr_autoresume, get_args
-
-    args = get_args()
-    autoresume = get_adlr_autoresume()
-    dist.barrier()
-    if autoresume is None or not autoresume.termination_requested():
-        return
-    if args.save:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
-        finalize_async_saves()
-    print_rank_0(">>> autoresume termination request found!")
-    if is_rank0():
-        autoresume.request_resume()
-    print_rank_0(">>> training terminated. Returning")
-    raise SystemExit(0)
-
-
 # ---- batches ----------------------------------------------------------------------------------------------------
 
 
@@ -320,3 +298,14 @@ def get_batch_on_this_tp_rank(data_iterator) -> Dict[str, Optional[torch.Tensor]
         "loss_mask": float_data["loss_mask"] if last else None,
         "attention_mask": attention_mask,
     }
+
+
+# Names that moved up to a module that imports this one; PEP 562 looks them up there on first use, so the old path
+# keeps working without an upward import.
+_MOVED = {"check_adlr_autoresume_termination": "megatron.training.checkpointing"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from megatron.core.num_microbatches_calculator import (
     init_num_microbatches_calculator,
     unset_num_microbatches_calculator,
 )
-from megatron.training import flops, global_vars, training
+from megatron.training import flops, global_vars, progress_log, training
 from megatron.training.training import (
     build_train_valid_test_datasets,
     compute_throughputs_and_append_to_progress_log,
@@ -210,9 +210,9 @@ def test_preprocess_common_state_dict_drops_rank_specific_arguments():
 
 
 def test_startup_timestamps_and_print_datetime(monkeypatch):
-    monkeypatch.setattr(training, "_TRAIN_START_TIME", training._TRAIN_START_TIME)
+    monkeypatch.setattr(progress_log, "_TRAIN_START_TIME", progress_log._TRAIN_START_TIME)
     set_startup_timestamps(program_start=1000.0, main_entry=1001.0)
-    assert (training._TRAIN_START_TIME, training._MAIN_ENTRY_TIME) == (1000.0, 1001.0)
+    assert (progress_log._TRAIN_START_TIME, progress_log._MAIN_ENTRY_TIME) == (1000.0, 1001.0)
     out = io.StringIO()
     with redirect_stdout(out):
         print_datetime("after start", override_timestamp=datetime(2026, 1, 2, 3, 4, 5).timestamp())
@@ -251,8 +251,8 @@ def test_progress_log_start_time_and_throughput(tmp_path, monkeypatch):
         types.SimpleNamespace(save=str(tmp_path), world_size=1, consumed_train_samples=1000, seq_length=1000)
     )
     assert get_start_time_from_progress_log() == (start, 2e12)  # the first start at this world size
-    monkeypatch.setattr(training, "_TRAIN_START_TIME", training.time.time() - 50)
-    monkeypatch.setattr(training, "_JOB_START_FLOPS", 2e12)
+    monkeypatch.setattr(progress_log, "_TRAIN_START_TIME", progress_log.time.time() - 50)
+    monkeypatch.setattr(progress_log, "_JOB_START_FLOPS", 2e12)
     compute_throughputs_and_append_to_progress_log(9, 2e12 + 1e14)
     fields = (tmp_path / "progress.txt").read_text().splitlines()[-1].split("\t")
     assert fields[3:5] == ["Saved checkpoint", "Iteration: 9"]

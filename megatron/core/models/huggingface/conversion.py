@@ -363,7 +363,7 @@ def save_megatron_checkpoint_from_hf(
     ('GPT', or 'hybrid' for NemotronH). Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.training.checkpointing import (
+    from megatron.core.dist_checkpointing.checkpoint_dir import (
         CHECKPOINT_VERSION,
         RELEASE_DIRNAME,
         get_checkpoint_name,
@@ -515,7 +515,7 @@ def export_megatron_checkpoint_to_hf(
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_dcp_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from megatron.training.checkpointing import find_checkpoint_to_load
+    from megatron.core.dist_checkpointing.checkpoint_dir import find_checkpoint_to_load
 
     found = find_checkpoint_to_load(load_dir)
     if found is None:
