@@ -3,6 +3,7 @@ a checkpoint saved for another model is refused. Kept apart from ``checkpointing
 without importing the save/load machinery.
 """
 
+from megatron.core.public_api import public_api
 from megatron.core.dist_checkpointing.checkpoint_dir import (
     checkpoint_exists,
     find_checkpoint_to_load,
@@ -12,6 +13,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.training.hf_checkpoint import hugging_face_load_dir, take_hf_model_args
 
 
+@public_api("megatron.training.checkpointing")
 def get_load_checkpoint_path_by_args(args, load_arg="load"):
     """The directory to load from: ``args.<load_arg>`` when it holds a checkpoint; else ``--pretrained-checkpoint``
     when that does; else ``args.<load_arg>`` (nothing to resume)."""
@@ -99,6 +101,7 @@ _CHECKED_ARGS = (
 )
 
 
+@public_api("megatron.training.checkpointing")
 def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
     """Refuse, naming each argument, a checkpoint whose model shape differs from this run's (those in
     ``skip_args`` are not compared; arguments either side lacks are skipped)."""
@@ -118,6 +121,7 @@ def check_checkpoint_args(checkpoint_args, skip_args: set[str] | None = None):
         raise CheckpointingException("the checkpoint was saved for another model: " + "; ".join(differing))
 
 
+@public_api("megatron.training.checkpointing")
 def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
     """``--use-checkpoint-args``: set the model-defining arguments from the checkpoint's saved arguments (of
     ``--load``, or of ``--pretrained-checkpoint`` when ``--load`` holds none).

@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed import ProcessGroup
 
+from megatron.core.public_api import public_api
+
 # The directory layout lives in megatron.core (the HF conversion needs it too) and the checkpoint's arguments in
 # checkpoint_args; both are re-exported here, Megatron-LM's public path.
 from megatron.core.dist_checkpointing.checkpoint_dir import (  # noqa: F401
@@ -589,6 +591,7 @@ def _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir):
     return 0, 0
 
 
+@public_api("megatron.training.utils.common_utils")
 def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
     """With ADLR autoresume, when the cluster asks for termination: save, request a resume and exit."""
     import torch.distributed as dist

@@ -6,6 +6,7 @@ of the flags this project does not implement. Both the parser (``arguments``) an
 import argparse
 import ast
 
+from megatron.core.public_api import public_api
 from megatron.training.arguments_model_flags import TABLES as MODEL_FLAG_TABLES
 from megatron.training.arguments_run_flags import TABLES as RUN_FLAG_TABLES
 from megatron.training.arguments_service_flags import TABLES as SERVICE_FLAG_TABLES
@@ -75,21 +76,25 @@ def _layer_pattern(text: str, flag_kind: str):
     return result
 
 
+@public_api("megatron.training.arguments")
 def moe_freq_type(x):
     """``--moe-layer-freq``: every N-th layer is an MoE layer (int), or one 0/1 per layer (list expression)."""
     return _layer_pattern(x, "layer frequency")
 
 
+@public_api("megatron.training.arguments")
 def la_freq_type(x):
     """``--linear-attention-freq``: every N-th layer uses linear attention (int), or one 0/1 per layer (list)."""
     return _layer_pattern(x, "linear-attention frequency")
 
 
+@public_api("megatron.training.arguments")
 def no_rope_freq_type(x):
     """``--no-rope-freq``: every N-th layer has no rotary embedding (int), or one 0/1 per layer (list)."""
     return _layer_pattern(x, "no-rope frequency")
 
 
+@public_api("megatron.training.arguments")
 def tuple_type(x):
     """``--window-size``: ``"(left, right)"`` or ``"left,right"`` -> a tuple of ints (-1: unbounded)."""
     try:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import (
@@ -52,6 +53,7 @@ def arguments_from_container(cfg_container):
 # ---- model, optimizer, scheduler -------------------------------------------------------------------------------
 
 
+@public_api("megatron.training.training")
 def get_model(
     model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True, config=None, pg_collection=None
 ):
@@ -107,11 +109,13 @@ def get_model(
     return model
 
 
+@public_api("megatron.training.training")
 def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
     """The DistributedDataParallelConfig of the run's flags (``--overlap-grad-reduce``, ``--ddp-bucket-size``, ...)."""
     return core_ddp_config_from_args(args)
 
 
+@public_api("megatron.training.training")
 def resolve_ddp_bucket_size(ddp_config, dp_cp_group, overlap_grad_reduce, num_parameters):
     """Elements per gradient bucket DDP will use: None (one bucket) without ``overlap_grad_reduce`` or when one
     bucket would hold all ``num_parameters`` anyway; else ``ddp_config.bucket_size``, by default
@@ -124,6 +128,7 @@ def resolve_ddp_bucket_size(ddp_config, dp_cp_group, overlap_grad_reduce, num_pa
     return None if bucket_size >= num_parameters else bucket_size
 
 
+@public_api("megatron.training.training")
 def wrap_model_chunks_with_ddp(
     model_chunks,
     config,
@@ -169,6 +174,7 @@ def wrap_model_chunks_with_ddp(
     return wrapped
 
 
+@public_api("megatron.training.training")
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     """LR and weight-decay schedule in samples (Megatron's units), from --train-iters or --train-samples."""
     args = get_args()
@@ -225,6 +231,7 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     return scheduler
 
 
+@public_api("megatron.training.training")
 def update_train_iters(args):
     """``args.train_iters`` for a run given in samples (``--train-samples``): the global batch size divides them,
     following the ``--rampup-batch-size`` schedule while it ramps up."""
@@ -243,11 +250,13 @@ def update_train_iters(args):
     print_rank_0(f"setting training iterations to {args.train_iters}")
 
 
+@public_api("megatron.training.training")
 def get_megatron_optimizer_config(args: Any) -> OptimizerConfig:
     """The OptimizerConfig of the run's flags (every field read by its name)."""
     return core_optimizer_config_from_args(args)
 
 
+@public_api("megatron.training.training")
 def setup_model_and_optimizer(
     model_type,
     model_provider_func=None,
@@ -286,18 +295,21 @@ def setup_model_and_optimizer(
 # ---- DDP's forward pre-hooks (the overlapped parameter all-gather) ---------------------------------------------
 
 
+@public_api("megatron.training.training")
 def should_disable_forward_pre_hook(args):
     """Whether DDP's forward pre-hooks (which wait for the overlapped parameter all-gather) must be lifted around
     evaluation and checkpointing: with the distributed optimizer and --overlap-param-gather."""
     return bool(args.use_distributed_optimizer and args.overlap_param_gather)
 
 
+@public_api("megatron.training.training")
 def enable_forward_pre_hook(model_chunks):
     """Let each chunk's submodules wait for their parameters' all-gather before their forward."""
     for chunk in model_chunks:
         chunk.enable_forward_pre_hook()
 
 
+@public_api("megatron.training.training")
 def disable_forward_pre_hook(model_chunks, optimizer=None, param_sync=True):
     """Remove the pre-hooks; with ``param_sync`` first gather every parameter. The gather belongs to DDP here, so
     ``optimizer`` (Megatron's layer-wise optimizer gathers itself) needs no call."""
@@ -305,6 +317,7 @@ def disable_forward_pre_hook(model_chunks, optimizer=None, param_sync=True):
         chunk.disable_forward_pre_hook(param_sync=param_sync)
 
 
+@public_api("megatron.training.training")
 def force_param_sync(model_chunks, optimizer=None) -> None:
     """All-gather every chunk's updated parameters now (blocking). As for disable_forward_pre_hook, the gather is
     DDP's, whatever the ``optimizer``."""
@@ -315,6 +328,7 @@ def force_param_sync(model_chunks, optimizer=None) -> None:
 # ---- data ------------------------------------------------------------------------------------------------------
 
 
+@public_api("megatron.training.training")
 def get_train_valid_test_num_samples():
     """Samples each split must provide (Megatron's formula: enough for every evaluation the run will do)."""
     args = get_args()
@@ -327,6 +341,7 @@ def get_train_valid_test_num_samples():
     )
 
 
+@public_api("megatron.training.training")
 def build_train_valid_test_datasets(build_train_valid_test_datasets_provider, train_valid_test_num_samples=None):
     """The provider's (train, valid, test) datasets for ``train_valid_test_num_samples`` (default: what the run
     needs, ``get_train_valid_test_num_samples()``)."""
@@ -335,6 +350,7 @@ def build_train_valid_test_datasets(build_train_valid_test_datasets_provider, tr
     return build_train_valid_test_datasets_provider(train_valid_test_num_samples)
 
 
+@public_api("megatron.training.training")
 def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider):
     """Datasets from the provider, then Megatron's samplers resuming at the consumed sample counts; sets
     ``args.do_train`` / ``do_valid`` / ``do_test`` identically on every rank."""
@@ -369,6 +385,7 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     return tuple(loaders)
 
 
+@public_api("megatron.training.training")
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
     """Iterators over the data loaders (cycling over them with ``--dataloader-type cyclic``)."""
     args = get_args()
@@ -387,6 +404,7 @@ def _iterator(loader, dataloader_type: str):
     return iter(loader)
 
 
+@public_api("megatron.training.training")
 def cyclic_iter(iterable):
     """Iterate over ``iterable`` again and again."""
     while True:

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.utils import get_current_device
 from megatron.training import flops
@@ -27,6 +28,7 @@ _SEQLEN_SQUARED_SUM: Optional[float] = None
 _TOTAL_REAL_TOKENS: Optional[float] = None
 
 
+@public_api("megatron.training.training")
 def update_seqlen_stats_from_cu_seqlens(cu_seqlens):
     """Add a packed micro-batch's sequences (cumulative lengths ``cu_seqlens``, THD layout) to this iteration's
     statistics: the sum of squared lengths (attention FLOPs) and the number of real tokens (everything else)."""
@@ -36,6 +38,7 @@ def update_seqlen_stats_from_cu_seqlens(cu_seqlens):
     _TOTAL_REAL_TOKENS = (_TOTAL_REAL_TOKENS or 0.0) + float(lengths.sum())
 
 
+@public_api("megatron.training.training")
 def consume_seqlen_stats_in_iteration() -> Tuple[Optional[float], Optional[float]]:
     """(sum of squared sequence lengths, real tokens) recorded this iteration, summed over the data-parallel ranks,
     and reset; (None, None) when no packed sequences were recorded."""
@@ -48,6 +51,7 @@ def consume_seqlen_stats_in_iteration() -> Tuple[Optional[float], Optional[float
     return stats[0].item(), stats[1].item()
 
 
+@public_api("megatron.training.training")
 def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None):
     """Training FLOPs of one iteration (megatron.training.flops' model) over ``batch_size`` sequences of
     --seq-length tokens, or, for packed sequences, over ``total_real_tokens_in_batch`` tokens whose attention
@@ -73,6 +77,7 @@ _MAIN_ENTRY_TIME: Optional[float] = None
 _JOB_START_FLOPS = 0.0
 
 
+@public_api("megatron.training.training")
 def set_startup_timestamps(program_start=None, main_entry=None):
     """Record when the program started (``time.time()`` values; default now) and when its main entry ran, so the
     start-up time is reported and --exit-duration-in-mins counts from the real start."""
@@ -96,6 +101,7 @@ def _progress_log_path(args) -> str:
     return os.path.join(args.save, "progress.txt")
 
 
+@public_api("megatron.training.training")
 def get_start_time_from_progress_log():
     """(start time, floating-point operations done before it) of this run in the progress log: the first
     "Starting job" after the last change of world size, and the operations of the last checkpoint saved before
@@ -119,6 +125,7 @@ def get_start_time_from_progress_log():
     return datetime.strptime(start_time, "%Y-%m-%d %H:%M:%S"), start_flops
 
 
+@public_api("megatron.training.training")
 def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far):
     """Append "Saved checkpoint" with this job's and the run's throughput (TFLOP/s per device), the operations and
     the tokens so far to the progress log (--log-progress)."""

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
+from megatron.core.public_api import public_api
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME
 
@@ -32,6 +33,7 @@ def _parallel_rank(explicit, getter):
     return getter() if parallel_state.model_parallel_is_initialized() else 0
 
 
+@public_api("megatron.training.checkpointing")
 def get_checkpoint_name(
     checkpoints_path,
     iteration,
@@ -65,16 +67,19 @@ def get_checkpoint_name(
     return os.path.join(directory, name, basename)
 
 
+@public_api("megatron.training.checkpointing")
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     """The legacy format's distributed-optimizer file beside a rank's model file: ``distrib_optim.pt``."""
     return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
+@public_api("megatron.training.checkpointing")
 def get_checkpoint_tracker_filename(checkpoints_path):
     """``<checkpoints_path>/latest_checkpointed_iteration.txt``."""
     return os.path.join(checkpoints_path, TRACKER_FNAME)
 
 
+@public_api("megatron.training.checkpointing")
 def checkpoint_exists(checkpoints_path):
     """Whether ``checkpoints_path`` has a tracker file, i.e. a checkpoint to resume from."""
     if checkpoints_path is None:
@@ -82,6 +87,7 @@ def checkpoint_exists(checkpoints_path):
     return os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
 
 
+@public_api("megatron.training.checkpointing")
 def read_metadata(tracker_filename) -> Tuple[int, bool]:
     """(iteration, release) from a tracker file holding an iteration number or ``release``."""
     try:
@@ -154,6 +160,7 @@ def find_checkpoint_to_load(
     return checkpoint_dir, iteration, release
 
 
+@public_api("megatron.training.checkpointing")
 def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
     """The directory of the distributed checkpoint of ``iteration`` when it is complete, else None (no
     collective: any rank may ask)."""

@@ -3,6 +3,7 @@ unwrapping model chunks, norms and reductions, memory reports, batches and masks
 
 import importlib
 
+from megatron.core.public_api import public_names
 from megatron.training.utils.common_utils import (
     ALL_MODULE_WRAPPER_CLASSNAMES,
     average_losses_across_data_parallel_group,
@@ -43,3 +44,6 @@ def __getattr__(name):
     if name in _MOVED:
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = public_names(globals(), _MOVED)
