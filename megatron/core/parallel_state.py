@@ -690,6 +690,27 @@ def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
     )
 
 
+# ---- the group-or-default resolver -----------------------------------------------------------------------------
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``tp_group`` when given, else this rank's (expert) tensor-parallel group: the one "group or default" rule.
+
+    With ``check_initialized=False`` the answer is None when no model-parallel groups exist; the tensor-parallel
+    layers treat that None as a one-rank group, so they also work as plain single-process modules.
+    """
+    if tp_group is not None:
+        return tp_group
+    if is_expert:
+        return get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def tp_group_or_default(pg_collection: Optional[ProcessGroupCollection]) -> dist.ProcessGroup:
+    """The tensor-parallel group of ``pg_collection``, or the global one when it is None or has no tp group."""
+    return get_tensor_model_parallel_group_if_none(getattr(pg_collection, "tp", None))
+
+
 # ---- sizes and ranks -------------------------------------------------------------------------------------------
 
 

@@ -9,10 +9,21 @@ As in Megatron, a collection holds only the groups it was given: a group that wa
 collections tests with ``hasattr`` or ``getattr(pgs, name, None)``.
 """
 
+import importlib
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
+
+# Names that moved to a module above this one; looked up there on first use (PEP 562), so this module imports
+# nothing of ours.
+_MOVED = {"tp_group_or_default": "megatron.core.parallel_state"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ProcessGroupHelperMeta(type):
@@ -140,13 +151,3 @@ class MultiModuleProcessGroupCollection:
                 f"language_model_module_name={self.language_model_module_name!r} is not one of the modules "
                 f"{sorted(self.module_pgs)}"
             )
-
-
-def tp_group_or_default(pg_collection: Optional[ProcessGroupCollection]) -> dist.ProcessGroup:
-    """The tensor-parallel group of ``pg_collection``, or the global one when it is None or has no tp group."""
-    tp = getattr(pg_collection, "tp", None)
-    if tp is not None:
-        return tp
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group()

@@ -7,6 +7,7 @@ CPU (gloo) as well as on NVIDIA GPUs (nccl).
 import asyncio
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -28,6 +29,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _Wrapped = TypeVar("_Wrapped", bound=Callable[..., Any])
+
+# Names that moved to the module owning their concept, which sits above this leaf: Megatron's import path keeps
+# working through a lookup on first use (PEP 562). Code in this repository imports the new home.
+_MOVED = {
+    "get_tensor_model_parallel_group_if_none": "megatron.core.parallel_state",
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cuda_available() -> bool:
@@ -225,7 +238,8 @@ def is_using_quantization_scales(config):
 
 
 def get_pg_size(group=None):
-    """Size of ``group`` (the world when None); 1 when torch.distributed is not initialised."""
+    """Size of ``group``; None is torch.distributed's default group (the world), as in torch. 1 when
+    torch.distributed is not initialised."""
     if not torch.distributed.is_initialized():
         return 1
     return torch.distributed.get_world_size(group)
@@ -245,17 +259,6 @@ def get_pg_src_rank(group=None):
     if group is None:
         return 0
     return torch.distributed.get_process_group_ranks(group)[0]
-
-
-def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
-    """``tp_group``, or parallel_state's (expert) tensor-parallel group when it is None."""
-    if tp_group is not None:
-        return tp_group
-    from megatron.core import parallel_state
-
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
-    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
 
 def log_on_each_pipeline_stage(

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm import mamba_inference, ssd_kernels
 from megatron.core.ssm.gated_rmsnorm import GatedRMSNorm
 from megatron.core.ssm.ssd_chunked import ssd_chunked_scan
