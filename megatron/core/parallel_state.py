@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 _TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
-# Everything initialize_model_parallel creates; reset by destroy_model_parallel.
-_GROUPS: Optional[ProcessGroupCollection] = None
+# Everything initialize_model_parallel creates; reset by destroy_model_parallel. The collection itself is kept in
+# ProcessGroupCollection._default, where use_mpu_process_groups reads it.
 _GLOO_DP_GROUPS: Dict[str, dist.ProcessGroup] = {}
 # Groups that are not fields of ProcessGroupCollection (tensor x data without context parallelism).
 _OTHER_GROUPS: Dict[str, dist.ProcessGroup] = {}
@@ -274,7 +274,7 @@ def initialize_model_parallel(
     ``local_world_size``) are not supported
     yet and are refused with a ValueError before any group is created.
     """
-    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    global _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group "
@@ -331,7 +331,7 @@ def initialize_model_parallel(
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pipeline_model_parallel_size}"
             )
-    if _GROUPS is not None:
+    if ProcessGroupCollection._default is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
 
     dp = world_size // (tp * pp * cp)
@@ -413,7 +413,7 @@ def initialize_model_parallel(
     groups.dp_cp_ag = None
     groups.expt_dp_ag = None
 
-    _GROUPS = groups
+    ProcessGroupCollection._default = groups
     _set_global_memory_buffer()
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
@@ -511,8 +511,8 @@ def _check_expert_layout_matches_pipeline(
 
 def destroy_model_parallel() -> None:
     """Forget every group this module created, so ``initialize_model_parallel`` can run again."""
-    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK, _global_process_group_list
-    _GROUPS = None
+    global _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK, _global_process_group_list
+    ProcessGroupCollection._default = None
     _GLOO_DP_GROUPS.clear()
     _OTHER_GROUPS.clear()
     _GROUP_RANKS.clear()
@@ -524,7 +524,7 @@ def destroy_model_parallel() -> None:
 
 
 def model_parallel_is_initialized() -> bool:
-    return _GROUPS is not None
+    return ProcessGroupCollection._default is not None
 
 
 is_initialized = model_parallel_is_initialized
@@ -532,7 +532,7 @@ is_initialized = model_parallel_is_initialized
 
 def is_unitialized() -> bool:
     """Megatron's (misspelt) name: True when the groups have not been created."""
-    return _GROUPS is None
+    return ProcessGroupCollection._default is None
 
 
 def get_process_group_collection() -> ProcessGroupCollection:
@@ -541,9 +541,9 @@ def get_process_group_collection() -> ProcessGroupCollection:
 
 
 def _groups() -> ProcessGroupCollection:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         raise RuntimeError("model parallel groups are not initialized; call initialize_model_parallel() first")
-    return _GROUPS
+    return ProcessGroupCollection._default
 
 
 # Groups that exist only for features this layout did not ask for; asking for one with check_initialized is an
@@ -553,24 +553,24 @@ _ONLY_WHEN_ASKED_FOR = {"hcp", "inter_dist_opt", "gtp_remat", "expt_gtp_remat", 
 
 def _group(name: str, check_initialized: bool = True) -> Optional[dist.ProcessGroup]:
     """This rank's group ``name``; with ``check_initialized`` a group that does not exist is an error."""
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         if check_initialized:
             _groups()
         return None
-    group = _OTHER_GROUPS[name] if name in _OTHER_GROUPS else getattr(_GROUPS, name)
+    group = _OTHER_GROUPS[name] if name in _OTHER_GROUPS else getattr(ProcessGroupCollection._default, name)
     if group is None and check_initialized and name in _ONLY_WHEN_ASKED_FOR:
         raise RuntimeError(f"process group {name!r} was not created by initialize_model_parallel for this layout")
     return group
 
 
 def _world_size(name: str) -> int:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         return 1  # Megatron's layers are usable without groups as TP=1 modules.
     return dist.get_world_size(_group(name))
 
 
 def _rank(name: str) -> int:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         return 0
     return dist.get_rank(_group(name))
 
@@ -618,7 +618,7 @@ def get_context_parallel_group(check_initialized: bool = True):
 
 
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> List[int]:
-    return list(_GROUP_RANKS["cp"]) if _GROUPS is not None else [0]
+    return list(_GROUP_RANKS["cp"]) if ProcessGroupCollection._default is not None else [0]
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True):

@@ -1,8 +1,9 @@
 """ProcessGroupCollection: the process groups a module needs, passed explicitly.
 
 Modules take ``pg_collection=None`` and fall back to :meth:`ProcessGroupCollection.use_mpu_process_groups`, which
-reads the groups that :func:`megatron.core.parallel_state.initialize_model_parallel` created. Passing a collection
-explicitly lets one process hold several models with different layouts (and keeps model code free of globals).
+reads the groups that :func:`megatron.core.parallel_state.initialize_model_parallel` created and stored in
+``ProcessGroupCollection._default``. Passing a collection explicitly lets one process hold several models with
+different layouts (and keeps model code free of globals).
 
 As in Megatron, a collection holds only the groups it was given: a group that was never set is absent
 (``hasattr(pgs, "cp")`` is False), while a group set to ``None`` is present and empty. Code that accepts partial
@@ -11,7 +12,7 @@ collections tests with ``hasattr`` or ``getattr(pgs, name, None)``.
 
 import importlib
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -84,6 +85,10 @@ class ProcessGroupCollection:
     inter_dist_opt: dist.ProcessGroup = field(init=False)
     intra_dist_opt: dist.ProcessGroup = field(init=False)
 
+    # The collection parallel_state.initialize_model_parallel built (None before it and after
+    # destroy_model_parallel). It lives here, not in parallel_state, so this module stays plain data.
+    _default: ClassVar[Optional["ProcessGroupCollection"]] = None
+
     def __init__(self, **groups):
         known = {f.name for f in fields(self)}
         for name, group in groups.items():
@@ -99,14 +104,14 @@ class ProcessGroupCollection:
         the layout does not create (``hcp``, ``inter_dist_opt``, the GTP and all-gather groups when not asked for)
         are present as ``None``.
         """
-        from megatron.core import parallel_state
-
         known = [f.name for f in fields(cls)]
         names = known if required_pgs is None else list(required_pgs)
         unknown = sorted(set(names) - set(known))
         if unknown:
             raise ValueError(f"Invalid process groups requested: {unknown}; known names are {known}")
-        everything = parallel_state.get_process_group_collection()
+        everything = ProcessGroupCollection._default
+        if everything is None:
+            raise RuntimeError("model parallel groups are not initialized; call initialize_model_parallel() first")
         return cls(**{name: getattr(everything, name, None) for name in names})
 
     def __repr__(self) -> str:
