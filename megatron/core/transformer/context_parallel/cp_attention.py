@@ -28,10 +28,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 from megatron.core.transformer.context_parallel.ring_attention import RingLayout, ring_attention
-from megatron.core.transformer.enums import AttnMaskType
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""The values of ``TransformerConfig.cp_comm_type`` (Megatron's)."""
+from megatron.core.transformer.enums import CP_COMM_TYPES, AttnMaskType
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
