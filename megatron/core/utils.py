@@ -34,6 +34,8 @@ _Wrapped = TypeVar("_Wrapped", bound=Callable[..., Any])
 # working through a lookup on first use (PEP 562). Code in this repository imports the new home.
 _MOVED = {
     "get_tensor_model_parallel_group_if_none": "megatron.core.parallel_state",
+    "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.sharded_state",
+    "make_tp_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.sharded_state",
 }
 
 
@@ -723,50 +725,6 @@ def local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``dst = src * scale`` for each pair of ``zip(tensor_lists[0], tensor_lists[1])``."""
     for src, dst in zip(tensor_lists[0], tensor_lists[1]):
         dst.copy_(src * scale)
-
-
-# ---- distributed checkpointing helpers -------------------------------------------------------------------------
-
-
-def _tp_and_dp_ranks() -> Tuple[int, int, int]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(with_context_parallel=True),
-    )
-
-
-def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
-    """A ShardedTensor for a tensor that every tensor-parallel rank holds whole (replicated over TP and DP)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    tp_rank, _, dp_rank = _tp_and_dp_ranks()
-    if replica_id is None:
-        replica_id = (0, tp_rank, dp_rank)
-    return ShardedTensor.from_rank_offsets(
-        key, tensor, *prepend_offsets, replica_id=replica_id, prepend_axis_num=len(prepend_offsets), **kwargs
-    )
-
-
-def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
-    """A ShardedTensor for a tensor split over tensor-parallel ranks along ``tp_axis`` (replicated over DP)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    tp_rank, tp_size, dp_rank = _tp_and_dp_ranks()
-    prepend_axis_num = len(prepend_offsets)
-    if replica_id is None:
-        replica_id = (0, 0, dp_rank)
-    return ShardedTensor.from_rank_offsets(
-        key,
-        tensor,
-        *prepend_offsets,
-        (tp_axis + prepend_axis_num, tp_rank, tp_size),
-        replica_id=replica_id,
-        prepend_axis_num=prepend_axis_num,
-        **kwargs,
-    )
 
 
 # ---- batches ---------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import cuda_available, get_current_device, warn_once
 
 if TYPE_CHECKING:

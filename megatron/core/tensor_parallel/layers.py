@@ -36,7 +36,10 @@ from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
 )
 from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+from megatron.core.tensor_parallel.sharded_state import (
+    make_sharded_tensors_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
 from megatron.core.utils import get_current_device, warn_once
 
 if TYPE_CHECKING:

@@ -5,7 +5,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 
 _SYMMETRIC_AR_TYPES = (None, "two_shot", "one_shot", "multimem_all_reduce")
