@@ -11,13 +11,13 @@ rank's groups. Modules should take a ``pg_collection`` and fall back to these gl
 import logging
 from datetime import timedelta
 from math import prod
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import GlobalMemoryBuffer, synchronize_device
+from megatron.core.utils import GlobalMemoryBuffer, get_pg_rank, synchronize_device
 
 logger = logging.getLogger(__name__)
 
@@ -973,3 +973,21 @@ def get_all_ranks() -> str:
         get_expert_model_parallel_rank(),
     ]
     return "_".join(str(rank or 0) for rank in ranks)
+
+
+def log_on_each_pipeline_stage(
+    logger: logging.Logger,
+    *args: Any,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    dp_cp_group: Optional[dist.ProcessGroup] = None,
+    **kwargs: Any,
+):
+    """``logger.log(*args, **kwargs)`` on one rank per pipeline stage: tensor-parallel rank 0 of data x context rank 0.
+
+    The groups default to this module's.
+    """
+    if dist.is_initialized() and model_parallel_is_initialized():
+        tp_group = tp_group or get_tensor_model_parallel_group()
+        dp_cp_group = dp_cp_group or get_data_parallel_group(with_context_parallel=True)
+    if get_pg_rank(tp_group) == 0 and get_pg_rank(dp_cp_group) == 0:
+        logger.log(*args, **kwargs)

@@ -111,6 +111,9 @@ class Float16Module(MegatronModule):
     fp32 main parameters (Float16OptimizerWithFloat16Params / DistributedOptimizer).
     """
 
+    # megatron.core.utils.unwrap_model strips classes that carry this marker.
+    _megatron_model_wrapper = True
+
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):
         super().__init__(config)
         if config.fp16 == config.bf16:

@@ -4,7 +4,8 @@
 :func:`ring_attention` is the ring (``p2p``) kernel on its own.
 """
 
-from megatron.core.transformer.context_parallel.cp_attention import ContextParallelAttention, zigzag_chunk_ids
+from megatron.core.transformer.context_parallel.batch import zigzag_chunk_ids
+from megatron.core.transformer.context_parallel.cp_attention import ContextParallelAttention
 from megatron.core.transformer.context_parallel.ring_attention import RingLayout, ring_attention
 from megatron.core.transformer.enums import CP_COMM_TYPES
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from megatron.core.utils import chunks_of_cp_rank
+from megatron.core.transformer.context_parallel.batch import chunks_of_cp_rank
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -76,7 +76,7 @@ def apply_rotary_pos_emb(
 
 def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: torch.distributed.ProcessGroup) -> Tensor:
     """This context-parallel rank's share of ``pos_emb`` along ``seq_dim``, in the same load-balanced split as
-    ``megatron.core.utils.get_batch_on_this_cp_rank`` gives the tokens."""
+    ``megatron.core.transformer.context_parallel.batch.get_batch_on_this_cp_rank`` gives the tokens."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     if cp_size == 1:
         return pos_emb
