@@ -11,7 +11,7 @@ rank's groups. Modules should take a ``pg_collection`` and fall back to these gl
 import logging
 from datetime import timedelta
 from math import prod
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch.distributed as dist
@@ -295,47 +295,20 @@ def initialize_model_parallel(
         expert_model_parallel_size,
     )
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    for name, value in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("context_parallel_size", cp),
-        ("expert_model_parallel_size", ep),
-        ("expert_tensor_parallel_size", etp),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if hierarchical_context_parallel_sizes and prod(hierarchical_context_parallel_sizes) != cp:
-        raise ValueError(
-            f"hierarchical_context_parallel_sizes={list(hierarchical_context_parallel_sizes)} multiply to "
-            f"{prod(hierarchical_context_parallel_sizes)}, not context_parallel_size={cp}; give sizes whose product "
-            "is the context-parallel size"
-        )
     world_size = dist.get_world_size()
-    if world_size % (tp * pp * cp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}"
-        )
-    if world_size % (etp * ep * pp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
-            f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) = {etp * ep * pp}"
-        )
-    if virtual_pipeline_model_parallel_size is not None:
-        if pp < 2:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
-                f"pipeline_model_parallel_size > 1 (got {pp})"
-            )
-        if virtual_pipeline_model_parallel_size < 1:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pipeline_model_parallel_size}"
-            )
+    dp, expert_dp = check_layout(
+        world_size,
+        tp,
+        pp,
+        cp,
+        ep,
+        etp,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
     if ProcessGroupCollection._default is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
 
-    dp = world_size // (tp * pp * cp)
-    expert_dp = world_size // (etp * ep * pp)
     # The dense layout has no ep axis and the expert one no cp axis; between them they validate every token.
     decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order)
@@ -418,6 +391,70 @@ def initialize_model_parallel(
     if virtual_pipeline_model_parallel_size is not None:
         _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
         _VIRTUAL_PIPELINE_RANK = 0
+
+
+def check_layout(
+    world_size: Optional[int],
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    *,
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    name: Callable[[str], str] = str,
+) -> Optional[Tuple[int, int]]:
+    """Check a parallel layout before any group exists; return (data-parallel size, expert data-parallel size), or
+    None without a ``world_size``.
+
+    The one layout check: initialize_model_parallel, ModelParallelConfig and the training arguments all call it.
+    Every size must be a positive integer; ``world_size`` (skipped when None, e.g. for a config that does not know
+    it) must be divisible by tp x pp x cp (the dense layout) and by etp x ep x pp (the expert layout; ``etp``
+    defaults to ``tp``). ``name`` turns a field name such as ``tensor_model_parallel_size`` into what the caller's
+    user typed (a command-line flag), so each message names the setting, its value and the fix.
+    """
+    etp = tp if etp is None else etp
+    for field, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
+    if hierarchical_context_parallel_sizes and prod(hierarchical_context_parallel_sizes) != cp:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes={list(hierarchical_context_parallel_sizes)} multiply to "
+            f"{prod(hierarchical_context_parallel_sizes)}, not context_parallel_size={cp}; give sizes whose product "
+            "is the context-parallel size"
+        )
+    model_parallel, expert_parallel = tp * pp * cp, etp * ep * pp
+    if world_size is not None and world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by {name('tensor_model_parallel_size')} ({tp}) x "
+            f"{name('pipeline_model_parallel_size')} ({pp}) x {name('context_parallel_size')} ({cp}) = "
+            f"{model_parallel}; launch a multiple of {model_parallel} processes or change the parallel sizes"
+        )
+    if world_size is not None and world_size % expert_parallel != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by {name('expert_tensor_parallel_size')} ({etp}) x "
+            f"{name('expert_model_parallel_size')} ({ep}) x {name('pipeline_model_parallel_size')} ({pp}) = "
+            f"{expert_parallel}; launch a multiple of that many processes or change the expert parallel sizes"
+        )
+    vpp = virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        if pp < 2:
+            raise ValueError(
+                f"{name('virtual_pipeline_model_parallel_size')}={vpp} needs "
+                f"{name('pipeline_model_parallel_size')} > 1 (got {pp})"
+            )
+        if vpp < 1:
+            raise ValueError(f"{name('virtual_pipeline_model_parallel_size')} must be >= 1, got {vpp}")
+    if world_size is None:
+        return None
+    return world_size // model_parallel, world_size // expert_parallel
 
 
 def _refuse_unsupported_layouts(**requested) -> None:
