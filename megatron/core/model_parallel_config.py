@@ -6,7 +6,7 @@ from typing import Callable, ContextManager, List, Optional
 import torch
 
 from megatron.core.not_supported_yet import refuse_features_not_supported_yet
-from megatron.core.parallel_state import check_layout
+from megatron.core.rank_generator import check_layout
 from megatron.core.utils import warn_once
 
 

@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.parallel_state import check_layout
+from megatron.core.rank_generator import check_layout
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
