@@ -17,7 +17,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.transformer.context_parallel.batch import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import (
     core_gpt_dataset_config_from_args,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.utils import chunks_of_cp_rank
+from megatron.core.transformer.context_parallel.batch import chunks_of_cp_rank
 
 # The package re-exports the function ring_attention under the module's name, so fetch the module itself.
 ring_module = importlib.import_module("megatron.core.transformer.context_parallel.ring_attention")

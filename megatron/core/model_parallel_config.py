@@ -6,6 +6,7 @@ from typing import Callable, ContextManager, List, Optional
 import torch
 
 from megatron.core.not_supported_yet import refuse_features_not_supported_yet
+from megatron.core.rank_generator import check_layout
 from megatron.core.utils import warn_once
 
 
@@ -198,15 +199,15 @@ class ModelParallelConfig:
 
 
 def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
-    ):
-        value = getattr(config, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    # The world size is not known here: only the sizes themselves are checked. expert_tensor_parallel_size is left
+    # out, as it may still be None (derived from tensor_model_parallel_size afterwards).
+    check_layout(
+        None,
+        tp=config.tensor_model_parallel_size,
+        pp=config.pipeline_model_parallel_size,
+        cp=config.context_parallel_size,
+        ep=config.expert_model_parallel_size,
+    )
     if config.sequence_parallel and config.tensor_model_parallel_size == 1:
         raise ValueError(
             "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1); "

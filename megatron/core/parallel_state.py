@@ -5,26 +5,40 @@ Ranks are laid out as a mixed-radix number over the ``order`` string, first toke
 Expert groups come from a second layout over (expert-TP, EP, expert-DP, PP) in the same token order, as Megatron does.
 
 This module is a façade: the groups live in one :class:`ProcessGroupCollection` plus the global rank lists of this
-rank's groups. Modules should take a ``pg_collection`` and fall back to these globals.
+rank's groups. Modules should take a ``pg_collection`` and fall back to these globals. The layout arithmetic
+(:class:`RankGenerator`, :func:`check_layout`) is in :mod:`megatron.core.rank_generator` and the group-making helpers
+in :mod:`megatron.core.group_creation`.
 """
 
 import logging
 from datetime import timedelta
-from math import prod
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch.distributed as dist
 
+# Group making and rank arithmetic live in their own modules; Megatron's names stay importable from here.
+from megatron.core.group_creation import (  # noqa: F401
+    create_group,
+    create_hierarchical_groups,
+    forget_created_groups,
+    get_nccl_options,
+    overwrite_nccl_comm_cfgs,
+    read_nccl_comm_cfgs,
+    update_pg_timeout,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import GlobalMemoryBuffer, synchronize_device
+from megatron.core.rank_generator import (  # noqa: F401
+    RankGenerator,
+    _check_expert_layout_matches_pipeline,
+    check_layout,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+    generate_masked_orthogonal_rank_groups,
+)
+from megatron.core.utils import GlobalMemoryBuffer, get_pg_rank
 
-logger = logging.getLogger(__name__)
-
-_TOKENS = ("tp", "cp", "ep", "dp", "pp")
-
-# Everything initialize_model_parallel creates; reset by destroy_model_parallel.
-_GROUPS: Optional[ProcessGroupCollection] = None
+# Everything initialize_model_parallel creates; reset by destroy_model_parallel. The collection itself is kept in
+# ProcessGroupCollection._default, where use_mpu_process_groups reads it.
 _GLOO_DP_GROUPS: Dict[str, dist.ProcessGroup] = {}
 # Groups that are not fields of ProcessGroupCollection (tensor x data without context parallelism).
 _OTHER_GROUPS: Dict[str, dist.ProcessGroup] = {}
@@ -34,208 +48,6 @@ _VIRTUAL_PIPELINE_RANK: Optional[int] = None
 # Test hooks, as in Megatron: when set, these replace what the groups report.
 _OVERRIDES: Dict[str, int] = {}
 _GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
-# The groups this rank belongs to, for update_pg_timeout; None stands for the default (world) group.
-_global_process_group_list: Optional[List[Optional[dist.ProcessGroup]]] = None
-
-
-class RankGenerator:
-    """Enumerates rank groups for a parallel layout.
-
-    ``get_ranks("tp-pp")`` returns every group of ranks that differ only in their tp and pp coordinates, each group
-    listed with the first named token varying fastest, groups ordered with the remaining tokens' first one fastest.
-    ``rank_offset`` shifts every rank (a layout laid over ranks ``rank_offset ..``); ``gtp_remat`` is Megatron's
-    experimental GTP weight-rematerialisation axis, of which only the trivial size 1 is supported.
-    """
-
-    def __init__(
-        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0, gtp_remat: int = 1
-    ) -> None:
-        if gtp_remat != 1:
-            raise ValueError(
-                f"not supported yet: GTP weight rematerialisation (gtp_remat={gtp_remat}); use gtp_remat=1"
-            )
-        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
-        self.rank_offset = rank_offset
-        self.sizes_by_token = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
-        self.order = "-".join(_parse_order(order, self.sizes_by_token))
-        self.ordered_size = [self.sizes_by_token[name] for name in self.order.split("-")]
-        self.world_size = prod(self.ordered_size)
-
-    def get_mask(self, order: str, token: str) -> List[bool]:
-        """One flag per token of ``order``: True for the tokens named in ``token`` (e.g. ``'tp-dp'``)."""
-        ordered = order.split("-")
-        wanted = token.split("-")
-        for name in wanted:
-            if name not in ordered:
-                raise ValueError(f"unknown parallelism token {name!r} in {token!r}; expected tokens from {ordered}")
-        return [name in wanted for name in ordered]
-
-    def get_ranks(self, token) -> List[List[int]]:
-        mask = self.get_mask(self.order, token)
-        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
-        return [[rank + self.rank_offset for rank in group] for group in groups]
-
-
-def generate_masked_orthogonal_rank_groups(
-    world_size: int, parallel_size: List[int], mask: List[bool]
-) -> List[List[int]]:
-    """Rank groups of a mixed-radix layout: ranks that differ only in the masked coordinates form a group.
-
-    ``parallel_size`` lists the size of every axis, first (fastest-varying) first, so
-    ``rank = sum(coord[i] * prod(parallel_size[:i]))``. Inside a group the masked coordinates count up with the first
-    masked axis fastest; groups are ordered the same way by the unmasked coordinates.
-    """
-    if prod(parallel_size) != world_size:
-        raise ValueError(
-            f"parallel sizes {parallel_size} multiply to {prod(parallel_size)}, not world size {world_size}"
-        )
-    if len(mask) != len(parallel_size):
-        raise ValueError(f"mask {mask} needs one entry per parallel size {parallel_size}")
-    # Reversed shape puts the first (fastest) axis last in a C-ordered array.
-    ranks = np.arange(world_size).reshape(list(reversed(parallel_size)))
-    axis_of = [len(parallel_size) - 1 - i for i in range(len(parallel_size))]
-    outer = [axis_of[i] for i in reversed(range(len(mask))) if not mask[i]]
-    inner = [axis_of[i] for i in reversed(range(len(mask))) if mask[i]]
-    group_size = prod(size for size, masked in zip(parallel_size, mask) if masked)
-    return ranks.transpose(outer + inner).reshape(-1, group_size).tolist()
-
-
-def create_group(
-    ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None
-):
-    """``torch.distributed.new_group`` that also records the group (when this rank is in it) for update_pg_timeout.
-
-    Every rank must call it for every group, member or not, unless ``use_local_synchronization`` is set.
-    """
-    global _global_process_group_list
-    group = dist.new_group(
-        ranks=ranks,
-        timeout=timeout,
-        backend=backend,
-        pg_options=pg_options,
-        use_local_synchronization=use_local_synchronization,
-        group_desc=group_desc,
-    )
-    if _global_process_group_list is None:
-        _global_process_group_list = [None]
-    if ranks is None or dist.get_rank() in ranks:
-        _global_process_group_list.append(group)
-    return group
-
-
-def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None):
-    """Change the collective timeout of ``pg``, or of every group this rank created through create_group (and the
-    default group) when ``pg`` is None.
-
-    All members synchronise first, so no rank changes the timeout under a collective another rank is still in.
-    """
-    dist.barrier(group=pg)
-    synchronize_device()
-    targets = [pg] if pg is not None else (_global_process_group_list or [None])
-    for group in targets:
-        try:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
-        except Exception:
-            logger.error("failed to set timeout %s on process group %s", timeout, group)
-            raise
-
-
-def create_hierarchical_groups(
-    rank,
-    ranks,
-    hierarchical_group_sizes,
-    create_gloo_process_groups=False,
-    pg_options=None,
-    timeout=None,
-    group_desc=None,
-):
-    """Split ``ranks`` into nested levels of sub-groups; return this rank's group at each level (and gloo twins).
-
-    With ``hierarchical_group_sizes = [a, b, c]`` (product = len(ranks)) level 0 groups ``a`` consecutive ranks,
-    level 1 groups ``b`` ranks ``a`` apart, level 2 groups ``c`` ranks ``a*b`` apart: ``ranks`` read as a
-    mixed-radix number with the level-0 digit fastest. ``pg_options`` may be one value or one per level.
-    """
-    if prod(hierarchical_group_sizes) != len(ranks):
-        raise ValueError(
-            f"hierarchical_group_sizes {hierarchical_group_sizes} multiply to {prod(hierarchical_group_sizes)}, "
-            f"not the {len(ranks)} ranks given"
-        )
-    levels = len(hierarchical_group_sizes)
-    options = pg_options if isinstance(pg_options, list) else [pg_options] * levels
-    groups, gloo_groups = [], []
-    for level in range(levels):
-        mask = [i == level for i in range(levels)]
-        for positions in generate_masked_orthogonal_rank_groups(len(ranks), list(hierarchical_group_sizes), mask):
-            sub_ranks = [ranks[p] for p in positions]
-            group = create_group(
-                sub_ranks, timeout=timeout, pg_options=options[level], group_desc=f"HIERARCHICAL_{group_desc}_L{level}"
-            )
-            gloo_group = None
-            if create_gloo_process_groups:
-                gloo_group = create_group(
-                    sub_ranks, timeout=timeout, backend="gloo", group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}"
-                )
-            if rank in sub_ranks:
-                groups.append(group)
-                gloo_groups.append(gloo_group)
-    return groups, gloo_groups
-
-
-def get_nccl_options(pg_name, nccl_comm_cfgs):
-    """NCCL options for group ``pg_name`` from a parsed ``nccl_communicator_config_path`` file (None if not listed).
-
-    Recognised keys: ``is_high_priority_stream``, ``cga_cluster_size``, ``max_ctas``, ``min_ctas``, ``net_name``
-    (``IB`` or ``socket``); NCCL's defaults apply to the rest.
-    """
-    if pg_name not in nccl_comm_cfgs:
-        return None
-    cfg = nccl_comm_cfgs[pg_name]
-    net_name = cfg.get("net_name")
-    if net_name is not None and net_name.lower() not in ("ib", "socket"):
-        raise ValueError(f"net_name ({net_name}) for process group {pg_name!r} is not supported; use 'IB' or 'socket'")
-    if not hasattr(dist, "ProcessGroupNCCL"):
-        raise RuntimeError(
-            f"NCCL options were given for process group {pg_name!r} but this PyTorch build has no NCCL backend"
-        )
-    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=cfg.get("is_high_priority_stream", False))
-    for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
-        if key in cfg:
-            setattr(options.config, key, cfg[key])
-    return options
-
-
-def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
-    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)``, adding the group if new."""
-    key, value = key_value_pair
-    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
-
-
-def _parse_order(order: str, sizes_by_token: Dict[str, int]) -> List[str]:
-    tokens = order.lower().split("-")
-    for token in tokens:
-        if token not in _TOKENS:
-            raise ValueError(f"unknown token {token!r} in order {order!r}; valid tokens are {', '.join(_TOKENS)}")
-    duplicated = sorted({t for t in tokens if tokens.count(t) > 1})
-    if duplicated:
-        raise ValueError(f"order {order!r} names {duplicated} more than once")
-    for token in _TOKENS:
-        if token not in tokens:
-            if sizes_by_token[token] != 1:
-                raise ValueError(
-                    f"order {order!r} omits {token!r} but its size is {sizes_by_token[token]}; add it to the order"
-                )
-            tokens.append(token)
-    return tokens
-
-
-def default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
-    """The word embedding lives on the first and last pipeline stages (they share it when tied)."""
-    return [pp_ranks[0], pp_ranks[-1]] if len(pp_ranks) > 1 else [pp_ranks[0]]
-
-
-def default_position_embedding_ranks(pp_ranks: List[int]) -> List[int]:
-    """Learned position embeddings live on the first pipeline stage only."""
-    return [pp_ranks[0]]
 
 
 def initialize_model_parallel(
@@ -274,7 +86,7 @@ def initialize_model_parallel(
     ``local_world_size``) are not supported
     yet and are refused with a ValueError before any group is created.
     """
-    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    global _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group "
@@ -295,56 +107,48 @@ def initialize_model_parallel(
         expert_model_parallel_size,
     )
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    for name, value in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("context_parallel_size", cp),
-        ("expert_model_parallel_size", ep),
-        ("expert_tensor_parallel_size", etp),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if hierarchical_context_parallel_sizes and prod(hierarchical_context_parallel_sizes) != cp:
-        raise ValueError(
-            f"hierarchical_context_parallel_sizes={list(hierarchical_context_parallel_sizes)} multiply to "
-            f"{prod(hierarchical_context_parallel_sizes)}, not context_parallel_size={cp}; give sizes whose product "
-            "is the context-parallel size"
-        )
     world_size = dist.get_world_size()
-    if world_size % (tp * pp * cp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}"
-        )
-    if world_size % (etp * ep * pp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
-            f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) = {etp * ep * pp}"
-        )
-    if virtual_pipeline_model_parallel_size is not None:
-        if pp < 2:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
-                f"pipeline_model_parallel_size > 1 (got {pp})"
-            )
-        if virtual_pipeline_model_parallel_size < 1:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pipeline_model_parallel_size}"
-            )
-    if _GROUPS is not None:
+    dp, expert_dp = check_layout(
+        world_size,
+        tp,
+        pp,
+        cp,
+        ep,
+        etp,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
+    if ProcessGroupCollection._default is not None:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
 
-    dp = world_size // (tp * pp * cp)
-    expert_dp = world_size // (etp * ep * pp)
     # The dense layout has no ep axis and the expert one no cp axis; between them they validate every token.
     decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order)
     _check_expert_layout_matches_pipeline(order, pp, dp, expert_dp, decoder.get_ranks("pp"), expert.get_ranks("pp"))
 
     timeout = timedelta(minutes=distributed_timeout_minutes)
-    rank = dist.get_rank()
+    create = _group_creator(timeout, read_nccl_comm_cfgs(nccl_communicator_config_path))
     use_gloo_dp = create_gloo_process_groups and dist.get_backend() != "gloo"
-    nccl_comm_cfgs = _read_nccl_comm_cfgs(nccl_communicator_config_path)
+    # Group creation is collective: every rank creates every group, in this order.
+    groups = ProcessGroupCollection()
+    _create_dense_groups(groups, create, decoder, use_gloo_dp)
+    _create_embedding_groups(groups, create, decoder, get_embedding_ranks, get_position_embedding_ranks)
+    _create_expert_groups(groups, create, expert, use_gloo_dp)
+    _set_groups_of_features_off(groups, create, world_size)
+    if hierarchical_context_parallel_sizes:
+        groups.hcp = _create_hierarchical_cp_groups(decoder, hierarchical_context_parallel_sizes, timeout)
+
+    ProcessGroupCollection._default = groups
+    _set_global_memory_buffer()
+    if virtual_pipeline_model_parallel_size is not None:
+        _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+        _VIRTUAL_PIPELINE_RANK = 0
+
+
+def _group_creator(timeout: timedelta, nccl_comm_cfgs: dict) -> Callable[..., Optional[dist.ProcessGroup]]:
+    """``create(name, rank_lists, gloo_twin=False)``: create one group per rank list and return this rank's (None
+    when it is in none), recording its ranks (and its gloo twin) under ``name``."""
+    rank = dist.get_rank()
 
     def create(name: str, rank_lists: List[List[int]], gloo_twin: bool = False) -> Optional[dist.ProcessGroup]:
         mine = None
@@ -361,7 +165,10 @@ def initialize_model_parallel(
                     _GLOO_DP_GROUPS[name] = gloo_group
         return mine
 
-    groups = ProcessGroupCollection()
+    return create
+
+
+def _create_dense_groups(groups: ProcessGroupCollection, create, decoder: RankGenerator, use_gloo_dp: bool) -> None:
     groups.dp = create("dp", decoder.get_ranks("dp"), gloo_twin=use_gloo_dp)
     groups.dp_cp = create("dp_cp", decoder.get_ranks("dp-cp"), gloo_twin=use_gloo_dp)
     groups.cp = create("cp", decoder.get_ranks("cp"))
@@ -372,6 +179,10 @@ def initialize_model_parallel(
     _OTHER_GROUPS["tp_dp"] = create("tp_dp", decoder.get_ranks("tp-dp"))
     groups.tp_dp_cp = create("tp_dp_cp", decoder.get_ranks("tp-cp-dp"))
 
+
+def _create_embedding_groups(
+    groups: ProcessGroupCollection, create, decoder: RankGenerator, get_embedding_ranks, get_position_embedding_ranks
+) -> None:
     embedding_ranks_of = get_embedding_ranks or default_embedding_ranks
     position_ranks_of = get_position_embedding_ranks or default_position_embedding_ranks
     pp_rank_lists = decoder.get_ranks("pp")
@@ -382,12 +193,17 @@ def initialize_model_parallel(
     _GROUP_RANKS["embd"] = embedding_ranks_of(_GROUP_RANKS["pp"])
     _GROUP_RANKS["pos_embd"] = position_ranks_of(_GROUP_RANKS["pp"])
 
+
+def _create_expert_groups(groups: ProcessGroupCollection, create, expert: RankGenerator, use_gloo_dp: bool) -> None:
     groups.expt_tp = create("expt_tp", expert.get_ranks("tp"))
     groups.ep = create("ep", expert.get_ranks("ep"))
     groups.tp_ep = create("tp_ep", expert.get_ranks("tp-ep"))
     groups.tp_ep_pp = create("tp_ep_pp", expert.get_ranks("tp-ep-pp"))
     groups.expt_dp = create("expt_dp", expert.get_ranks("dp"), gloo_twin=use_gloo_dp)
 
+
+def _set_groups_of_features_off(groups: ProcessGroupCollection, create, world_size: int) -> None:
+    """The groups of features this layout does not use, as Megatron has them when those features are off."""
     # One distributed-optimizer instance: the partial data-parallel groups are the whole ones, the instance is the
     # whole world, and there is no group across instances.
     groups.intra_dp_cp = groups.dp_cp
@@ -402,22 +218,20 @@ def initialize_model_parallel(
     groups.gtp_remat = None
     groups.expt_gtp_remat = None
     groups.hcp = None
-    if hierarchical_context_parallel_sizes:
-        # One set of per-level groups inside every CP group (group creation is collective: all ranks, same order).
-        for cp_ranks in decoder.get_ranks("cp"):
-            levels, _ = create_hierarchical_groups(
-                rank, cp_ranks, hierarchical_context_parallel_sizes, timeout=timeout, group_desc="CONTEXT_PARALLEL"
-            )
-            if rank in cp_ranks:
-                groups.hcp = levels
     groups.dp_cp_ag = None
     groups.expt_dp_ag = None
 
-    _GROUPS = groups
-    _set_global_memory_buffer()
-    if virtual_pipeline_model_parallel_size is not None:
-        _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
-        _VIRTUAL_PIPELINE_RANK = 0
+
+def _create_hierarchical_cp_groups(
+    decoder: RankGenerator, sizes: List[int], timeout: timedelta
+) -> Optional[List[dist.ProcessGroup]]:
+    """One set of per-level groups inside every CP group; this rank's levels."""
+    rank, mine = dist.get_rank(), None
+    for cp_ranks in decoder.get_ranks("cp"):
+        levels, _ = create_hierarchical_groups(rank, cp_ranks, sizes, timeout=timeout, group_desc="CONTEXT_PARALLEL")
+        if rank in cp_ranks:
+            mine = levels
+    return mine
 
 
 def _refuse_unsupported_layouts(**requested) -> None:
@@ -443,24 +257,6 @@ def _refuse_unsupported_layouts(**requested) -> None:
             continue
         if value != defaults[name]:
             raise ValueError(f"not supported yet: {features[name]} ({name}={value!r}); leave it at {defaults[name]!r}")
-
-
-def _read_nccl_comm_cfgs(path: Optional[str]) -> dict:
-    """Per-group NCCL options from Megatron's YAML file (``{group name: {option: value}}``)."""
-    if path is None:
-        return {}
-    import yaml
-
-    try:
-        with open(path) as f:
-            cfgs = yaml.safe_load(f) or {}
-    except OSError as error:
-        raise ValueError(f"nccl_communicator_config_path={path!r} cannot be read: {error}") from error
-    if not isinstance(cfgs, dict) or not all(isinstance(v, dict) for v in cfgs.values()):
-        raise ValueError(
-            f"nccl_communicator_config_path={path!r} must map process group names to option dicts, got {cfgs!r}"
-        )
-    return cfgs
 
 
 def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_comm_cfgs=None):
@@ -490,41 +286,22 @@ def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_co
     return mine
 
 
-def _check_expert_layout_matches_pipeline(
-    order: str, pp: int, dp: int, expert_dp: int, dense_pp_groups: List[List[int]], expert_pp_groups: List[List[int]]
-) -> None:
-    """Attention and MoE layers of one stage must live on the same ranks: both layouts need the same pipelines."""
-    if pp > 1 and not order.endswith("pp") and expert_dp != dp:
-        raise ValueError(
-            f"order {order!r} does not end with 'pp', so the expert data-parallel size ({expert_dp}) must equal the "
-            f"data-parallel size ({dp}) when pipeline_model_parallel_size is {pp}; put 'pp' last in the order or "
-            "make expert_tensor_parallel_size x expert_model_parallel_size equal "
-            "tensor_model_parallel_size x context_parallel_size"
-        )
-    if dense_pp_groups != expert_pp_groups:
-        raise ValueError(
-            f"order {order!r} gives the expert layers pipeline groups {expert_pp_groups} but the dense layers "
-            f"{dense_pp_groups}; the stages must match, so put 'pp' last in the order or place the tokens before "
-            "'pp' so that both layouts have the same product of sizes there"
-        )
-
-
 def destroy_model_parallel() -> None:
     """Forget every group this module created, so ``initialize_model_parallel`` can run again."""
-    global _GROUPS, _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK, _global_process_group_list
-    _GROUPS = None
+    global _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
+    ProcessGroupCollection._default = None
     _GLOO_DP_GROUPS.clear()
     _OTHER_GROUPS.clear()
     _GROUP_RANKS.clear()
     _OVERRIDES.clear()
     destroy_global_memory_buffer()
-    _global_process_group_list = None
+    forget_created_groups()
     _VIRTUAL_PIPELINE_WORLD_SIZE = None
     _VIRTUAL_PIPELINE_RANK = None
 
 
 def model_parallel_is_initialized() -> bool:
-    return _GROUPS is not None
+    return ProcessGroupCollection._default is not None
 
 
 is_initialized = model_parallel_is_initialized
@@ -532,7 +309,7 @@ is_initialized = model_parallel_is_initialized
 
 def is_unitialized() -> bool:
     """Megatron's (misspelt) name: True when the groups have not been created."""
-    return _GROUPS is None
+    return ProcessGroupCollection._default is None
 
 
 def get_process_group_collection() -> ProcessGroupCollection:
@@ -541,9 +318,9 @@ def get_process_group_collection() -> ProcessGroupCollection:
 
 
 def _groups() -> ProcessGroupCollection:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         raise RuntimeError("model parallel groups are not initialized; call initialize_model_parallel() first")
-    return _GROUPS
+    return ProcessGroupCollection._default
 
 
 # Groups that exist only for features this layout did not ask for; asking for one with check_initialized is an
@@ -553,24 +330,24 @@ _ONLY_WHEN_ASKED_FOR = {"hcp", "inter_dist_opt", "gtp_remat", "expt_gtp_remat", 
 
 def _group(name: str, check_initialized: bool = True) -> Optional[dist.ProcessGroup]:
     """This rank's group ``name``; with ``check_initialized`` a group that does not exist is an error."""
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         if check_initialized:
             _groups()
         return None
-    group = _OTHER_GROUPS[name] if name in _OTHER_GROUPS else getattr(_GROUPS, name)
+    group = _OTHER_GROUPS[name] if name in _OTHER_GROUPS else getattr(ProcessGroupCollection._default, name)
     if group is None and check_initialized and name in _ONLY_WHEN_ASKED_FOR:
         raise RuntimeError(f"process group {name!r} was not created by initialize_model_parallel for this layout")
     return group
 
 
 def _world_size(name: str) -> int:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         return 1  # Megatron's layers are usable without groups as TP=1 modules.
     return dist.get_world_size(_group(name))
 
 
 def _rank(name: str) -> int:
-    if _GROUPS is None:
+    if ProcessGroupCollection._default is None:
         return 0
     return dist.get_rank(_group(name))
 
@@ -618,7 +395,7 @@ def get_context_parallel_group(check_initialized: bool = True):
 
 
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> List[int]:
-    return list(_GROUP_RANKS["cp"]) if _GROUPS is not None else [0]
+    return list(_GROUP_RANKS["cp"]) if ProcessGroupCollection._default is not None else [0]
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True):
@@ -688,6 +465,27 @@ def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
     return _GLOO_DP_GROUPS.get("expt_dp") or get_expert_data_parallel_group(
         partial_expert_data_parallel=partial_expert_data_parallel
     )
+
+
+# ---- the group-or-default resolver -----------------------------------------------------------------------------
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``tp_group`` when given, else this rank's (expert) tensor-parallel group: the one "group or default" rule.
+
+    With ``check_initialized=False`` the answer is None when no model-parallel groups exist; the tensor-parallel
+    layers treat that None as a one-rank group, so they also work as plain single-process modules.
+    """
+    if tp_group is not None:
+        return tp_group
+    if is_expert:
+        return get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def tp_group_or_default(pg_collection: Optional[ProcessGroupCollection]) -> dist.ProcessGroup:
+    """The tensor-parallel group of ``pg_collection``, or the global one when it is None or has no tp group."""
+    return get_tensor_model_parallel_group_if_none(getattr(pg_collection, "tp", None))
 
 
 # ---- sizes and ranks -------------------------------------------------------------------------------------------
@@ -952,3 +750,21 @@ def get_all_ranks() -> str:
         get_expert_model_parallel_rank(),
     ]
     return "_".join(str(rank or 0) for rank in ranks)
+
+
+def log_on_each_pipeline_stage(
+    logger: logging.Logger,
+    *args: Any,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    dp_cp_group: Optional[dist.ProcessGroup] = None,
+    **kwargs: Any,
+):
+    """``logger.log(*args, **kwargs)`` on one rank per pipeline stage: tensor-parallel rank 0 of data x context rank 0.
+
+    The groups default to this module's.
+    """
+    if dist.is_initialized() and model_parallel_is_initialized():
+        tp_group = tp_group or get_tensor_model_parallel_group()
+        dp_cp_group = dp_cp_group or get_data_parallel_group(with_context_parallel=True)
+    if get_pg_rank(tp_group) == 0 and get_pg_rank(dp_cp_group) == 0:
+        logger.log(*args, **kwargs)

@@ -1,18 +1,30 @@
 """ProcessGroupCollection: the process groups a module needs, passed explicitly.
 
 Modules take ``pg_collection=None`` and fall back to :meth:`ProcessGroupCollection.use_mpu_process_groups`, which
-reads the groups that :func:`megatron.core.parallel_state.initialize_model_parallel` created. Passing a collection
-explicitly lets one process hold several models with different layouts (and keeps model code free of globals).
+reads the groups that :func:`megatron.core.parallel_state.initialize_model_parallel` created and stored in
+``ProcessGroupCollection._default``. Passing a collection explicitly lets one process hold several models with
+different layouts (and keeps model code free of globals).
 
 As in Megatron, a collection holds only the groups it was given: a group that was never set is absent
 (``hasattr(pgs, "cp")`` is False), while a group set to ``None`` is present and empty. Code that accepts partial
 collections tests with ``hasattr`` or ``getattr(pgs, name, None)``.
 """
 
+import importlib
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional
 
 import torch.distributed as dist
+
+# Names that moved to a module above this one; looked up there on first use (PEP 562), so this module imports
+# nothing of ours.
+_MOVED = {"tp_group_or_default": "megatron.core.parallel_state"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ProcessGroupHelperMeta(type):
@@ -73,6 +85,10 @@ class ProcessGroupCollection:
     inter_dist_opt: dist.ProcessGroup = field(init=False)
     intra_dist_opt: dist.ProcessGroup = field(init=False)
 
+    # The collection parallel_state.initialize_model_parallel built (None before it and after
+    # destroy_model_parallel). It lives here, not in parallel_state, so this module stays plain data.
+    _default: ClassVar[Optional["ProcessGroupCollection"]] = None
+
     def __init__(self, **groups):
         known = {f.name for f in fields(self)}
         for name, group in groups.items():
@@ -88,14 +104,14 @@ class ProcessGroupCollection:
         the layout does not create (``hcp``, ``inter_dist_opt``, the GTP and all-gather groups when not asked for)
         are present as ``None``.
         """
-        from megatron.core import parallel_state
-
         known = [f.name for f in fields(cls)]
         names = known if required_pgs is None else list(required_pgs)
         unknown = sorted(set(names) - set(known))
         if unknown:
             raise ValueError(f"Invalid process groups requested: {unknown}; known names are {known}")
-        everything = parallel_state.get_process_group_collection()
+        everything = ProcessGroupCollection._default
+        if everything is None:
+            raise RuntimeError("model parallel groups are not initialized; call initialize_model_parallel() first")
         return cls(**{name: getattr(everything, name, None) for name in names})
 
     def __repr__(self) -> str:
@@ -140,13 +156,3 @@ class MultiModuleProcessGroupCollection:
                 f"language_model_module_name={self.language_model_module_name!r} is not one of the modules "
                 f"{sorted(self.module_pgs)}"
             )
-
-
-def tp_group_or_default(pg_collection: Optional[ProcessGroupCollection]) -> dist.ProcessGroup:
-    """The tensor-parallel group of ``pg_collection``, or the global one when it is None or has no tp group."""
-    tp = getattr(pg_collection, "tp", None)
-    if tp is not None:
-        return tp
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group()

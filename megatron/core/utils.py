@@ -6,7 +6,7 @@ CPU (gloo) as well as on NVIDIA GPUs (nccl).
 
 import asyncio
 import functools
-import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -28,6 +28,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _Wrapped = TypeVar("_Wrapped", bound=Callable[..., Any])
+
+# Names that moved to the module owning their concept, which sits above this leaf: Megatron's import path keeps
+# working through a lookup on first use (PEP 562). Code in this repository imports the new home.
+_MOVED = {
+    "get_tensor_model_parallel_group_if_none": "megatron.core.parallel_state",
+    "log_on_each_pipeline_stage": "megatron.core.parallel_state",
+    "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.sharded_state",
+    "make_tp_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.sharded_state",
+    "get_batch_on_this_tp_rank": "megatron.core.tensor_parallel.data",
+    "prepare_input_tensors_for_wgrad_compute": "megatron.core.tensor_parallel.layers",
+    "drain_embedding_wgrad_compute": "megatron.core.tensor_parallel.layers",
+    "chunks_of_cp_rank": "megatron.core.transformer.context_parallel.batch",
+    "get_batch_on_this_cp_rank": "megatron.core.transformer.context_parallel.batch",
+    "check_param_hashes_across_dp_replicas": "megatron.core.distributed.param_hashes",
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cuda_available() -> bool:
@@ -181,21 +202,22 @@ def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
-def _default_wrapper_types() -> tuple:
-    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    return (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel, Float16Module)
-
-
 def unwrap_model(model, module_instances=None):
     """Strip wrapper modules (by default Megatron's DDP, torch's DDP and Float16Module) off a model or a list of
     model chunks, returning the inner module(s)."""
-    wrappers = tuple(module_instances) if module_instances is not None else _default_wrapper_types()
+
+    # Megatron's wrappers say so with a class attribute, so this leaf module need not import the classes.
+    def is_wrapper(chunk) -> bool:
+        if module_instances is not None:
+            return isinstance(chunk, tuple(module_instances))
+        return isinstance(chunk, torch.nn.parallel.DistributedDataParallel) or getattr(
+            type(chunk), "_megatron_model_wrapper", False
+        )
+
     chunks = model if isinstance(model, list) else [model]
     unwrapped = []
     for chunk in chunks:
-        while isinstance(chunk, wrappers):
+        while is_wrapper(chunk):
             chunk = chunk.module
         unwrapped.append(chunk)
     return unwrapped if isinstance(model, list) else unwrapped[0]
@@ -225,7 +247,8 @@ def is_using_quantization_scales(config):
 
 
 def get_pg_size(group=None):
-    """Size of ``group`` (the world when None); 1 when torch.distributed is not initialised."""
+    """Size of ``group``; None is torch.distributed's default group (the world), as in torch. 1 when
+    torch.distributed is not initialised."""
     if not torch.distributed.is_initialized():
         return 1
     return torch.distributed.get_world_size(group)
@@ -245,37 +268,6 @@ def get_pg_src_rank(group=None):
     if group is None:
         return 0
     return torch.distributed.get_process_group_ranks(group)[0]
-
-
-def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
-    """``tp_group``, or parallel_state's (expert) tensor-parallel group when it is None."""
-    if tp_group is not None:
-        return tp_group
-    from megatron.core import parallel_state
-
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
-    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
-
-
-def log_on_each_pipeline_stage(
-    logger: logging.Logger,
-    *args: Any,
-    tp_group: Optional[torch.distributed.ProcessGroup] = None,
-    dp_cp_group: Optional[torch.distributed.ProcessGroup] = None,
-    **kwargs: Any,
-):
-    """``logger.log(*args, **kwargs)`` on one rank per pipeline stage: tensor-parallel rank 0 of data x context rank 0.
-
-    The groups default to parallel_state's.
-    """
-    from megatron.core import parallel_state
-
-    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-        dp_cp_group = dp_cp_group or parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if get_pg_rank(tp_group) == 0 and get_pg_rank(dp_cp_group) == 0:
-        logger.log(*args, **kwargs)
 
 
 # ---- DTensor helpers -------------------------------------------------------------------------------------------
@@ -720,254 +712,6 @@ def local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``dst = src * scale`` for each pair of ``zip(tensor_lists[0], tensor_lists[1])``."""
     for src, dst in zip(tensor_lists[0], tensor_lists[1]):
         dst.copy_(src * scale)
-
-
-# ---- distributed checkpointing helpers -------------------------------------------------------------------------
-
-
-def _tp_and_dp_ranks() -> Tuple[int, int, int]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(with_context_parallel=True),
-    )
-
-
-def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
-    """A ShardedTensor for a tensor that every tensor-parallel rank holds whole (replicated over TP and DP)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    tp_rank, _, dp_rank = _tp_and_dp_ranks()
-    if replica_id is None:
-        replica_id = (0, tp_rank, dp_rank)
-    return ShardedTensor.from_rank_offsets(
-        key, tensor, *prepend_offsets, replica_id=replica_id, prepend_axis_num=len(prepend_offsets), **kwargs
-    )
-
-
-def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
-    """A ShardedTensor for a tensor split over tensor-parallel ranks along ``tp_axis`` (replicated over DP)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    tp_rank, tp_size, dp_rank = _tp_and_dp_ranks()
-    prepend_axis_num = len(prepend_offsets)
-    if replica_id is None:
-        replica_id = (0, 0, dp_rank)
-    return ShardedTensor.from_rank_offsets(
-        key,
-        tensor,
-        *prepend_offsets,
-        (tp_axis + prepend_axis_num, tp_rank, tp_size),
-        replica_id=replica_id,
-        prepend_axis_num=prepend_axis_num,
-        **kwargs,
-    )
-
-
-# ---- batches ---------------------------------------------------------------------------------------------------
-
-
-def chunks_of_cp_rank(tensor: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """CP rank ``cp_rank``'s part of ``tensor`` along ``seq_dim`` in the load-balanced split: the sequence is cut into
-    ``2 * cp_size`` chunks and the rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``, so with causal
-    attention every rank gets the same amount of work."""
-    chunks = tensor.chunk(2 * cp_size, dim=seq_dim)
-    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=seq_dim)
-
-
-def get_batch_on_this_cp_rank(
-    batch: Dict[str, Any],
-    is_hybrid_cp: bool,
-    cp_group: Optional[torch.distributed.ProcessGroup] = None,
-    hybrid_cp_group_func: Optional[Callable[[int], torch.distributed.ProcessGroup]] = None,
-    use_per_sequence_balancing: bool = False,
-):
-    """This context-parallel rank's part of ``batch`` (Megatron's load-balanced "zigzag" split,
-    :func:`chunks_of_cp_rank`). Tensors are split along the sequence dimension (1, or 2 for ``attention_mask``);
-    ``None`` values and packed-sequence metadata (``cu_seqlens*``, ``max_seqlen*``) are
-    left alone. ``cp_group`` defaults to parallel_state's context-parallel group.
-    """
-    if is_hybrid_cp:
-        raise ValueError("not supported yet: hybrid context parallelism (is_hybrid_cp=True)")
-    if use_per_sequence_balancing:
-        raise ValueError("not supported yet: per-sequence CP load balancing (use_per_sequence_balancing=True)")
-    if cp_group is None:
-        from megatron.core import parallel_state
-
-        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-    cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
-    if cp_size == 1:
-        return batch
-    split = {}
-    for key, value in batch.items():
-        if value is None or not isinstance(value, torch.Tensor) or key.startswith(("cu_seqlens", "max_seqlen")):
-            split[key] = value
-            continue
-        seq_dim = 2 if key == "attention_mask" else 1
-        length = value.shape[seq_dim]
-        if length % (2 * cp_size) != 0:
-            raise ValueError(
-                f"batch[{key!r}] has sequence length {length} along dim {seq_dim}, not divisible by "
-                f"2 x context_parallel_size = {2 * cp_size}"
-            )
-        split[key] = chunks_of_cp_rank(value, seq_dim, cp_size, cp_rank)
-    return split
-
-
-def get_batch_on_this_tp_rank(
-    batch: dict[str, torch.Tensor],
-    has_cu_seqlens: bool,
-    is_hybrid_cp: bool,
-    create_attention_mask_in_dataloader: bool,
-    broadcast_src_rank: int,
-    broadcast_group: torch.distributed.ProcessGroup,
-    cp_size: int,
-    tp_rank: int,
-    micro_batch_size: int,
-    seq_length: int,
-    mtp_on_this_rank: bool,
-    pipeline_model_parallel_size: int = 1,
-    is_pipeline_first_stage: bool = False,
-    is_pipeline_last_stage: bool = False,
-):
-    """Give every rank of ``broadcast_group`` the micro-batch that tensor-parallel rank 0 read.
-
-    On ``tp_rank == 0`` ``batch`` holds ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``[mbs, seq]``) and,
-    with ``create_attention_mask_in_dataloader``, ``attention_mask`` (``[mbs, 1, seq, seq]`` bool); the other ranks'
-    ``batch`` is ignored and the tensors are received from global rank ``broadcast_src_rank``. Only what a stage
-    uses is sent: everything without pipeline parallelism; tokens and positions on the first stage; labels and the
-    loss mask on the last (and tokens and positions too where an MTP block runs, ``mtp_on_this_rank``); the mask on
-    both; middle stages get Nones. With ``has_cu_seqlens`` the packed-sequence boundaries ``cu_seqlens`` (int32) and
-    ``max_seqlen`` are sent as well. The broadcast happens before the context-parallel split, so ``cp_size`` does
-    not change what is sent; hybrid context parallelism is not supported yet.
-    """
-    if is_hybrid_cp:
-        raise ValueError("not supported yet: hybrid context parallelism (is_hybrid_cp=True)")
-    device = get_current_device()
-    first = pipeline_model_parallel_size == 1 or is_pipeline_first_stage
-    last = pipeline_model_parallel_size == 1 or is_pipeline_last_stage
-    wanted = set()
-    if first or (last and mtp_on_this_rank):
-        wanted |= {"tokens", "position_ids"}
-    if last:
-        wanted |= {"labels", "loss_mask"}
-    if (first or last) and create_attention_mask_in_dataloader:
-        wanted.add("attention_mask")
-    shapes = {
-        "tokens": ((micro_batch_size, seq_length), torch.int64),
-        "labels": ((micro_batch_size, seq_length), torch.int64),
-        "loss_mask": ((micro_batch_size, seq_length), torch.float32),
-        "position_ids": ((micro_batch_size, seq_length), torch.int64),
-        "attention_mask": ((micro_batch_size, 1, seq_length, seq_length), torch.bool),
-    }
-    is_source = tp_rank == 0
-    result: Dict[str, Optional[torch.Tensor]] = {}
-    for key, (shape, dtype) in shapes.items():
-        if key not in wanted:
-            result[key] = None
-            continue
-        if is_source:
-            tensor = batch[key].to(device=device, dtype=dtype, non_blocking=True).contiguous()
-        else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-        torch.distributed.broadcast(tensor, broadcast_src_rank, group=broadcast_group)
-        result[key] = tensor
-    if has_cu_seqlens:
-        length = torch.tensor([batch["cu_seqlens"].numel() if is_source else 0], dtype=torch.int64, device=device)
-        torch.distributed.broadcast(length, broadcast_src_rank, group=broadcast_group)
-        if is_source:
-            cu_seqlens = batch["cu_seqlens"].to(device=device, dtype=torch.int32).reshape(-1).contiguous()
-            max_seqlen = torch.as_tensor(batch["max_seqlen"], dtype=torch.int32, device=device).reshape(1)
-        else:
-            cu_seqlens = torch.empty(int(length.item()), dtype=torch.int32, device=device)
-            max_seqlen = torch.empty(1, dtype=torch.int32, device=device)
-        torch.distributed.broadcast(cu_seqlens, broadcast_src_rank, group=broadcast_group)
-        torch.distributed.broadcast(max_seqlen, broadcast_src_rank, group=broadcast_group)
-        result["cu_seqlens"] = cu_seqlens
-        result["max_seqlen"] = max_seqlen
-    return result
-
-
-def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
-    """Flatten ``[s, b, h]`` gradients and inputs to 2-D ``[s*b, h]`` for the weight-gradient GEMM."""
-    grad_output = grad_output.contiguous()
-    grad_output = grad_output.view(-1, grad_output.shape[-1])
-    all_gathered_input = all_gathered_input.contiguous()
-    all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[-1])
-    return grad_output, all_gathered_input
-
-
-def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
-    """Compute the output-layer weight gradients that ``defer_embedding_wgrad_compute`` postponed, and empty the
-    buffers.
-
-    Each buffered input is gathered over ``tp_group`` first when sequence parallelism split it; the gradient is
-    accumulated into ``weight.main_grad`` with gradient-accumulation fusion, else into ``weight.grad``.
-    """
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-    while embedding_activation_buffer:
-        activation = embedding_activation_buffer.pop(0)
-        grad_output = grad_output_buffer.pop(0)
-        if config.sequence_parallel:
-            activation = gather_from_sequence_parallel_region(
-                activation, tensor_parallel_output_grad=False, group=tp_group
-            )
-        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
-        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
-        if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
-        elif weight.grad is None:
-            weight.grad = grad_weight.to(weight.dtype)
-        else:
-            weight.grad.add_(grad_weight.to(weight.grad.dtype))
-    grad_output_buffer.clear()
-
-
-# ---- diagnostics -----------------------------------------------------------------------------------------------
-
-
-def _tensor_hash(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
-
-
-def check_param_hashes_across_dp_replicas(model: List[torch.nn.Module], cross_check: bool = False) -> bool:
-    """Whether every parameter is bit-identical on all the data-parallel replicas that should hold it.
-
-    Dense parameters are compared over the data-parallel group, expert parameters (``allreduce=False``) over the
-    expert data-parallel group; mismatches are logged by name. With ``cross_check`` the hashes are compared across
-    all ranks of those groups at once (every replica against every other, not only against DP rank 0).
-    """
-    from megatron.core import parallel_state
-
-    groups = {
-        True: parallel_state.get_data_parallel_group(),
-        False: parallel_state.get_expert_data_parallel_group(),
-    }
-    local = {True: [], False: []}
-    for chunk_index, chunk in enumerate(model):
-        for name, param in chunk.named_parameters():
-            local[getattr(param, "allreduce", True)].append((f"{chunk_index}.{name}", _tensor_hash(param.data)))
-    all_match = True
-    for dense, params in local.items():
-        group = groups[dense]
-        size = get_pg_size(group)
-        if size == 1 or not params:
-            continue
-        hashes = torch.tensor([h for _, h in params], dtype=torch.int64, device=get_current_device())
-        gathered = [torch.empty_like(hashes) for _ in range(size)]
-        torch.distributed.all_gather(gathered, hashes, group=group)
-        stacked = torch.stack(gathered).cpu()
-        reference = stacked if cross_check else stacked[:1]
-        for i, (name, _) in enumerate(params):
-            column = stacked[:, i]
-            if not bool((column.unsqueeze(0) == reference[:, i].unsqueeze(1)).all()):
-                all_match = False
-                logger.error("parameter %s differs across data-parallel replicas: hashes %s", name, column.tolist())
-    return all_match
 
 
 def get_asyncio_loop(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.AbstractEventLoop:

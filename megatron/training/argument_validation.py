@@ -18,6 +18,7 @@ import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.rank_generator import check_layout
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
@@ -242,14 +243,8 @@ def _check_integer_ranges(args) -> None:
 
 def _validate_parallel_layout(args) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    model_parallel_size = tp * pp * cp
-    if args.world_size % model_parallel_size != 0:
-        raise ValueError(
-            f"world size ({args.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model_parallel_size}; "
-            f"launch a multiple of {model_parallel_size} processes or change the parallel sizes"
-        )
-    args.data_parallel_size = args.world_size // model_parallel_size
+    # The expert sizes are checked with the MoE flags (validate_moe_args); here etp = tp and ep = 1.
+    args.data_parallel_size, _ = check_layout(args.world_size, tp, pp, cp, name=_flag)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     if args.sequence_parallel and tp == 1:

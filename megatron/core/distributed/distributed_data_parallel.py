@@ -55,6 +55,9 @@ class DistributedDataParallel(MegatronModule):
             None; the buffers lay themselves out).
     """
 
+    # megatron.core.utils.unwrap_model strips classes that carry this marker.
+    _megatron_model_wrapper = True
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm import mamba_inference, ssd_kernels
 from megatron.core.ssm.gated_rmsnorm import GatedRMSNorm
 from megatron.core.ssm.ssd_chunked import ssd_chunked_scan
@@ -43,7 +44,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import cuda_available, get_current_device, warn_once
 
 if TYPE_CHECKING:

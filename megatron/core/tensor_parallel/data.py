@@ -1,7 +1,8 @@
-"""broadcast_data: tensor-parallel rank 0 reads a batch and sends it to the other ranks of its TP group.
+"""Tensor-parallel rank 0 reads a batch and sends it to the other ranks of its TP group.
 
-Two broadcasts: first the shapes (a fixed-size int64 tensor, so receivers know how much to expect), then all the
-tensors flattened into one buffer.
+:func:`broadcast_data` makes two broadcasts: first the shapes (a fixed-size int64 tensor, so receivers know how much
+to expect), then all the tensors flattened into one buffer. :func:`get_batch_on_this_tp_rank` sends a micro-batch
+of known shapes, only the tensors each pipeline stage uses.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -72,3 +73,77 @@ def broadcast_data(
         output[key] = flat.narrow(0, offset, shape.numel()).view(shape)
         offset += shape.numel()
     return output
+
+
+def get_batch_on_this_tp_rank(
+    batch: dict[str, torch.Tensor],
+    has_cu_seqlens: bool,
+    is_hybrid_cp: bool,
+    create_attention_mask_in_dataloader: bool,
+    broadcast_src_rank: int,
+    broadcast_group: dist.ProcessGroup,
+    cp_size: int,
+    tp_rank: int,
+    micro_batch_size: int,
+    seq_length: int,
+    mtp_on_this_rank: bool,
+    pipeline_model_parallel_size: int = 1,
+    is_pipeline_first_stage: bool = False,
+    is_pipeline_last_stage: bool = False,
+):
+    """Give every rank of ``broadcast_group`` the micro-batch that tensor-parallel rank 0 read.
+
+    On ``tp_rank == 0`` ``batch`` holds ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``[mbs, seq]``) and,
+    with ``create_attention_mask_in_dataloader``, ``attention_mask`` (``[mbs, 1, seq, seq]`` bool); the other ranks'
+    ``batch`` is ignored and the tensors are received from global rank ``broadcast_src_rank``. Only what a stage
+    uses is sent: everything without pipeline parallelism; tokens and positions on the first stage; labels and the
+    loss mask on the last (and tokens and positions too where an MTP block runs, ``mtp_on_this_rank``); the mask on
+    both; middle stages get Nones. With ``has_cu_seqlens`` the packed-sequence boundaries ``cu_seqlens`` (int32) and
+    ``max_seqlen`` are sent as well. The broadcast happens before the context-parallel split, so ``cp_size`` does
+    not change what is sent; hybrid context parallelism is not supported yet.
+    """
+    if is_hybrid_cp:
+        raise ValueError("not supported yet: hybrid context parallelism (is_hybrid_cp=True)")
+    device = get_current_device()
+    first = pipeline_model_parallel_size == 1 or is_pipeline_first_stage
+    last = pipeline_model_parallel_size == 1 or is_pipeline_last_stage
+    wanted = set()
+    if first or (last and mtp_on_this_rank):
+        wanted |= {"tokens", "position_ids"}
+    if last:
+        wanted |= {"labels", "loss_mask"}
+    if (first or last) and create_attention_mask_in_dataloader:
+        wanted.add("attention_mask")
+    shapes = {
+        "tokens": ((micro_batch_size, seq_length), torch.int64),
+        "labels": ((micro_batch_size, seq_length), torch.int64),
+        "loss_mask": ((micro_batch_size, seq_length), torch.float32),
+        "position_ids": ((micro_batch_size, seq_length), torch.int64),
+        "attention_mask": ((micro_batch_size, 1, seq_length, seq_length), torch.bool),
+    }
+    is_source = tp_rank == 0
+    result: Dict[str, Optional[torch.Tensor]] = {}
+    for key, (shape, dtype) in shapes.items():
+        if key not in wanted:
+            result[key] = None
+            continue
+        if is_source:
+            tensor = batch[key].to(device=device, dtype=dtype, non_blocking=True).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, broadcast_src_rank, group=broadcast_group)
+        result[key] = tensor
+    if has_cu_seqlens:
+        length = torch.tensor([batch["cu_seqlens"].numel() if is_source else 0], dtype=torch.int64, device=device)
+        dist.broadcast(length, broadcast_src_rank, group=broadcast_group)
+        if is_source:
+            cu_seqlens = batch["cu_seqlens"].to(device=device, dtype=torch.int32).reshape(-1).contiguous()
+            max_seqlen = torch.as_tensor(batch["max_seqlen"], dtype=torch.int32, device=device).reshape(1)
+        else:
+            cu_seqlens = torch.empty(int(length.item()), dtype=torch.int32, device=device)
+            max_seqlen = torch.empty(1, dtype=torch.int32, device=device)
+        dist.broadcast(cu_seqlens, broadcast_src_rank, group=broadcast_group)
+        dist.broadcast(max_seqlen, broadcast_src_rank, group=broadcast_group)
+        result["cu_seqlens"] = cu_seqlens
+        result["max_seqlen"] = max_seqlen
+    return result

@@ -35,8 +35,11 @@ from megatron.core.tensor_parallel.random import (
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
     get_cuda_rng_tracker,
 )
+from megatron.core.tensor_parallel.sharded_state import (
+    make_sharded_tensors_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
 from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from megatron.core.utils import get_current_device, warn_once
 
 if TYPE_CHECKING:
@@ -676,3 +679,40 @@ class VocabParallelEmbedding(_TensorParallelModule):
                 tp_group=self.tp_group,
             )
         }
+
+
+# ---- deferred embedding weight gradients -------------------------------------------------------------------
+
+
+def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
+    """Flatten ``[s, b, h]`` gradients and inputs to 2-D ``[s*b, h]`` for the weight-gradient GEMM."""
+    grad_output = grad_output.contiguous()
+    grad_output = grad_output.view(-1, grad_output.shape[-1])
+    all_gathered_input = all_gathered_input.contiguous()
+    all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[-1])
+    return grad_output, all_gathered_input
+
+
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """Compute the output-layer weight gradients that ``defer_embedding_wgrad_compute`` postponed, and empty the
+    buffers.
+
+    Each buffered input is gathered over ``tp_group`` first when sequence parallelism split it; the gradient is
+    accumulated into ``weight.main_grad`` with gradient-accumulation fusion, else into ``weight.grad``.
+    """
+    while embedding_activation_buffer:
+        activation = embedding_activation_buffer.pop(0)
+        grad_output = grad_output_buffer.pop(0)
+        if config.sequence_parallel:
+            activation = gather_from_sequence_parallel_region(
+                activation, tensor_parallel_output_grad=False, group=tp_group
+            )
+        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
+        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
+        if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+        elif weight.grad is None:
+            weight.grad = grad_weight.to(weight.dtype)
+        else:
+            weight.grad.add_(grad_weight.to(weight.grad.dtype))
+    grad_output_buffer.clear()

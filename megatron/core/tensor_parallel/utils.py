@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 # torch >= 2.10 renamed the single-tensor collectives; older releases (>= 2.4, our floor) have only the old names.
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,21 +23,19 @@ def resolve_tp_group(group: Optional[dist.ProcessGroup] = None, is_expert: bool 
 
     Returns ``None`` when model-parallel groups have not been initialised: callers treat that as a one-rank group.
     """
-    if group is not None:
-        return group
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
-    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    return parallel_state.get_tensor_model_parallel_group_if_none(group, is_expert=is_expert, check_initialized=False)
 
 
+# In this package None is what resolve_tp_group answers when no model-parallel groups exist: a one-rank group. It is
+# not torch.distributed's default (world) group, which is what get_pg_size/get_pg_rank read None as.
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     """Number of ranks in ``group`` (1 for ``None``, the uninitialised single-process case)."""
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else get_pg_size(group)
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This rank's index in ``group`` (0 for ``None``)."""
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else get_pg_rank(group)
 
 
 def split_tensor_along_last_dim(

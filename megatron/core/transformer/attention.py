@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import (
+from megatron.core.transformer.rope_utils import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_with_cos_sin,
 )
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule

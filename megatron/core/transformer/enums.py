@@ -63,3 +63,8 @@ class InferenceCudaGraphScope(enum.Enum):
     none = 1
     layer = 2
     block = 3
+
+
+# A tuple, not an enum: TransformerConfig.cp_comm_type holds these strings (or a list of them, one per layer).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""The values of ``TransformerConfig.cp_comm_type`` (Megatron's)."""

@@ -5,7 +5,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 
 _SYMMETRIC_AR_TYPES = (None, "two_shot", "one_shot", "multimem_all_reduce")
@@ -109,6 +110,9 @@ class Float16Module(MegatronModule):
     computed and reported in fp32. The optimizer keeps
     fp32 main parameters (Float16OptimizerWithFloat16Params / DistributedOptimizer).
     """
+
+    # megatron.core.utils.unwrap_model strips classes that carry this marker.
+    _megatron_model_wrapper = True
 
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):
         super().__init__(config)

@@ -615,7 +615,7 @@ def _validate_tensor_parallel_split(config: TransformerConfig) -> None:
 
 def _validate_context_parallel(config: TransformerConfig) -> None:
     """cp_comm_type values (one, or one per layer), the head split a2a needs, and a2a+p2p's hierarchy."""
-    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+    from megatron.core.transformer.enums import CP_COMM_TYPES
 
     cp = config.context_parallel_size
     sizes = config.hierarchical_context_parallel_sizes

@@ -570,25 +570,25 @@ INITIALIZE_ERRORS = {
     "tp does not divide world": (
         dict(tensor_model_parallel_size=3),
         ValueError,
-        r"world size 4 is not divisible by tensor_model_parallel_size \(3\) x pipeline_model_parallel_size \(1\) "
+        r"world size \(4\) is not divisible by tensor_model_parallel_size \(3\) x pipeline_model_parallel_size \(1\) "
         r"x context_parallel_size \(1\) = 3",
     ),
     "tp*pp*cp exceeds world": (
         dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
         ValueError,
-        r"world size 4 is not divisible by tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(2\) "
+        r"world size \(4\) is not divisible by tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(2\) "
         r"x context_parallel_size \(2\) = 8",
     ),
     "ep does not divide world": (
         dict(expert_model_parallel_size=3),
         ValueError,
-        r"world size 4 is not divisible by expert_tensor_parallel_size \(1\) x expert_model_parallel_size \(3\) "
+        r"world size \(4\) is not divisible by expert_tensor_parallel_size \(1\) x expert_model_parallel_size \(3\) "
         r"x pipeline_model_parallel_size \(1\) = 3",
     ),
     "etp*ep exceeds world": (
         dict(expert_model_parallel_size=2, expert_tensor_parallel_size=4),
         ValueError,
-        r"world size 4 is not divisible by expert_tensor_parallel_size \(4\) x expert_model_parallel_size \(2\) "
+        r"world size \(4\) is not divisible by expert_tensor_parallel_size \(4\) x expert_model_parallel_size \(2\) "
         r"x pipeline_model_parallel_size \(1\) = 8",
     ),
     "unknown order token": (

@@ -88,7 +88,7 @@ class BaseInferenceContext(ABC):
         rotary embedding)."""
         if cos_sin is None:
             return query, key
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb_with_cos_sin
+        from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin
 
         cos, sin = cos_sin
         interleaved = attention.config.rotary_interleaved

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core.utils import log_on_each_pipeline_stage
+from megatron.core.parallel_state import log_on_each_pipeline_stage
 
 logger = logging.getLogger(__name__)
 

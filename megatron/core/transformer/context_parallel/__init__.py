@@ -4,11 +4,9 @@
 :func:`ring_attention` is the ring (``p2p``) kernel on its own.
 """
 
-from megatron.core.transformer.context_parallel.cp_attention import (
-    CP_COMM_TYPES,
-    ContextParallelAttention,
-    zigzag_chunk_ids,
-)
+from megatron.core.transformer.context_parallel.batch import zigzag_chunk_ids
+from megatron.core.transformer.context_parallel.cp_attention import ContextParallelAttention
 from megatron.core.transformer.context_parallel.ring_attention import RingLayout, ring_attention
+from megatron.core.transformer.enums import CP_COMM_TYPES
 
 __all__ = ["CP_COMM_TYPES", "ContextParallelAttention", "RingLayout", "ring_attention", "zigzag_chunk_ids"]

@@ -1,7 +1,7 @@
 """Core attention over a sequence sharded across the context-parallel group, in four ways (``cp_comm_type``).
 
-Every CP rank holds the load-balanced part of the sequence that ``megatron.core.utils.get_batch_on_this_cp_rank``
-gave it: with ``C`` ranks the sequence is cut into ``2C`` chunks and rank ``r`` holds chunks ``r`` and ``2C-1-r``
+Every CP rank holds the load-balanced part of the sequence that :func:`.batch.get_batch_on_this_cp_rank` gave it:
+with ``C`` ranks the sequence is cut into ``2C`` chunks and rank ``r`` holds chunks ``r`` and ``2C-1-r``
 (concatenated, in that order). Queries, keys and values arrive as ``[s/C, b, heads, d]``; the output is this rank's
 ``[s/C, b, heads * d]`` of exact attention over the *whole* sequence:
 
@@ -27,18 +27,11 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
+from megatron.core.transformer.context_parallel.batch import zigzag_chunk_ids
 from megatron.core.transformer.context_parallel.ring_attention import RingLayout, ring_attention
-from megatron.core.transformer.enums import AttnMaskType
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""The values of ``TransformerConfig.cp_comm_type`` (Megatron's)."""
+from megatron.core.transformer.enums import CP_COMM_TYPES, AttnMaskType
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
-
-
-def zigzag_chunk_ids(cp_size: int, cp_rank: int) -> tuple:
-    """The global chunk ids (of ``2 * cp_size``) that CP rank ``cp_rank`` holds, in stored order."""
-    return (cp_rank, 2 * cp_size - 1 - cp_rank)
 
 
 def _token_order(chunk_ids: Sequence[int], chunk_len: int, device) -> torch.Tensor:

@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.utils import group_rank, group_size, resolve_tp_group
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_current_device
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

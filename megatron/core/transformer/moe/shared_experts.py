@@ -8,10 +8,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron.core.process_groups_config import ProcessGroupCollection, tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensor_for_checkpoint
+from megatron.core.tensor_parallel.sharded_state import make_sharded_tensor_for_checkpoint
 from megatron.core.utils import get_current_device
 
 

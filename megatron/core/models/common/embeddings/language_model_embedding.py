@@ -5,7 +5,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.process_groups_config import tp_group_or_default
+from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device

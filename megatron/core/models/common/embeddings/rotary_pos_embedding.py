@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 from torch import Tensor
 
-from megatron.core.models.common.embeddings.rope_utils import (  # noqa: F401  (Megatron's import path)
+from megatron.core.transformer.rope_utils import (  # noqa: F401  (Megatron's import path)
     apply_rotary_pos_emb,
     get_pos_emb_on_this_cp_rank,
 )

@@ -9,7 +9,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+from megatron.core.tensor_parallel.sharded_state import make_tp_sharded_tensor_for_checkpoint
 
 logger = logging.getLogger(__name__)
 
