@@ -37,7 +37,7 @@ FLOORS = [
         "megatron.core.transformer.enums",
     ],
     # 2: the leaf helpers
-    ["megatron.core.utils"],
+    ["megatron.core.utils", "megatron.core.straggler_detector"],
     # 3: groups and the things that only need groups
     [
         "megatron.core.parallel_state",

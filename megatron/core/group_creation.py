@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core.rank_generator import generate_masked_orthogonal_rank_groups
 from megatron.core.utils import synchronize_device
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 _global_process_group_list: Optional[List[Optional[dist.ProcessGroup]]] = None
 
 
+@public_api("megatron.core.parallel_state")
 def create_group(
     ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None
 ):
@@ -50,6 +52,7 @@ def forget_created_groups() -> None:
     _global_process_group_list = None
 
 
+@public_api("megatron.core.parallel_state")
 def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None):
     """Change the collective timeout of ``pg``, or of every group this rank created through create_group (and the
     default group) when ``pg`` is None.
@@ -67,6 +70,7 @@ def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None
             raise
 
 
+@public_api("megatron.core.parallel_state")
 def create_hierarchical_groups(
     rank,
     ranks,
@@ -108,6 +112,7 @@ def create_hierarchical_groups(
     return groups, gloo_groups
 
 
+@public_api("megatron.core.parallel_state")
 def get_nccl_options(pg_name, nccl_comm_cfgs):
     """NCCL options for group ``pg_name`` from a parsed ``nccl_communicator_config_path`` file (None if not listed).
 
@@ -131,6 +136,7 @@ def get_nccl_options(pg_name, nccl_comm_cfgs):
     return options
 
 
+@public_api("megatron.core.parallel_state")
 def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
     """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)``, adding the group if new."""
     key, value = key_value_pair

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed as dist
 
 # Group making and rank arithmetic live in their own modules; Megatron's names stay importable from here.
+from megatron.core.public_api import public_api
 from megatron.core.group_creation import (  # noqa: F401
     create_group,
     create_hierarchical_groups,
@@ -470,6 +471,7 @@ def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
 # ---- the group-or-default resolver -----------------------------------------------------------------------------
 
 
+@public_api("megatron.core.utils")
 def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
     """``tp_group`` when given, else this rank's (expert) tensor-parallel group: the one "group or default" rule.
 
@@ -752,6 +754,7 @@ def get_all_ranks() -> str:
     return "_".join(str(rank or 0) for rank in ranks)
 
 
+@public_api("megatron.core.utils")
 def log_on_each_pipeline_stage(
     logger: logging.Logger,
     *args: Any,

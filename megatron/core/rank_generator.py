@@ -9,10 +9,12 @@ from math import prod
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+from megatron.core.public_api import public_api
 
 _TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
 
+@public_api("megatron.core.parallel_state")
 class RankGenerator:
     """Enumerates rank groups for a parallel layout.
 
@@ -51,6 +53,7 @@ class RankGenerator:
         return [[rank + self.rank_offset for rank in group] for group in groups]
 
 
+@public_api("megatron.core.parallel_state")
 def generate_masked_orthogonal_rank_groups(
     world_size: int, parallel_size: List[int], mask: List[bool]
 ) -> List[List[int]]:
@@ -176,11 +179,13 @@ def _check_expert_layout_matches_pipeline(
         )
 
 
+@public_api("megatron.core.parallel_state")
 def default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
     """The word embedding lives on the first and last pipeline stages (they share it when tied)."""
     return [pp_ranks[0], pp_ranks[-1]] if len(pp_ranks) > 1 else [pp_ranks[0]]
 
 
+@public_api("megatron.core.parallel_state")
 def default_position_embedding_ranks(pp_ranks: List[int]) -> List[int]:
     """Learned position embeddings live on the first pipeline stage only."""
     return [pp_ranks[0]]

@@ -6,6 +6,7 @@ from typing import List
 
 import torch
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.utils import get_current_device, get_pg_size
 
@@ -18,6 +19,7 @@ def _tensor_hash(tensor: torch.Tensor) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
 
 
+@public_api("megatron.core.utils")
 def check_param_hashes_across_dp_replicas(model: List[torch.nn.Module], cross_check: bool = False) -> bool:
     """Whether every parameter is bit-identical on all the data-parallel replicas that should hold it.
 

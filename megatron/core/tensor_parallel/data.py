@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core.tensor_parallel.utils import group_rank, group_size, resolve_tp_group
 from megatron.core.utils import get_current_device
 
@@ -75,6 +76,7 @@ def broadcast_data(
     return output
 
 
+@public_api("megatron.core.utils")
 def get_batch_on_this_tp_rank(
     batch: dict[str, torch.Tensor],
     has_cu_seqlens: bool,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron.core.public_api import public_api
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
@@ -684,6 +685,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
 # ---- deferred embedding weight gradients -------------------------------------------------------------------
 
 
+@public_api("megatron.core.utils")
 def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
     """Flatten ``[s, b, h]`` gradients and inputs to 2-D ``[s*b, h]`` for the weight-gradient GEMM."""
     grad_output = grad_output.contiguous()
@@ -693,6 +695,7 @@ def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
     return grad_output, all_gathered_input
 
 
+@public_api("megatron.core.utils")
 def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
     """Compute the output-layer weight gradients that ``defer_embedding_wgrad_compute`` postponed, and empty the
     buffers.

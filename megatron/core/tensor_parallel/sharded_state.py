@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedTensor
 
@@ -34,6 +35,7 @@ def _dp_rank(dp_cp_group: Optional[dist.ProcessGroup]) -> int:
     return parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
 
+@public_api("megatron.core.utils")
 def make_sharded_tensor_for_checkpoint(
     tensor: torch.Tensor,
     key: str,
@@ -53,6 +55,7 @@ def make_sharded_tensor_for_checkpoint(
     )
 
 
+@public_api("megatron.core.utils")
 def make_tp_sharded_tensor_for_checkpoint(
     tensor: torch.Tensor,
     key: str,
@@ -94,6 +97,7 @@ def _extra_state_grid(sharded_offsets: ShardedOffsets) -> Tuple[Tuple[int, ...],
     )
 
 
+@public_api("megatron.core.transformer.utils")
 def make_sharded_object_for_checkpoint(
     obj: Any,
     key: str,
@@ -111,6 +115,7 @@ def make_sharded_object_for_checkpoint(
     return ShardedObject(key, obj, global_shape, global_offset, replica_id, **kwargs)
 
 
+@public_api("megatron.core.transformer.utils")
 def make_sharded_tensors_for_checkpoint(
     state_dict: Dict[str, Any],
     prefix: str,

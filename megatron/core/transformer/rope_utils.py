@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from megatron.core.public_api import public_api
 from megatron.core.transformer.context_parallel.batch import chunks_of_cp_rank
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ def _rotate_half(x: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@public_api("megatron.core.models.common.embeddings.rope_utils")
 def apply_rotary_pos_emb_with_cos_sin(t: Tensor, cos: Tensor, sin: Tensor, rotary_interleaved: bool = False) -> Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of ``t`` by precomputed ``cos`` / ``sin`` (broadcastable to them)."""
     rot_dim = cos.shape[-1]
@@ -41,6 +43,7 @@ def _positions_within_sequences(cu_seqlens: Tensor) -> Tensor:
     return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
 
 
+@public_api("megatron.core.models.common.embeddings.rope_utils")
 def apply_rotary_pos_emb(
     t: Tensor,
     freqs: Tensor,
@@ -74,6 +77,7 @@ def apply_rotary_pos_emb(
     return apply_rotary_pos_emb_with_cos_sin(t, torch.cos(freqs) * mscale, torch.sin(freqs) * mscale, interleaved)
 
 
+@public_api("megatron.core.models.common.embeddings.rope_utils")
 def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: torch.distributed.ProcessGroup) -> Tensor:
     """This context-parallel rank's share of ``pos_emb`` along ``seq_dim``, in the same load-balanced split as
     ``megatron.core.transformer.context_parallel.batch.get_batch_on_this_cp_rank`` gives the tokens."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -26,6 +27,7 @@ def chunks_of_cp_rank(tensor: torch.Tensor, seq_dim: int, cp_size: int, cp_rank:
     return torch.cat([chunks[i] for i in zigzag_chunk_ids(cp_size, cp_rank)], dim=seq_dim)
 
 
+@public_api("megatron.core.utils")
 def get_batch_on_this_cp_rank(
     batch: Dict[str, Any],
     is_hybrid_cp: bool,
