@@ -114,6 +114,12 @@ class GPTModel(LanguageModule):
             return pg_collection.cp
         return parallel_state.get_context_parallel_group()
 
+    def _decoder_rotary_pos_emb(self, position_ids, inference_context, decoder_input, packed_seq_params):
+        """Multimodal RoPE takes its angles from the ``[3, b, s]`` position ids; other kinds as LanguageModule."""
+        if self.position_embedding_type == "mrope":
+            return self.rotary_pos_emb(position_ids, self.mrope_section)
+        return super()._decoder_rotary_pos_emb(position_ids, inference_context, decoder_input, packed_seq_params)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -137,25 +143,18 @@ class GPTModel(LanguageModule):
         if output_processor is not None:
             raise ValueError("not supported yet: GPTModel.forward(output_processor=...)")
         inference_context = inference_context if inference_context is not None else inference_params
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
-            rotary_pos_emb = self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
-        elif self.position_embedding_type == "mrope":
-            rotary_pos_emb = self.rotary_pos_emb(position_ids, self.mrope_section)
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            rotary_pos_emb=rotary_pos_emb,
-            inference_context=inference_context,
-            packed_seq_params=packed_seq_params,
-            padding_mask=padding_mask,
-            **(extra_block_kwargs or {}),
+        return self._language_model_forward(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input,
+            labels,
+            inference_context,
+            packed_seq_params,
+            padding_mask,
+            runtime_gather_output,
+            extra_block_kwargs,
         )
-        if not self.post_process:
-            return hidden_states
-        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None

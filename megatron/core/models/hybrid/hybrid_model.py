@@ -202,22 +202,17 @@ class HybridModel(LanguageModule):
         """``loss_mask`` only matters to multi-token prediction (not built); the loss is per token and masked by
         the caller's loss function, as in pretrain_gpt."""
         inference_context = inference_context if inference_context is not None else inference_params
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
-            rotary_pos_emb = self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            inference_context=inference_context,
-            rotary_pos_emb=rotary_pos_emb,
-            packed_seq_params=packed_seq_params,
-            padding_mask=padding_mask,
+        return self._language_model_forward(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input,
+            labels,
+            inference_context,
+            packed_seq_params,
+            padding_mask,
+            runtime_gather_output,
         )
-        if not self.post_process:
-            return hidden_states
-        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None

@@ -171,6 +171,43 @@ class LanguageModule(MegatronModule):
         )
         return self.rotary_pos_emb(seq_len, packed_seq=packed_seq_params is not None)
 
+    def _decoder_rotary_pos_emb(self, position_ids, inference_context, decoder_input, packed_seq_params):
+        """The rotary angles the decoder's attention applies: RoPE's, or None for other position kinds."""
+        if self.position_embedding_type == "rope":
+            return self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
+        return None
+
+    def _language_model_forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        decoder_input,
+        labels,
+        inference_context,
+        packed_seq_params,
+        padding_mask,
+        runtime_gather_output,
+        extra_block_kwargs=None,
+    ) -> torch.Tensor:
+        """The forward both models share: embedding (first stage), rotary angles, decoder, then the head (last
+        stage); a middle stage returns its hidden states ``[s, b, h]``."""
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = self._decoder_rotary_pos_emb(position_ids, inference_context, decoder_input, packed_seq_params)
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+            **(extra_block_kwargs or {}),
+        )
+        if not self.post_process:
+            return hidden_states
+        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
+
     def _logits_or_loss(self, hidden_states, labels, runtime_gather_output) -> torch.Tensor:
         """The last stage's head: logits ``[b, s, v/tp]`` without labels, else the per-token loss ``[b, s]``."""
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
