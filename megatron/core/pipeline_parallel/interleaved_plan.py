@@ -3,8 +3,9 @@
 Each rank holds ``v`` model chunks; chunk ``c`` of rank ``r`` is virtual stage ``c * p + r`` of ``v * p``. With
 ``m`` micro-batches a rank runs ``T = m * v`` forward and ``T`` backward passes:
 
-* the *schedule table* (``schedules.get_schedule_table``) orders them: groups of ``g`` micro-batches
-  (``microbatch_group_size_per_vp_stage``, default ``p``), each group through chunk 0, then chunk 1, ...;
+* the *schedule table* (:func:`get_schedule_table`, also importable from ``schedules``, Megatron's home of it)
+  orders them: groups of ``g`` micro-batches (``microbatch_group_size_per_vp_stage``, default ``p``), each group
+  through chunk 0, then chunk 1, ...;
   backward pass ``k`` is forward-table entry ``k`` with its chunk mirrored (``v - 1 - c``);
 * rank ``r`` warms up with ``W = min(2 (p - r - 1) + (v - 1) g, T)`` forward passes (``T`` when forward-only).
 
@@ -34,6 +35,20 @@ from typing import List, Optional, Tuple
 Key = Tuple[int, int]  # (microbatch_id, model_chunk_id), the order of Megatron's schedule table
 
 
+def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
+    """``(microbatch_id, model_chunk_id)`` of every forward pass of the interleaved schedule, in the order a rank
+    runs them.
+
+    Micro-batches go in groups of ``microbatch_group_size_per_vp_stage``; each group runs through chunk 0, then
+    chunk 1, and so on, before the next group starts (the last group takes whatever micro-batches remain).
+    """
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        end = min(start + microbatch_group_size_per_vp_stage, num_microbatches)
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(start, end))
+    return table
+
+
 class InterleavedPlan:
     """What pipeline rank ``pp_rank`` computes, sends and receives in each slot of the interleaved schedule."""
 
@@ -56,9 +71,6 @@ class InterleavedPlan:
         self.pp_rank = pp_rank
         self.pp_size = pp_size
         self.forward_only = forward_only
-        # Imported here because schedules (Megatron's home of the table) imports this module.
-        from megatron.core.pipeline_parallel.schedules import get_schedule_table
-
         self.table = get_schedule_table(num_microbatches, num_model_chunks, group_size)
         self.total = len(self.table)
         if forward_only:

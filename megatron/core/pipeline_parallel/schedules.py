@@ -23,15 +23,29 @@ force_all_reduce=False``. ``forward_only`` runs the forward passes under ``torch
 """
 
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Union
+from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
+from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan, get_schedule_table  # noqa: F401
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+# The per-micro-batch steps live in schedule_steps; Megatron's public path to them is this module.
+from megatron.core.pipeline_parallel.schedule_steps import (  # noqa: F401
+    _ForwardPasses,
+    backward_step,
+    backward_step_multimodule,
+    check_first_val_step,
+    custom_backward,
+    deallocate_output_tensor,
+    forward_step,
+    forward_step_calc_loss,
+    get_model_config,
+    get_tensor_device,
+    get_tensor_shapes,
+)
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
-from megatron.core.utils import get_attr_wrapped_model, get_current_device
 
 
 def get_forward_backward_func(
@@ -59,20 +73,6 @@ def get_forward_backward_func(
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
-
-
-def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
-    """``(microbatch_id, model_chunk_id)`` of every forward pass of the interleaved schedule, in the order a rank
-    runs them.
-
-    Micro-batches go in groups of ``microbatch_group_size_per_vp_stage``; each group runs through chunk 0, then
-    chunk 1, and so on, before the next group starts (the last group takes whatever micro-batches remain).
-    """
-    table = []
-    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
-        end = min(start + microbatch_group_size_per_vp_stage, num_microbatches)
-        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(start, end))
-    return table
 
 
 def get_pp_rank_microbatches(
@@ -112,310 +112,6 @@ def get_pp_rank_microbatches(
     all_in_warmup = num_warmup >= total
     num_warmup = min(num_warmup, total)
     return total, all_in_warmup, num_warmup, total - num_warmup
-
-
-def get_tensor_device(tensor: Union[torch.Tensor, Dict[str, torch.Tensor]]):
-    """The device of ``tensor``, or of the first tensor of a dict of them (multi-module stage outputs)."""
-    if isinstance(tensor, dict):
-        if not tensor:
-            raise ValueError("get_tensor_device got an empty dict of tensors")
-        return next(iter(tensor.values())).device
-    return tensor.device
-
-
-def custom_backward(output, grad_output):
-    """Backpropagate ``grad_output`` through ``output`` without requiring their shapes to agree.
-
-    ``torch.autograd.backward`` checks that a gradient has its output's shape; an output whose storage was freed
-    after sending (``deallocate_output_tensor``) may no longer have it, while its autograd graph, which is all the
-    backward pass needs, is intact. So this hands the pair to the autograd engine directly. ``grad_output=None``
-    means a scalar loss (gradient one).
-    """
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"custom_backward: output must be a tensor, got {type(output).__name__}")
-    if grad_output is None:
-        if output.numel() != 1:
-            raise ValueError(
-                f"custom_backward: a gradient is needed for a non-scalar output of shape {tuple(output.shape)}"
-            )
-        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
-    elif not isinstance(grad_output, torch.Tensor):
-        raise TypeError(f"custom_backward: grad_output must be a tensor or None, got {type(grad_output).__name__}")
-    torch.autograd.graph.Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad_output,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
-
-
-def get_model_config(model: torch.nn.Module):
-    """The ``config`` of a model chunk, looking through DDP / Float16Module wrappers."""
-    return get_attr_wrapped_model(model, "config")
-
-
-def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False) -> None:
-    """Free the data of a stage output that has been sent to the next stage, keeping its autograd graph.
-
-    Only the output's ``grad_fn`` is needed for the backward pass, so its storage is replaced by a single element
-    broadcast to the same shape (shape checks in ``torch.autograd.backward`` still pass). This is what keeps
-    activation memory at 1F1B's bound. Does nothing unless ``deallocate_pipeline_outputs``.
-    """
-    if out is None or not deallocate_pipeline_outputs:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"expected the stage output to be a tensor, got {type(out).__name__}")
-    if out._base is not None:
-        raise ValueError(
-            "the stage output is a view of another tensor, so freeing it would release no memory; return a tensor "
-            "that owns its storage (e.g. .contiguous() or .clone()), or set deallocate_pipeline_outputs=False"
-        )
-    out.data = torch.empty((1,), device=out.device, dtype=out.dtype).expand(out.shape)
-
-
-def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
-    """Whether a micro-batch counts as the first one (``first_val_step`` overrides it during validation)."""
-    if first_val_step is not None and forward_only:
-        return first_val_step and cond
-    return cond
-
-
-def get_tensor_shapes(
-    *,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: int,
-    config,
-    tp_group: Optional[torch.distributed.ProcessGroup] = None,
-    cp_group: Optional[torch.distributed.ProcessGroup] = None,
-):
-    """Shapes of the tensors sent between stages: ``[(s / cp (/ tp with sequence parallelism), b, h)]``.
-
-    ``tp_group`` / ``cp_group`` give the tensor- and context-parallel sizes (default: ``parallel_state``'s).
-    """
-    del decoder_seq_length  # encoder-decoder models are not supported; decoders use seq_length
-    cp_size = parallel_state.get_context_parallel_world_size() if cp_group is None else cp_group.size()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_group is None else tp_group.size()
-    seq = seq_length // cp_size
-    if config.sequence_parallel:
-        seq //= tp_size
-    return [(seq, micro_batch_size, config.hidden_size)]
-
-
-def forward_step(
-    forward_step_func,
-    data_iterator,
-    model,
-    num_microbatches,
-    input_tensor,
-    forward_data_store,
-    config,
-    cp_group_size,
-    collect_non_loss_data=False,
-    checkpoint_activations_microbatch=None,
-    is_first_microbatch=False,
-    current_microbatch=None,
-    vp_stage=None,
-    is_last_stage=True,
-):
-    """Run one micro-batch through one model chunk; on the last stage also compute and store its loss.
-
-    Returns ``(output_tensors, num_tokens)``: the output as a one-element list (or a bare tensor when
-    ``input_tensor`` was given bare), and the micro-batch's token count (0 for legacy losses and off the last stage).
-    ``cp_group_size`` is the context-parallel size (see :func:`forward_step_calc_loss`).
-    ``checkpoint_activations_microbatch`` (partial activation checkpointing) must be None and ``current_microbatch``
-    (FP8 / MoE bookkeeping) is unused; both stay in Megatron's signature.
-    """
-    del current_microbatch
-    if checkpoint_activations_microbatch is not None:
-        raise ValueError(
-            "checkpoint_activations_microbatch (num_microbatches_with_partial_activation_checkpoints) is not "
-            "supported; leave it None"
-        )
-    if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
-        model.set_is_first_microbatch()
-    unwrap_output_tensor = not isinstance(input_tensor, list)
-    if unwrap_output_tensor:
-        input_tensor = [input_tensor]
-    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
-
-    if config.enable_autocast:
-        autocast = torch.autocast(get_current_device().type, dtype=config.autocast_dtype)
-    else:
-        autocast = contextlib.nullcontext()
-    with autocast:
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
-
-    output_tensor, num_tokens = forward_step_calc_loss(
-        model,
-        output_tensor,
-        loss_func,
-        config,
-        vp_stage,
-        collect_non_loss_data,
-        num_microbatches,
-        forward_data_store,
-        cp_group_size=cp_group_size,
-        is_last_stage=is_last_stage,
-    )
-    if unwrap_output_tensor:
-        return output_tensor, num_tokens
-    return [output_tensor], num_tokens
-
-
-def forward_step_calc_loss(
-    model,
-    output_tensor,
-    loss_func,
-    config,
-    vp_stage,
-    collect_non_loss_data,
-    num_microbatches,
-    forward_data_store,
-    cp_group_size=None,
-    is_last_stage=None,
-):
-    """On the last stage, turn a chunk's output into the loss to backpropagate; return ``(output, num_tokens)``.
-
-    ``loss_func(output_tensor)`` returns ``(loss, num_tokens, reduced_dict)`` (the loss summed over the tokens:
-    divided here by the token count and by ``num_microbatches`` unless ``config.calculate_per_token_loss``) or the
-    legacy ``(loss, reduced_dict)`` (a per-token mean on this context-parallel rank: multiplied by
-    ``cp_group_size``, because the gradient reduction averages over data x context-parallel ranks, and divided by
-    ``num_microbatches``). ``reduced_dict`` is appended to ``forward_data_store``; with ``collect_non_loss_data``
-    it is ``loss_func(output_tensor, non_loss_data=True)`` instead. Off the last stage the output passes through
-    and the token count is 0. ``is_last_stage`` / ``cp_group_size`` default to ``parallel_state``'s view.
-    On every stage of an MoE model it also sets the scale of the MoE auxiliary losses' gradient for this
-    micro-batch (see :func:`_set_moe_aux_loss_scale`).
-    """
-    del model  # Megatron reads MTP loss scalers from it; this model has none
-    _set_moe_aux_loss_scale(config, num_microbatches)
-    if is_last_stage is None:
-        is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if cp_group_size is None:
-        cp_group_size = parallel_state.get_context_parallel_world_size()
-    num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
-    if not is_last_stage:
-        return output_tensor, num_tokens
-    if collect_non_loss_data:
-        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-        return output_tensor, num_tokens
-    output_tensor, num_tokens, reduced = _reduce_loss(loss_func(output_tensor), num_microbatches, cp_group_size, config)
-    forward_data_store.append(reduced)
-    return output_tensor, num_tokens
-
-
-def _set_moe_aux_loss_scale(config, num_microbatches: int) -> None:
-    """Give MoE auxiliary losses (load balancing, z-loss) the same scaling as the main loss.
-
-    The aux losses enter backward through ``MoEAuxLossAutoScaler`` (a gradient injected at the router, not a term
-    added to the returned loss), so the loss scale (``config.grad_scale_func``, for fp16) and the 1/num_microbatches
-    averaging that the main loss gets must be handed to it explicitly, as Megatron does; with per-token loss the
-    global token count divides every gradient later (finalize_model_grads), so only the loss scale applies.
-    """
-    if getattr(config, "num_moe_experts", None) is None:
-        return
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    ones = torch.ones(1, device=get_current_device())
-    loss_scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
-    if not config.calculate_per_token_loss:
-        loss_scale = loss_scale / num_microbatches
-    MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
-
-
-def _reduce_loss(outputs, num_microbatches: int, cp_group_size: int, config):
-    """Apply Megatron's loss normalisation to what ``loss_func`` returned."""
-    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-        raise ValueError(
-            "loss_func must return (loss, num_tokens, reduced_dict) or the legacy (loss, reduced_dict); "
-            f"got {type(outputs).__name__} of length {len(outputs) if isinstance(outputs, (tuple, list)) else '-'}"
-        )
-    if len(outputs) == 2:
-        loss, reduced = outputs
-        return loss * cp_group_size / num_microbatches, torch.zeros((), dtype=torch.int64, device=loss.device), reduced
-    loss, num_tokens, reduced = outputs
-    num_tokens = torch.as_tensor(num_tokens, device=loss.device)
-    if not config.calculate_per_token_loss:
-        # A micro-batch whose tokens are all masked contributes zero, not NaN.
-        loss = loss / num_tokens.clamp(min=1) / num_microbatches
-    return loss, num_tokens.to(torch.int64), reduced
-
-
-def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
-    """Backpropagate one micro-batch through one model chunk; return the gradient of its input.
-
-    ``output_tensor_grad`` is None on the last stage, where the output is the loss (scaled by
-    ``config.grad_scale_func`` first). Inputs and outputs may be bare tensors or one-element lists, as returned by
-    :func:`forward_step`. With ``config.deallocate_pipeline_outputs`` the backward pass goes through
-    :func:`custom_backward`, since a sent output's storage has been freed.
-    """
-    unwrap_input_tensor_grad = not isinstance(input_tensor, list)
-    if unwrap_input_tensor_grad:
-        input_tensor = [input_tensor]
-    if not isinstance(output_tensor, list):
-        output_tensor = [output_tensor]
-    if not isinstance(output_tensor_grad, list):
-        output_tensor_grad = [output_tensor_grad]
-    for tensor in input_tensor:
-        if tensor is not None:
-            tensor.retain_grad()
-
-    loss_or_output = output_tensor[0]
-    if output_tensor_grad[0] is None and config.grad_scale_func is not None:
-        loss_or_output = config.grad_scale_func(loss_or_output)
-    if config.deallocate_pipeline_outputs:
-        custom_backward(loss_or_output, output_tensor_grad[0])
-    else:
-        torch.autograd.backward(loss_or_output, grad_tensors=output_tensor_grad[0])
-
-    input_tensor_grad = [None if tensor is None else tensor.grad for tensor in input_tensor]
-    return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
-
-
-def backward_step_multimodule(
-    input_tensor: Dict[str, torch.Tensor],
-    output_tensor: Union[torch.Tensor, Dict[str, torch.Tensor]],
-    output_tensor_grad: Optional[Dict[str, torch.Tensor]],
-    config,
-    language_model_module_name: str,
-) -> Dict[str, torch.Tensor]:
-    """:func:`backward_step` for a stage of several modules (e.g. a vision encoder and a language model), whose
-    tensors are dicts keyed by module name; returns the input gradients keyed the same way.
-
-    On the last stage ``output_tensor`` is the language model's loss (a tensor, filed under
-    ``language_model_module_name`` and scaled by ``config.grad_scale_func``) and ``output_tensor_grad`` is None.
-    Every module's output is backpropagated in one autograd call, so modules whose graphs meet are handled too.
-    Inputs (and gradients) may be one-element lists, as :func:`forward_step` hands them over.
-    """
-
-    def bare(tensor):
-        if isinstance(tensor, list):
-            if len(tensor) != 1:
-                raise ValueError(f"expected one tensor per module, got a list of {len(tensor)}")
-            return tensor[0]
-        return tensor
-
-    inputs = {name: bare(tensor) for name, tensor in input_tensor.items()}
-    for tensor in inputs.values():
-        if tensor is not None:
-            tensor.retain_grad()
-    if not isinstance(output_tensor, dict):
-        output_tensor = {language_model_module_name: output_tensor}
-    outputs, grads = [], []
-    for name, output in output_tensor.items():
-        output = bare(output)
-        grad = None if output_tensor_grad is None else bare(output_tensor_grad.get(name))
-        if grad is None and config.grad_scale_func is not None:
-            output = config.grad_scale_func(output)
-        if output is not None and output.requires_grad:
-            outputs.append(output)
-            grads.append(grad)
-    if outputs:
-        torch.autograd.backward(outputs, grad_tensors=grads)
-    return {name: None if tensor is None else tensor.grad for name, tensor in inputs.items()}
 
 
 class _GradSyncSwitch:
@@ -511,6 +207,18 @@ def _cp_size(pg_collection) -> int:
     return pg_collection.cp.size()
 
 
+def _stage_tensor_shapes(config, groups, seq_length, micro_batch_size, decoder_seq_length):
+    """:func:`get_tensor_shapes` for the groups a pipelined schedule runs with."""
+    return get_tensor_shapes(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        config=config,
+        tp_group=groups.tp,
+        cp_group=groups.cp,
+    )
+
+
 def _no_shape_adjustment(adjust_tensor_shapes_fn, schedule: str) -> None:
     if adjust_tensor_shapes_fn is not None:
         raise ValueError(
@@ -547,10 +255,16 @@ def forward_backward_no_pipelining(
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
     config = get_model_config(model)
     _check_step(num_microbatches, config)
-    cp_group_size = _cp_size(pg_collection)
+    run_forward = _ForwardPasses(
+        forward_step_func,
+        num_microbatches,
+        config,
+        _cp_size(pg_collection),
+        collect_non_loss_data,
+        first_val_step,
+        forward_only,
+    )
     grad_sync = _GradSyncSwitch(config.no_sync_func)
-    forward_data_store = []
-    total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
 
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for microbatch in range(num_microbatches):
@@ -558,26 +272,12 @@ def forward_backward_no_pipelining(
                 grad_sync.disable()
             else:
                 grad_sync.enable()  # the last backward pass reduces the accumulated gradients
-            output_tensor, num_tokens = forward_step(
-                forward_step_func,
-                data_iterator,
-                model,
-                num_microbatches,
-                None,
-                forward_data_store,
-                config,
-                cp_group_size,
-                collect_non_loss_data,
-                is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
-                current_microbatch=microbatch,
-                is_last_stage=True,
-            )
-            total_num_tokens += num_tokens
+            output_tensor = run_forward(data_iterator, model, microbatch, None, is_last_stage=True)
             if not forward_only:
                 backward_step(None, output_tensor, None, config)
     grad_sync.enable()
-    _finalize(config, [model], total_num_tokens, forward_only, pg_collection, force_all_reduce)
-    return forward_data_store
+    _finalize(config, [model], run_forward.total_num_tokens, forward_only, pg_collection, force_all_reduce)
+    return run_forward.forward_data_store
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -617,14 +317,7 @@ def forward_backward_pipelining_without_interleaving(
         )
     groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
     first_stage, last_stage = p2p.is_pp_first_stage, p2p.is_pp_last_stage
-    tensor_shapes = get_tensor_shapes(
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length,
-        config=config,
-        tp_group=groups.tp,
-        cp_group=groups.cp,
-    )
+    tensor_shapes = _stage_tensor_shapes(config, groups, seq_length, micro_batch_size, decoder_seq_length)
     # One tensor travels each way, so the communicator is given single shapes and answers with bare tensors.
     (recv_shape,), (send_shape,) = _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes)
     if forward_only:
@@ -638,28 +331,19 @@ def forward_backward_pipelining_without_interleaving(
     # With a custom grad_sync_func only the first stage reduces during its last backward pass; the others launch
     # their reduction after the flush, so every stage's reduction starts at about the same time.
     sync_in_last_backward = config.grad_sync_func is None or first_stage
-    forward_data_store = []
-    total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
+    forward_passes = _ForwardPasses(
+        forward_step_func,
+        num_microbatches,
+        config,
+        _cp_size(groups),
+        collect_non_loss_data,
+        first_val_step,
+        forward_only,
+    )
     input_tensors, output_tensors = [], []
 
     def run_forward(microbatch: int, input_tensor):
-        nonlocal total_num_tokens
-        output_tensor, num_tokens = forward_step(
-            forward_step_func,
-            data_iterator,
-            model,
-            num_microbatches,
-            input_tensor,
-            forward_data_store,
-            config,
-            _cp_size(groups),
-            collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(first_val_step, forward_only, microbatch == 0),
-            current_microbatch=microbatch,
-            is_last_stage=last_stage,
-        )
-        total_num_tokens += num_tokens
-        return output_tensor
+        return forward_passes(data_iterator, model, microbatch, input_tensor, is_last_stage=last_stage)
 
     def run_backward(output_tensor_grad, is_last_backward: bool):
         if is_last_backward and sync_in_last_backward:
@@ -709,8 +393,8 @@ def forward_backward_pipelining_without_interleaving(
     grad_sync.enable()
     if config.grad_sync_func is not None and not forward_only:
         config.grad_sync_func(model.parameters())
-    _finalize(config, [model], total_num_tokens, forward_only, pg_collection, force_all_reduce)
-    return forward_data_store
+    _finalize(config, [model], forward_passes.total_num_tokens, forward_only, pg_collection, force_all_reduce)
+    return forward_passes.forward_data_store
 
 
 def _adjusted_shapes(adjust_tensor_shapes_fn, tensor_shapes):
@@ -777,60 +461,34 @@ def forward_backward_pipelining_with_interleaving(
         forward_only=forward_only,
     )
     groups, p2p = _schedule_groups(pg_collection, p2p_communicator, config)
-    (tensor_shape,) = get_tensor_shapes(
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length,
-        config=config,
-        tp_group=groups.tp,
-        cp_group=groups.cp,
-    )
-    runner = _InterleavedRunner(
-        plan,
+    (tensor_shape,) = _stage_tensor_shapes(config, groups, seq_length, micro_batch_size, decoder_seq_length)
+    forward_passes = _ForwardPasses(
         forward_step_func,
-        data_iterator,
-        model,
+        num_microbatches,
         config,
-        p2p,
-        tensor_shape,
         _cp_size(groups),
         collect_non_loss_data,
         first_val_step,
+        forward_only,
     )
+    runner = _InterleavedRunner(plan, forward_passes, data_iterator, model, config, p2p, tensor_shape)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         runner.run()
-    _finalize(config, model, runner.total_num_tokens, forward_only, pg_collection, force_all_reduce)
-    return runner.forward_data_store
+    _finalize(config, model, forward_passes.total_num_tokens, forward_only, pg_collection, force_all_reduce)
+    return forward_passes.forward_data_store
 
 
 class _InterleavedRunner:
     """Carries out an :class:`InterleavedPlan` on this rank: compute, communicate, buffer, sync gradients."""
 
-    def __init__(
-        self,
-        plan,
-        forward_step_func,
-        data_iterators,
-        model,
-        config,
-        p2p_communicator,
-        tensor_shape,
-        cp_group_size,
-        collect_non_loss_data,
-        first_val_step,
-    ):
+    def __init__(self, plan, forward_passes, data_iterators, model, config, p2p_communicator, tensor_shape):
         self.plan = plan
-        self.forward_step_func = forward_step_func
+        self.forward_passes = forward_passes
         self.data_iterators = data_iterators
         self.model = model
         self.config = config
         self.p2p = p2p_communicator
         self.tensor_shape = tensor_shape
-        self.cp_group_size = cp_group_size
-        self.collect_non_loss_data = collect_non_loss_data
-        self.first_val_step = first_val_step
-        self.forward_data_store = []
-        self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
         # Tensors keyed by (microbatch_id, model_chunk_id): inputs received ahead of their forward pass, gradients
         # received ahead of their backward pass, and what a forward pass leaves for its backward pass.
         self.inputs = {}
@@ -942,22 +600,14 @@ class _InterleavedRunner:
             input_tensor = None
         else:
             input_tensor = self.inputs.pop((microbatch, chunk))
-        output_tensor, num_tokens = forward_step(
-            self.forward_step_func,
+        output_tensor = self.forward_passes(
             self.data_iterators[chunk],
             self.model[chunk],
-            plan.num_microbatches,
+            microbatch,
             input_tensor,
-            self.forward_data_store,
-            self.config,
-            self.cp_group_size,
-            self.collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(self.first_val_step, plan.forward_only, microbatch == 0),
-            current_microbatch=microbatch,
-            vp_stage=chunk,
             is_last_stage=plan.is_last_virtual_stage(chunk),
+            vp_stage=chunk,
         )
-        self.total_num_tokens += num_tokens
         if not plan.forward_only:
             self.stashed[(microbatch, chunk)] = (input_tensor, output_tensor)
         return output_tensor

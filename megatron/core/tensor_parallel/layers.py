@@ -396,7 +396,56 @@ class _EmptyExtraState:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
+class _ParallelLinearBase(_EmptyExtraState, _TensorParallelModule):
+    """What ColumnParallelLinear and RowParallelLinear share: an always-empty extra state, no deferred weight
+    gradients, their repr and their checkpoint layout. A subclass sets ``_sharded_axes`` (the TP-split axis of each
+    parameter; a parameter not named is replicated) and ``_layout_flag`` (the attribute its repr shows last)."""
+
+    _sharded_axes: dict[str, int]
+    _layout_flag: str
+
+    def __init__(self, input_size, output_size, skip_bias_add, *, config, tp_group, is_expert, stride, name):
+        super().__init__()
+        self.name = name
+        self._setup_group(config, tp_group, is_expert)
+        # Refused before any weight is allocated: the split side must divide evenly over the TP ranks.
+        if self._sharded_axes["weight"] == 0:
+            _check_divisible(type(self).__name__, "output_size", output_size, self.tp_size, stride)
+        else:
+            _check_divisible(type(self).__name__, "input_size", input_size, self.tp_size, stride)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.skip_bias_add = skip_bias_add
+
+    def backward_dw(self) -> None:
+        """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
+        layers), since backward computes the weight gradient at once."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any):
+        """Nothing to restore: the extra state is always empty."""
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"tp_size={self.tp_size}, bias={self.bias is not None}, "
+            f"{self._layout_flag}={getattr(self, self._layout_flag)}"
+        )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Weight (and bias) split along ``_sharded_axes`` over the tensor-parallel group."""
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            self._sharded_axes,
+            sharded_offsets,
+            tp_group=self.tp_group,
+        )
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
     """``Y = X A + b`` with ``A`` split by columns: rank r computes ``Y_r = X A_r + b_r``.
 
     The weight is ``[output_size / tp, input_size]`` (``partition_dim=0``). The input must be the same on every TP
@@ -414,6 +463,9 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
     ``embedding_activation_buffer``, ``grad_output_buffer`` (deferred embedding weight gradients) and
     ``tp_comm_buffer_name`` (Transformer Engine overlap) are accepted for compatibility and unused.
     """
+
+    _sharded_axes = {"weight": 0, "bias": 0}
+    _layout_flag = "gather_output"
 
     def __init__(
         self,
@@ -436,15 +488,18 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         name: str | None = None,
     ):
-        super().__init__()
-        self.name = name
-        self._setup_group(config, tp_group, is_expert)
-        _check_divisible("ColumnParallelLinear", "output_size", output_size, self.tp_size, stride)
-        self.input_size = input_size
-        self.output_size = output_size
+        super().__init__(
+            input_size,
+            output_size,
+            skip_bias_add,
+            config=config,
+            tp_group=tp_group,
+            is_expert=is_expert,
+            stride=stride,
+            name=name,
+        )
         self.output_size_per_partition = output_size // self.tp_size
         self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.embedding_activation_buffer = embedding_activation_buffer
@@ -502,34 +557,16 @@ class ColumnParallelLinear(_EmptyExtraState, _TensorParallelModule):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-    def backward_dw(self) -> None:
-        """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
-        layers), since backward computes the weight gradient at once."""
-
-    def get_extra_state(self) -> None:
-        return None
-
-    def set_extra_state(self, state: Any):
-        """Nothing to restore: the extra state is always empty."""
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.input_size}, out_features={self.output_size}, "
-            f"tp_size={self.tp_size}, bias={self.bias is not None}, gather_output={self.gather_output}"
-        )
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Weight and bias split along the output axis (0) over the tensor-parallel group."""
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True),
-            prefix,
-            {"weight": 0, "bias": 0},
-            sharded_offsets,
-            tp_group=self.tp_group,
-        )
+    # The methods live in _ParallelLinearBase; they are also bound here because Megatron's API lists them on
+    # the class itself.
+    backward_dw = _ParallelLinearBase.backward_dw
+    get_extra_state = _ParallelLinearBase.get_extra_state
+    set_extra_state = _ParallelLinearBase.set_extra_state
+    extra_repr = _ParallelLinearBase.extra_repr
+    sharded_state_dict = _ParallelLinearBase.sharded_state_dict
 
 
-class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
+class RowParallelLinear(_ParallelLinearBase):
     """``Y = X A + b`` with ``A`` split by rows: rank r computes ``X_r A_r`` and the partial results are summed.
 
     The weight is ``[output_size, input_size / tp]`` (``partition_dim=1``). The input is this rank's
@@ -538,6 +575,9 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
     reduce-scattered along dim 0 to ``[s/tp, b, h]``. The bias (not split) is added after the reduction, or returned
     for the caller to add when ``skip_bias_add``. ``forward(input_)`` returns ``(output, bias)``.
     """
+
+    _sharded_axes = {"weight": 1}  # the bias is not split: replicated
+    _layout_flag = "input_is_parallel"
 
     def __init__(
         self,
@@ -556,15 +596,18 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         name: str | None = None,
     ):
-        super().__init__()
-        self.name = name
-        self._setup_group(config, tp_group, is_expert)
-        _check_divisible("RowParallelLinear", "input_size", input_size, self.tp_size, stride)
-        self.input_size = input_size
-        self.output_size = output_size
+        super().__init__(
+            input_size,
+            output_size,
+            skip_bias_add,
+            config=config,
+            tp_group=tp_group,
+            is_expert=is_expert,
+            stride=stride,
+            name=name,
+        )
         self.input_size_per_partition = input_size // self.tp_size
         self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
@@ -596,27 +639,13 @@ class RowParallelLinear(_EmptyExtraState, _TensorParallelModule):
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
 
-    def backward_dw(self) -> None:
-        """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
-        layers), since backward computes the weight gradient at once."""
-
-    def get_extra_state(self) -> None:
-        return None
-
-    def set_extra_state(self, state: Any):
-        """Nothing to restore: the extra state is always empty."""
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.input_size}, out_features={self.output_size}, "
-            f"tp_size={self.tp_size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
-        )
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Weight split along the input axis (1) over the tensor-parallel group; the bias is replicated."""
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1}, sharded_offsets, tp_group=self.tp_group
-        )
+    # The methods live in _ParallelLinearBase; they are also bound here because Megatron's API lists them on
+    # the class itself.
+    backward_dw = _ParallelLinearBase.backward_dw
+    get_extra_state = _ParallelLinearBase.get_extra_state
+    set_extra_state = _ParallelLinearBase.set_extra_state
+    extra_repr = _ParallelLinearBase.extra_repr
+    sharded_state_dict = _ParallelLinearBase.sharded_state_dict
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

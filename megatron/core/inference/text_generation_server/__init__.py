@@ -2,9 +2,10 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` (both also without ``/v1``, both streaming with ``stream: true``),
 ``/v1/models``, ``/health``, and Megatron's legacy ``PUT /api``; see docs/inference.md. The pieces, in the order a
-request meets them: :mod:`.app` (routes), :mod:`.validation` (request bodies), :mod:`.generation` (choices on the
-engine), :mod:`.serving_loop` (the engine thread and the model-parallel lockstep), :mod:`.text_stream` (tokens to
-text), :mod:`.responses` (OpenAI's JSON), :mod:`.server` (uvicorn).
+request meets them: :mod:`.app` (the app and its errors), :mod:`.routes` (the handlers), :mod:`.validation`
+(request bodies), :mod:`.generation` (choices on the engine), :mod:`.serving_loop` (the engine thread and the
+model-parallel lockstep), :mod:`.text_stream` (tokens to text), :mod:`.responses` (OpenAI's JSON), :mod:`.server`
+(uvicorn).
 """
 
 from megatron.core.inference.text_generation_server.errors import OpenAIError

@@ -4,20 +4,14 @@ from typing import Any, Callable, Dict, Literal, Optional
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-    MultimodalRotaryEmbedding,
-    RotaryEmbedding,
-)
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import layout_independent_init
 
 
 class GPTModel(LanguageModule):
@@ -58,34 +52,24 @@ class GPTModel(LanguageModule):
             raise ValueError("not supported yet: multi-token prediction (mtp_block_spec); pass None")
         if position_embedding_type == "yarn":
             raise ValueError("not supported yet: YaRN rotary embeddings (position_embedding_type='yarn')")
-        if vocab_size % tp_group_or_default(pg_collection).size() != 0:
-            raise ValueError(
-                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size "
-                f"({tp_group_or_default(pg_collection).size()}); pad it as Megatron does with "
-                "--make-vocab-size-divisible-by"
-            )
+        self._init_language_model_settings(
+            vocab_size,
+            max_sequence_length,
+            pre_process,
+            post_process,
+            fp16_lm_cross_entropy,
+            parallel_output,
+            share_embeddings_and_output_weights,
+            position_embedding_type,
+            vp_stage,
+        )
         self.transformer_layer_spec = transformer_layer_spec
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
-        self.parallel_output = parallel_output
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
-        self.vp_stage = vp_stage
 
-        if pre_process:
-            with layout_independent_init(config, stream_offset=0):
-                self.embedding = LanguageModelEmbedding(
-                    config=config,
-                    vocab_size=vocab_size,
-                    max_sequence_length=max_sequence_length,
-                    # The embedding adds learned positions only; rotary kinds are applied in attention.
-                    position_embedding_type="none" if position_embedding_type == "mrope" else position_embedding_type,
-                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                    tp_group=tp_group_or_default(pg_collection),
-                )
+        # The embedding adds learned positions only; rotary kinds are applied in attention.
+        self._build_embedding(
+            "none" if position_embedding_type == "mrope" else position_embedding_type,
+            scatter_embedding_sequence_parallel,
+        )
         if position_embedding_type == "mrope":
             self.mrope_section = config.mrope_section
             if not self.mrope_section:
@@ -101,15 +85,12 @@ class GPTModel(LanguageModule):
                 rotary_base=rotary_base,
             )
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
+            self._build_rotary_embedding(
+                rotary_percent,
+                rotary_base,
+                seq_len_interpolation_factor,
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
-                use_cpu_initialization=config.use_cpu_initialization,
                 cp_group=self._context_parallel_group(pg_collection),
             )
         self.decoder = TransformerBlock(
@@ -120,29 +101,10 @@ class GPTModel(LanguageModule):
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        if post_process:
-            with layout_independent_init(config, stream_offset=config.num_layers + 1):
-                self.output_layer = tensor_parallel.ColumnParallelLinear(
-                    config.hidden_size,
-                    vocab_size,
-                    config=config,
-                    init_method=config.init_method,
-                    bias=False,
-                    skip_bias_add=False,
-                    gather_output=not parallel_output,
-                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                    tp_group=tp_group_or_default(pg_collection),
-                )
-        if pre_process or post_process:
-            self.setup_embeddings_and_output_layer()
+        self._build_output_layer()
 
-    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
-        """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
-        if isinstance(input_tensor, (list, tuple)):
-            if len(input_tensor) != 1:
-                raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
+    # One implementation (LanguageModule's), also bound here because Megatron's API has it on the model class.
+    set_input_tensor = LanguageModule.set_input_tensor
 
     def _context_parallel_group(self, pg_collection):
         """The CP group rotary angles are split over (this rank's chunks of the sequence), or None without CP."""
@@ -151,6 +113,12 @@ class GPTModel(LanguageModule):
         if pg_collection is not None and hasattr(pg_collection, "cp"):
             return pg_collection.cp
         return parallel_state.get_context_parallel_group()
+
+    def _decoder_rotary_pos_emb(self, position_ids, inference_context, decoder_input, packed_seq_params):
+        """Multimodal RoPE takes its angles from the ``[3, b, s]`` position ids; other kinds as LanguageModule."""
+        if self.position_embedding_type == "mrope":
+            return self.rotary_pos_emb(position_ids, self.mrope_section)
+        return super()._decoder_rotary_pos_emb(position_ids, inference_context, decoder_input, packed_seq_params)
 
     def forward(
         self,
@@ -175,25 +143,18 @@ class GPTModel(LanguageModule):
         if output_processor is not None:
             raise ValueError("not supported yet: GPTModel.forward(output_processor=...)")
         inference_context = inference_context if inference_context is not None else inference_params
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
-            rotary_pos_emb = self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
-        elif self.position_embedding_type == "mrope":
-            rotary_pos_emb = self.rotary_pos_emb(position_ids, self.mrope_section)
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            rotary_pos_emb=rotary_pos_emb,
-            inference_context=inference_context,
-            packed_seq_params=packed_seq_params,
-            padding_mask=padding_mask,
-            **(extra_block_kwargs or {}),
+        return self._language_model_forward(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input,
+            labels,
+            inference_context,
+            packed_seq_params,
+            padding_mask,
+            runtime_gather_output,
+            extra_block_kwargs,
         )
-        if not self.post_process:
-            return hidden_states
-        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None

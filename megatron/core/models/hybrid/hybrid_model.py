@@ -5,9 +5,7 @@ from typing import Any, Dict, Literal, Optional
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core import parallel_state
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
     Symbols,
@@ -19,11 +17,10 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
     select_pipeline_segment,
 )
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import layout_independent_init, warn_once
+from megatron.core.utils import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -117,19 +114,20 @@ class HybridModel(LanguageModule):
             hybrid_mlp_ratio,
             hybrid_override_pattern,
         )
-        self._check_settings(config, pattern, vocab_size, position_embedding_type, pg_collection)
+        self._check_settings(config, pattern, position_embedding_type)
+        self._init_language_model_settings(
+            vocab_size,
+            max_sequence_length,
+            pre_process,
+            post_process,
+            fp16_lm_cross_entropy,
+            parallel_output,
+            share_embeddings_and_output_weights,
+            position_embedding_type,
+            vp_stage,
+        )
         self.hybrid_stack_spec = hybrid_stack_spec
         self.hybrid_layer_pattern = pattern
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
-        self.parallel_output = parallel_output
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
-        self.vp_stage = vp_stage
-        tp_group = tp_group_or_default(pg_collection)
 
         main_pattern = parse_hybrid_pattern(pattern).main_pattern or ""
         layer_type_list, layer_offset = select_pipeline_segment(
@@ -141,25 +139,9 @@ class HybridModel(LanguageModule):
             tp_group=getattr(pg_collection, "tp", None),
             dp_cp_group=getattr(pg_collection, "dp_cp", None),
         )
-        if pre_process:
-            with layout_independent_init(config, stream_offset=0):
-                self.embedding = LanguageModelEmbedding(
-                    config=config,
-                    vocab_size=vocab_size,
-                    max_sequence_length=max_sequence_length,
-                    position_embedding_type=position_embedding_type,
-                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                    tp_group=tp_group,
-                )
+        self._build_embedding(position_embedding_type, scatter_embedding_sequence_parallel)
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
-                use_cpu_initialization=config.use_cpu_initialization,
-            )
+            self._build_rotary_embedding(rotary_percent, rotary_base, seq_len_interpolation_factor)
         self.decoder = build_module(
             hybrid_stack_spec,
             config,
@@ -171,25 +153,12 @@ class HybridModel(LanguageModule):
             pg_collection=pg_collection,
             name="decoder",
         )
-        if post_process:
-            with layout_independent_init(config, stream_offset=config.num_layers + 1):
-                self.output_layer = tensor_parallel.ColumnParallelLinear(
-                    config.hidden_size,
-                    vocab_size,
-                    config=config,
-                    init_method=config.init_method,
-                    bias=False,
-                    skip_bias_add=False,
-                    gather_output=not parallel_output,
-                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                    tp_group=tp_group,
-                )
-        if pre_process or post_process:
-            self.setup_embeddings_and_output_layer()
+        self._build_output_layer()
 
     @staticmethod
-    def _check_settings(config, pattern, vocab_size, position_embedding_type, pg_collection) -> None:
-        """Everything a bad setting would break later, checked before any module (or collective) is built."""
+    def _check_settings(config, pattern, position_embedding_type) -> None:
+        """Everything a bad setting would break later, checked before any module (or collective) is built (the
+        vocabulary size in LanguageModule)."""
         refuse_layer_types_not_built(pattern)
         num_layers = get_hybrid_total_layer_count(pattern)
         if config.num_layers != num_layers:
@@ -211,20 +180,9 @@ class HybridModel(LanguageModule):
             raise ValueError("not supported yet: YaRN rotary embeddings (position_embedding_type='yarn')")
         if position_embedding_type == "rope" and Symbols.ATTENTION not in pattern:
             _warn_on_rank_0(f"position_embedding_type='rope' has no effect: pattern {pattern!r} has no attention")
-        tp_size = tp_group_or_default(pg_collection).size()
-        if vocab_size % tp_size != 0:
-            raise ValueError(
-                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size}); pad it as "
-                "Megatron does with --make-vocab-size-divisible-by"
-            )
 
-    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
-        """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
-        if isinstance(input_tensor, (list, tuple)):
-            if len(input_tensor) != 1:
-                raise ValueError(f"HybridModel takes one input tensor per stage, got {len(input_tensor)}")
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
+    # One implementation (LanguageModule's), also bound here because Megatron's API has it on the model class.
+    set_input_tensor = LanguageModule.set_input_tensor
 
     def forward(
         self,
@@ -244,22 +202,17 @@ class HybridModel(LanguageModule):
         """``loss_mask`` only matters to multi-token prediction (not built); the loss is per token and masked by
         the caller's loss function, as in pretrain_gpt."""
         inference_context = inference_context if inference_context is not None else inference_params
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
-            rotary_pos_emb = self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            inference_context=inference_context,
-            rotary_pos_emb=rotary_pos_emb,
-            packed_seq_params=packed_seq_params,
-            padding_mask=padding_mask,
+        return self._language_model_forward(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input,
+            labels,
+            inference_context,
+            packed_seq_params,
+            padding_mask,
+            runtime_gather_output,
         )
-        if not self.post_process:
-            return hidden_states
-        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None

@@ -63,6 +63,31 @@ class MoETokenDispatcher:
         self.tp_ep_size = _size(self.tp_ep_group)
         self.shared_experts = None
 
+    def _init_local_experts(self, num_local_experts: int, local_expert_indices: List[int]) -> None:
+        """What the all-gather and all-to-all dispatchers keep of this rank's experts, once the groups are checked."""
+        self._check_expert_group_layout()
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.router_topk = self.config.moe_router_topk
+
+    def _check_expert_group_layout(self) -> None:
+        """The dispatchers index the ETP x EP group as ``ep_rank * etp + etp_rank`` (parallel_state's layout); a
+        hand-made ProcessGroupCollection with another layout would silently route tokens to the wrong experts."""
+        if self.tp_ep_size == 1 or self.tp_ep_group is None:
+            return
+        members = dist.get_process_group_ranks(self.tp_ep_group)
+        tp, ep = self.tp_size, self.ep_size
+        expected_tp = members[self.ep_rank * tp : (self.ep_rank + 1) * tp]
+        expected_ep = members[self.tp_rank :: tp]
+        actual_tp = dist.get_process_group_ranks(self.tp_group) if tp > 1 else expected_tp
+        actual_ep = dist.get_process_group_ranks(self.ep_group) if ep > 1 else expected_ep
+        if len(members) != tp * ep or actual_tp != expected_tp or actual_ep != expected_ep:
+            raise ValueError(
+                f"the expert groups do not nest: tp_ep {members}, expt_tp {actual_tp}, ep {actual_ep}; tp_ep must "
+                "list the expert-tensor-parallel ranks of each expert-parallel rank together (parallel_state's "
+                "layout)"
+            )
+
     @abstractmethod
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Local work before the dispatch communication."""
@@ -96,24 +121,6 @@ class MoETokenDispatcher:
         return None
 
 
-def _check_expert_group_layout(dispatcher: MoETokenDispatcher) -> None:
-    """The dispatchers index the ETP x EP group as ``ep_rank * etp + etp_rank`` (parallel_state's layout); a
-    hand-made ProcessGroupCollection with another layout would silently route tokens to the wrong experts."""
-    if dispatcher.tp_ep_size == 1 or dispatcher.tp_ep_group is None:
-        return
-    members = dist.get_process_group_ranks(dispatcher.tp_ep_group)
-    tp, ep = dispatcher.tp_size, dispatcher.ep_size
-    expected_tp = members[dispatcher.ep_rank * tp : (dispatcher.ep_rank + 1) * tp]
-    expected_ep = members[dispatcher.tp_rank :: tp]
-    actual_tp = dist.get_process_group_ranks(dispatcher.tp_group) if tp > 1 else expected_tp
-    actual_ep = dist.get_process_group_ranks(dispatcher.ep_group) if ep > 1 else expected_ep
-    if len(members) != tp * ep or actual_tp != expected_tp or actual_ep != expected_ep:
-        raise ValueError(
-            f"the expert groups do not nest: tp_ep {members}, expt_tp {actual_tp}, ep {actual_ep}; tp_ep must list "
-            "the expert-tensor-parallel ranks of each expert-parallel rank together (parallel_state's layout)"
-        )
-
-
 class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     """All-gather tokens over ETP x EP, keep those routed to this rank's experts; reduce-scatter the results.
 
@@ -129,11 +136,8 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        _check_expert_group_layout(self)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
+        self._init_local_experts(num_local_experts, local_expert_indices)
         self.local_start = self.local_expert_indices[0]
-        self.router_topk = config.moe_router_topk
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Flatten ``[s, b, h]`` to ``[tokens, h]`` and keep the routing map for later."""
@@ -193,11 +197,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        _check_expert_group_layout(self)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
+        self._init_local_experts(num_local_experts, local_expert_indices)
         self.num_experts = config.num_moe_experts
-        self.router_topk = config.moe_router_topk
         self.drop_and_pad = config.moe_pad_expert_input_to_capacity
         # Chunk j of the received tokens is (source s = j // n, local expert e = j % n), s = etp * ep + ep_source;
         # sorted, expert e's chunks come first, in source order.

@@ -6,10 +6,14 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.tensor_parallel.sharded_state import make_tp_sharded_tensor_for_checkpoint
+from megatron.core.utils import layout_independent_init
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +25,100 @@ class LanguageModule(MegatronModule):
     def __init__(self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None) -> None:
         super().__init__(config)
         self.pg_collection = pg_collection
+
+    # Construction shared by GPTModel and HybridModel. A subclass calls these in this order: the settings
+    # (checked before any module is built), the embedding, its rotary embedding, its own decoder, then the
+    # output layer. The attribute names are the checkpoint's keys.
+
+    def _init_language_model_settings(
+        self,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool,
+        post_process: bool,
+        fp16_lm_cross_entropy: bool,
+        parallel_output: bool,
+        share_embeddings_and_output_weights: bool,
+        position_embedding_type: str,
+        vp_stage: Optional[int],
+    ) -> None:
+        """Refuse a vocabulary TP cannot split, then keep the settings every language model has."""
+        tp_size = tp_group_or_default(self.pg_collection).size()
+        if vocab_size % tp_size != 0:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size}); pad it as "
+                "Megatron does with --make-vocab-size-divisible-by"
+            )
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+
+    def _build_embedding(self, position_embedding_type: str, scatter_to_sequence_parallel: bool) -> None:
+        """The word (and learned position) embedding, on the first stage only. Stream 0 of the layout-independent
+        init, so its weights do not depend on TP/PP."""
+        if not self.pre_process:
+            return
+        with layout_independent_init(self.config, stream_offset=0):
+            self.embedding = LanguageModelEmbedding(
+                config=self.config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_to_sequence_parallel,
+                tp_group=tp_group_or_default(self.pg_collection),
+            )
+
+    def _build_rotary_embedding(
+        self,
+        rotary_percent: float,
+        rotary_base: int,
+        seq_len_interpolation_factor: Optional[float],
+        **rotary_kwargs,
+    ) -> None:
+        """``self.rotary_pos_emb`` for 'rope' positions; ``rotary_kwargs`` are RotaryEmbedding's optional ones
+        (Llama-3 scaling, the CP group) a model passes on."""
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=self.config.kv_channels,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=self.config.rotary_interleaved,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            rotary_base=rotary_base,
+            use_cpu_initialization=self.config.use_cpu_initialization,
+            **rotary_kwargs,
+        )
+
+    def _build_output_layer(self) -> None:
+        """The vocab-parallel output layer on the last stage, then the embedding tying. Its init stream follows
+        every layer's (num_layers + 1); with tied weights on a single stage it has no weight of its own."""
+        if self.post_process:
+            with layout_independent_init(self.config, stream_offset=self.config.num_layers + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    self.config.hidden_size,
+                    self.vocab_size,
+                    config=self.config,
+                    init_method=self.config.init_method,
+                    bias=False,
+                    skip_bias_add=False,
+                    gather_output=not self.parallel_output,
+                    skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+                    tp_group=tp_group_or_default(self.pg_collection),
+                )
+        if self.pre_process or self.post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """Hand the previous pipeline stage's output to the decoder (the schedules pass a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"{type(self).__name__} takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy: ``labels [b, s]``, vocab-parallel ``logits [s, b, v/tp]`` -> loss ``[b, s]``."""
@@ -73,6 +171,43 @@ class LanguageModule(MegatronModule):
             inference_context, self.decoder, decoder_input, self.config, packed_seq_params
         )
         return self.rotary_pos_emb(seq_len, packed_seq=packed_seq_params is not None)
+
+    def _decoder_rotary_pos_emb(self, position_ids, inference_context, decoder_input, packed_seq_params):
+        """The rotary angles the decoder's attention applies: RoPE's, or None for other position kinds."""
+        if self.position_embedding_type == "rope":
+            return self._rotary_embedding(inference_context, decoder_input, packed_seq_params)
+        return None
+
+    def _language_model_forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        decoder_input,
+        labels,
+        inference_context,
+        packed_seq_params,
+        padding_mask,
+        runtime_gather_output,
+        extra_block_kwargs=None,
+    ) -> torch.Tensor:
+        """The forward both models share: embedding (first stage), rotary angles, decoder, then the head (last
+        stage); a middle stage returns its hidden states ``[s, b, h]``."""
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = self._decoder_rotary_pos_emb(position_ids, inference_context, decoder_input, packed_seq_params)
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+            **(extra_block_kwargs or {}),
+        )
+        if not self.post_process:
+            return hidden_states
+        return self._logits_or_loss(hidden_states, labels, runtime_gather_output)
 
     def _logits_or_loss(self, hidden_states, labels, runtime_gather_output) -> torch.Tensor:
         """The last stage's head: logits ``[b, s, v/tp]`` without labels, else the per-token loss ``[b, s]``."""

@@ -1,0 +1,217 @@
+"""Validation of TransformerConfig's own fields, called from ``TransformerConfig.__post_init__`` (and
+``MLATransformerConfig``'s), in the order it lists them; the mixture-of-experts fields are checked by
+:mod:`megatron.core.transformer.moe.moe_config_validation`.
+
+One small function per rule; each failure is one ValueError naming the field(s), the value(s) and the fix, raised
+while the config is built, before any model or collective exists. The ``_derive_*`` functions fill in the defaults
+Megatron derives (FFN size, kv_channels, query groups, init methods).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron.core.utils import init_method_normal, scaled_init_method_normal, warn_once
+
+if TYPE_CHECKING:  # type hints only: transformer_config imports this module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+_RECOMPUTE_GRANULARITIES = ("full", "selective")
+_RECOMPUTE_METHODS = ("uniform", "block")
+_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+_ROPE_TYPES = ("rope", "yarn")
+
+# Knobs that only select a fused GPU kernel or implementation: accepted at any value, with one warning when set,
+# because the pure-PyTorch code computes the same result.
+_KERNEL_KNOBS = (
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "memory_efficient_layer_norm",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+    "cross_entropy_loss_fusion",
+    "use_fused_weighted_squared_relu",
+    "fused_single_qkv_rope",
+    "fused_residual_rmsnorm",
+    "use_transformer_engine_op_fuser",
+    "use_te_activation_func",
+    "use_grouped_gemm_for_dense_mlp",
+    "disable_parameter_transpose_cache",
+    "symmetric_ar_type",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+)
+
+
+def _validate_shape(config: TransformerConfig) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.normalization not in _NORMALIZATIONS:
+        raise ValueError(f"normalization={config.normalization!r} is not supported; use one of {_NORMALIZATIONS}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(config, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def _derive_defaults(config: TransformerConfig) -> None:
+    if config.ffn_hidden_size is None:
+        config.ffn_hidden_size = 4 * config.hidden_size
+    if config.kv_channels is None:
+        if config.hidden_size % config.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
+                f"({config.num_attention_heads}) unless kv_channels is set"
+            )
+        config.kv_channels = config.hidden_size // config.num_attention_heads
+    if config.num_query_groups is None:
+        config.num_query_groups = config.num_attention_heads
+    if config.num_attention_heads % config.num_query_groups != 0:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of num_query_groups "
+            f"({config.num_query_groups})"
+        )
+    # Scaling scores by 1/layer_number and back only keeps fp16 scores in range when the softmax runs in fp32;
+    # with that, the result equals unscaled attention.
+    if config.apply_query_key_layer_scaling:
+        config.attention_softmax_in_fp32 = True
+
+
+def _validate_tensor_parallel_split(config: TransformerConfig) -> None:
+    tp = config.tensor_model_parallel_size
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        value = getattr(config, name)
+        if value % tp != 0:
+            raise ValueError(
+                f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
+                f"change {name} or the tensor-parallel size"
+            )
+
+
+_MAMBA_SSM_STATES_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+def _validate_mamba(config: TransformerConfig) -> None:
+    """The Mamba sizes on their own; the mixer checks the sizes it derives (d_inner, heads) when it is built."""
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    heads, groups, tp = config.mamba_num_heads, config.mamba_num_groups, config.tensor_model_parallel_size
+    if heads is not None:
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ValueError(f"mamba_num_heads must be a positive integer or None, got {heads!r}")
+        if heads % groups != 0:
+            raise ValueError(
+                f"mamba_num_heads ({heads}) must be a multiple of mamba_num_groups ({groups}); change one of them"
+            )
+        if heads % tp != 0:
+            raise ValueError(
+                f"mamba_num_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp}); "
+                "change mamba_num_heads or the tensor-parallel size"
+            )
+    if config.is_hybrid_model and groups % tp != 0:
+        raise ValueError(
+            f"mamba_num_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}) (groups are split "
+            "over tensor-parallel ranks); change mamba_num_groups or the tensor-parallel size"
+        )
+    if config.mamba_training_ssm_states_dtype not in _MAMBA_SSM_STATES_DTYPES:
+        raise ValueError(
+            f"mamba_training_ssm_states_dtype={config.mamba_training_ssm_states_dtype!r} is not supported; use "
+            "torch.float32, torch.bfloat16 or None"
+        )
+
+
+def _validate_recompute(config: TransformerConfig) -> None:
+    granularity = config.recompute_granularity
+    if granularity is None:
+        return
+    if granularity not in _RECOMPUTE_GRANULARITIES:
+        raise ValueError(
+            f"recompute_granularity={granularity!r} is not valid; use one of {_RECOMPUTE_GRANULARITIES} or None"
+        )
+    if granularity == "full":
+        if config.recompute_method not in _RECOMPUTE_METHODS:
+            raise ValueError(
+                f"recompute_granularity='full' needs recompute_method in {_RECOMPUTE_METHODS}, "
+                f"got {config.recompute_method!r}"
+            )
+        if not isinstance(config.recompute_num_layers, int) or config.recompute_num_layers < 1:
+            raise ValueError(
+                f"recompute_granularity='full' needs recompute_num_layers >= 1, got {config.recompute_num_layers!r}"
+            )
+    else:
+        if config.recompute_num_layers is not None:
+            raise ValueError(
+                "recompute_num_layers must be None with recompute_granularity='selective', "
+                f"got {config.recompute_num_layers}"
+            )
+        if config.recompute_modules is None:
+            config.recompute_modules = ["core_attn"]
+        unknown = [m for m in config.recompute_modules if m not in _SELECTIVE_MODULES]
+        if unknown:
+            raise ValueError(f"recompute_modules {unknown} are not supported; choose from {_SELECTIVE_MODULES}")
+    if config.distribute_saved_activations and config.sequence_parallel:
+        raise ValueError(
+            "distribute_saved_activations cannot be combined with sequence_parallel (the activations are already "
+            "split along the sequence); turn one of them off"
+        )
+
+
+def _validate_transformer_impl(config: TransformerConfig) -> None:
+    if config.transformer_impl not in _TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl={config.transformer_impl!r} is not valid; use one of {_TRANSFORMER_IMPLS}")
+    if config.transformer_impl == "inference_optimized":
+        raise ValueError(
+            "not supported yet: inference-optimised layers (transformer_impl='inference_optimized'); "
+            "use 'local' or 'transformer_engine'"
+        )
+
+
+def _warn_about_kernel_knobs(config: TransformerConfig) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
+    for name in _KERNEL_KNOBS:
+        value = getattr(config, name)
+        if value != defaults[name]:
+            warn_once(f"{name}={value!r}: no fused kernel is available here; using the equivalent PyTorch operations")
+
+
+def _apply_matmul_precision(config: TransformerConfig) -> None:
+    # Megatron applies this process-wide switch from the config; it only changes CUDA bf16 matmuls.
+    if config.bf16 and config.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
+def _derive_init_methods(config: TransformerConfig) -> None:
+    if config.embedding_init_method_std is None:
+        config.embedding_init_method_std = config.init_method_std
+    if config.embedding_init_method is None:
+        # A caller's own init_method also initialises the embeddings, unless a separate embedding std is asked for.
+        if config.init_method is not None and config.embedding_init_method_std == config.init_method_std:
+            config.embedding_init_method = config.init_method
+        else:
+            config.embedding_init_method = init_method_normal(config.embedding_init_method_std)
+    if config.init_method is None:
+        config.init_method = init_method_normal(config.init_method_std)
+    if config.output_layer_init_method is None:
+        config.output_layer_init_method = scaled_init_method_normal(config.init_method_std, config.num_layers)
+
+
+def _validate_mla(config: MLATransformerConfig) -> None:
+    if not config.multi_latent_attention:
+        raise ValueError("MLATransformerConfig needs multi_latent_attention=True; use TransformerConfig otherwise")
+    if config.rope_type not in _ROPE_TYPES:
+        raise ValueError(f"rope_type={config.rope_type!r} is not valid; use one of {_ROPE_TYPES}")
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
