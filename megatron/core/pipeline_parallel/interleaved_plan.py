@@ -31,10 +31,12 @@ Everything received is keyed by ``(microbatch_id, model_chunk_id)``, so buffered
 """
 
 from typing import List, Optional, Tuple
+from megatron.core.public_api import public_api
 
 Key = Tuple[int, int]  # (microbatch_id, model_chunk_id), the order of Megatron's schedule table
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
     """``(microbatch_id, model_chunk_id)`` of every forward pass of the interleaved schedule, in the order a rank
     runs them.

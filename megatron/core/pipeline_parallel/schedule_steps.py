@@ -9,10 +9,12 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model, get_current_device
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def get_tensor_device(tensor: Union[torch.Tensor, Dict[str, torch.Tensor]]):
     """The device of ``tensor``, or of the first tensor of a dict of them (multi-module stage outputs)."""
     if isinstance(tensor, dict):
@@ -22,6 +24,7 @@ def get_tensor_device(tensor: Union[torch.Tensor, Dict[str, torch.Tensor]]):
     return tensor.device
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def custom_backward(output, grad_output):
     """Backpropagate ``grad_output`` through ``output`` without requiring their shapes to agree.
 
@@ -56,6 +59,7 @@ def get_model_config(model: torch.nn.Module):
     return get_attr_wrapped_model(model, "config")
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False) -> None:
     """Free the data of a stage output that has been sent to the next stage, keeping its autograd graph.
 
@@ -75,6 +79,7 @@ def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_ou
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype).expand(out.shape)
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
     """Whether a micro-batch counts as the first one (``first_val_step`` overrides it during validation)."""
     if first_val_step is not None and forward_only:
@@ -82,6 +87,7 @@ def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, con
     return cond
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def get_tensor_shapes(
     *,
     seq_length: int,
@@ -104,6 +110,7 @@ def get_tensor_shapes(
     return [(seq, micro_batch_size, config.hidden_size)]
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def forward_step(
     forward_step_func,
     data_iterator,
@@ -165,6 +172,7 @@ def forward_step(
     return [output_tensor], num_tokens
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def forward_step_calc_loss(
     model,
     output_tensor,
@@ -243,6 +251,7 @@ def _reduce_loss(outputs, num_microbatches: int, cp_group_size: int, config):
     return loss, num_tokens.to(torch.int64), reduced
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     """Backpropagate one micro-batch through one model chunk; return the gradient of its input.
 
@@ -274,6 +283,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     return input_tensor_grad[0] if unwrap_input_tensor_grad else input_tensor_grad
 
 
+@public_api("megatron.core.pipeline_parallel.schedules")
 def backward_step_multimodule(
     input_tensor: Dict[str, torch.Tensor],
     output_tensor: Union[torch.Tensor, Dict[str, torch.Tensor]],
