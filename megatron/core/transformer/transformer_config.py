@@ -5,7 +5,6 @@ Fields of features this project does not build yet are listed in ``megatron.core
 when set; GPU-kernel knobs are accepted and warn once that they have no effect here.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -18,6 +17,7 @@ from megatron.core.transformer.config_validation import (
     _apply_matmul_precision,
     _derive_defaults,
     _derive_init_methods,
+    _validate_context_parallel,
     _validate_mamba,
     _validate_mla,
     _validate_recompute,
@@ -544,46 +544,6 @@ class TransformerConfig(ModelParallelConfig):
         _warn_about_kernel_knobs(self)
         _apply_matmul_precision(self)
         _derive_init_methods(self)
-
-
-def _validate_context_parallel(config: TransformerConfig) -> None:
-    """cp_comm_type values (one, or one per layer), the head split a2a needs, and a2a+p2p's hierarchy."""
-    from megatron.core.transformer.enums import CP_COMM_TYPES
-
-    cp = config.context_parallel_size
-    sizes = config.hierarchical_context_parallel_sizes
-    if sizes:
-        if any(not isinstance(size, int) or size < 1 for size in sizes) or math.prod(sizes) != cp:
-            raise ValueError(
-                f"hierarchical_context_parallel_sizes={list(sizes)} must be positive integers whose product is "
-                f"context_parallel_size={cp}"
-            )
-    if cp == 1:
-        return
-    comm_types = config.cp_comm_type if isinstance(config.cp_comm_type, list) else [config.cp_comm_type]
-    if isinstance(config.cp_comm_type, list) and len(comm_types) != config.num_layers:
-        raise ValueError(
-            f"cp_comm_type is a list of {len(comm_types)} values but the model has num_layers={config.num_layers}; "
-            "give one value for every layer, or a single string"
-        )
-    tp = config.tensor_model_parallel_size
-    for comm_type in comm_types:
-        if comm_type is not None and comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
-        if comm_type == "a2a+p2p" and (not sizes or len(sizes) != 2):
-            raise ValueError(
-                f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[a2a size, p2p size] with product "
-                f"context_parallel_size={cp}, got {sizes!r}"
-            )
-        a2a_size = {"a2a": cp, "a2a+p2p": sizes[0] if sizes else 1}.get(comm_type, 1)
-        for name in ("num_attention_heads", "num_query_groups"):
-            per_rank = getattr(config, name) // tp
-            if per_rank % a2a_size != 0:
-                raise ValueError(
-                    f"cp_comm_type={comm_type!r} scatters heads over {a2a_size} context-parallel ranks, but {name}="
-                    f"{getattr(config, name)} gives {per_rank} per tensor-parallel rank, not divisible by "
-                    f"{a2a_size}; use cp_comm_type='p2p' or 'all_gather', or a divisible head count"
-                )
 
 
 @dataclass
