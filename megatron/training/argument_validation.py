@@ -19,12 +19,13 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.rank_generator import check_layout
+from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_moe import validate_moe_args
-from megatron.training.flag_tables import DEPRECATED_FLAGS, FLAG_TABLES, TOKENIZER_TYPES
+from megatron.training.flag_tables import DEPRECATED_FLAGS, FLAG_TABLES, TOKENIZER_TYPES, flag_for
 from megatron.training.arguments_support import (
     FlagTable,
     ignore_flags_without_effect,
@@ -162,14 +163,6 @@ def validate_args(args, defaults={}):
     return args
 
 
-_FLAG_NAMES = {"microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage"}
-
-
-def _flag(dest: str) -> str:
-    """The flag that sets ``dest`` (its dashed name, but for the few Megatron-LM spells differently)."""
-    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
-
-
 def _is_rank_0(args) -> bool:
     return getattr(args, "rank", 0) == 0
 
@@ -213,7 +206,7 @@ def _apply_aliases(args) -> None:
         given, aliased = getattr(args, name), getattr(args, alias)
         if given is not None and aliased is not None and given != aliased:
             raise ValueError(
-                f"{_flag(name)} ({given}) and {_flag(alias)} ({aliased}) are two names for one setting; give one"
+                f"{flag_for(name)} ({given}) and {flag_for(alias)} ({aliased}) are two names for one setting; give one"
             )
         setattr(args, name, given if given is not None else aliased)
         setattr(args, alias, getattr(args, name))
@@ -227,7 +220,7 @@ def _apply_aliases(args) -> None:
 
 
 def _check_required(args) -> None:
-    missing = [_flag(name) for name in _REQUIRED if getattr(args, name) is None]
+    missing = [flag_for(name) for name in _REQUIRED if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing required arguments: {', '.join(missing)}; give each a value")
 
@@ -238,13 +231,13 @@ def _check_integer_ranges(args) -> None:
             value = getattr(args, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
                 kind = "a positive integer" if lowest == 1 else "an integer >= 0"
-                raise ValueError(f"{_flag(name)} must be {kind}, got {value!r}")
+                raise ValueError(f"{flag_for(name)} must be {kind}, got {value!r}")
 
 
 def _validate_parallel_layout(args) -> None:
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     # The expert sizes are checked with the MoE flags (validate_moe_args); here etp = tp and ep = 1.
-    args.data_parallel_size, _ = check_layout(args.world_size, tp, pp, cp, name=_flag)
+    args.data_parallel_size, _ = check_layout(args.world_size, tp, pp, cp, name=flag_for)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     if args.sequence_parallel and tp == 1:
@@ -262,8 +255,6 @@ def _validate_parallel_layout(args) -> None:
 def _validate_context_parallel(args) -> None:
     """The sequence must split into 2 x CP load-balanced chunks (and each CP rank's share over TP under SP); the
     communication types and the a2a+p2p hierarchy must fit the layout."""
-    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
-
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     sizes = args.hierarchical_context_parallel_sizes
     if sizes and math.prod(sizes) != cp:
@@ -444,7 +435,7 @@ def _validate_model_shape(args) -> None:
     _check_divisible(args.ffn_hidden_size, "--ffn-hidden-size", tp, "--tensor-model-parallel-size")
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
-            raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
+            raise ValueError(f"{flag_for(name)} must be in [0, 1), got {getattr(args, name)}")
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False
     else:
@@ -536,14 +527,14 @@ def _validate_training_length(args) -> None:
         for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples", "rampup_batch_size"):
             if getattr(args, name):
                 raise ValueError(
-                    f"{_flag(name)} counts samples, but --train-iters counts iterations; use the *-iters flag, or "
+                    f"{flag_for(name)} counts samples, but --train-iters counts iterations; use the *-iters flag, or "
                     "--train-samples for sample-based training"
                 )
     if args.train_samples is not None:
         for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
             if getattr(args, name):
                 raise ValueError(
-                    f"{_flag(name)} counts iterations, but --train-samples counts samples; use the *-samples flag, "
+                    f"{flag_for(name)} counts iterations, but --train-samples counts samples; use the *-samples flag, "
                     "or --train-iters for iteration-based training"
                 )
     if args.train_iters is None and args.train_samples is None and not _not_training(args):
@@ -657,7 +648,7 @@ def _validate_tokenizer(args) -> None:
             "--tokenizer-type is required, e.g. GPT2BPETokenizer with --vocab-file and --merge-file, "
             "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer with --vocab-size"
         )
-    missing = [_flag(name) for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, name) is None]
+    missing = [flag_for(name) for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, name) is None]
     if missing:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
 

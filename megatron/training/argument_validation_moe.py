@@ -9,6 +9,9 @@ dropping, the --moe-layer-freq pattern length, ...) is TransformerConfig's valid
 config the arguments describe so that a bad combination fails at start-up with the config's message.
 """
 
+from megatron.core.rank_generator import check_layout
+from megatron.training.flag_tables import flag_for
+
 
 def validate_moe_args(args) -> None:
     """Check and complete the MoE arguments of ``args`` in place (see the module docstring)."""
@@ -32,13 +35,8 @@ def validate_moe_args(args) -> None:
         )
     if ep > 1 and args.fp16:
         raise ValueError("expert parallelism (--expert-model-parallel-size > 1) does not support --fp16; use --bf16")
-    expert_model_parallel = etp * ep * pp
-    if args.world_size % expert_model_parallel != 0:
-        raise ValueError(
-            f"world size ({args.world_size}) is not divisible by --expert-tensor-parallel-size ({etp}) x "
-            f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_model_parallel}; "
-            "launch a multiple of that many processes or change the expert parallel sizes"
-        )
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    check_layout(args.world_size, tp, pp, cp, ep, etp, name=flag_for)
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     core_transformer_config_from_args(args)  # raises the config's ValueError for an inconsistent MoE combination

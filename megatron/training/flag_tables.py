@@ -113,3 +113,12 @@ NAMED_TYPES = {
     function.__name__: function
     for function in (moe_freq_type, la_freq_type, no_rope_freq_type, tuple_type, _parse_cuda_graph_modules_arg)
 }
+
+
+# The few flags whose dashed name is not their dest's (Megatron-LM spells them differently).
+_FLAG_NAMES = {"microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage"}
+
+
+def flag_for(dest: str) -> str:
+    """The command-line flag that sets ``dest``, for error messages that name what the user typed."""
+    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))

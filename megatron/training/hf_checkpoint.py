@@ -7,6 +7,7 @@ fresh optimizer (fine-tuning); ``--save`` writes ordinary Megatron checkpoints t
 import os
 from typing import Optional
 
+from megatron.training.flag_tables import flag_for
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -92,10 +93,6 @@ _MATCHED_ARGS = (
 _HYBRID_ARGS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _run_value(args, name: str):
     value = getattr(args, name, None)
     if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
@@ -130,7 +127,7 @@ def check_args_match_hf(args, hf_dir: str) -> None:
     for name in names:
         want, have = getattr(expected, name), _run_value(args, name)
         if want != have:
-            differing.append(f"{_flag(name)} is {have!r}, the HF config gives {want!r}")
+            differing.append(f"{flag_for(name)} is {have!r}, the HF config gives {want!r}")
     if differing:
         raise CheckpointingException(
             f"--load {hf_dir}: this run's model is not the Hugging Face model: "

@@ -1,7 +1,7 @@
 """What a parallel layout puts where, computed without process groups: the rank groups, the layers of each pipeline
 stage and virtual chunk, and the parameters each stage holds. ``--dry-run`` prints this before any training.
 
-Rank groups come from :class:`megatron.core.parallel_state.RankGenerator`, the same enumeration
+Rank groups come from :class:`megatron.core.rank_generator.RankGenerator`, the same enumeration
 ``initialize_model_parallel`` uses. Layers per stage come from ``transformer_block.layers_per_virtual_stage``, the
 split ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` use (they ask the process groups for the
 pipeline rank; this module takes the rank as a number). Parameter counts are exact for the GPT model built from the
@@ -13,9 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from megatron.core.parallel_state import (
+from megatron.core.rank_generator import (
     RankGenerator,
     _check_expert_layout_matches_pipeline,
+    check_layout,
     default_embedding_ranks,
 )
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
@@ -167,21 +168,12 @@ def parallel_layout(
 ) -> ParallelLayout:
     """The rank groups and layer placement ``initialize_model_parallel`` and the model would create, checked the
     same way (``etp=None`` means ``etp = tp``). A hybrid pattern with ``|`` gives each virtual stage one segment."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    # The check initialize_model_parallel runs, so a layout reported here is one that would start.
+    dp, expert_dp = check_layout(world_size, tp, pp, cp, ep, etp, virtual_pipeline_model_parallel_size=vpp)
     etp = tp if etp is None else etp
-    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
-    for name, value in [("world_size", world_size)] + list(sizes.items()):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for product_name, product in (("tp x pp x cp", tp * pp * cp), ("etp x ep x pp", etp * ep * pp)):
-        if world_size % product != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by {product_name} = {product}; change the parallel sizes "
-                "or the number of ranks"
-            )
-    if vpp is not None and (pp < 2 or not isinstance(vpp, int) or vpp < 1):
-        raise ValueError(f"virtual pipeline size {vpp!r} needs a pipeline size > 1 (got {pp}) and must be >= 1")
-    dp, expert_dp = world_size // (tp * pp * cp), world_size // (etp * ep * pp)
-    sizes.update(dp=dp, expert_dp=expert_dp)
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "dp": dp, "expert_dp": expert_dp}
 
     decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order)

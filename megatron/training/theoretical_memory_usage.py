@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from megatron.core.rank_generator import check_layout
 from megatron.core.utils import print_rank_0
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.training.model_arithmetic import (
@@ -251,12 +252,8 @@ def compute_weight_and_optimizer_memory(args, verbose: bool = False) -> float:
     ep = getattr(args, "expert_model_parallel_size", 1)
     data_parallel_size = required_arg(args, "data_parallel_size", "run validate_args (it derives it)")
     world_size = required_arg(args, "world_size", "set WORLD_SIZE or run parse_args")
-    if world_size % (etp * ep * pp) != 0:
-        raise ValueError(
-            f"world_size ({world_size}) is not divisible by expert_tensor_parallel_size ({etp}) x "
-            f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})"
-        )
-    expert_data_parallel_size = world_size // (etp * ep * pp)
+    cp = getattr(args, "context_parallel_size", 1)
+    _, expert_data_parallel_size = check_layout(world_size, tp, pp, cp, ep, etp)
 
     if verbose:
         _print_billions("Number of parameters in transformer block", counts.transformer_block)

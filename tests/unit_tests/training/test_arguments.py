@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import warn_once
 from megatron.training import argument_validation
 from megatron.training.argument_utils import add_field_argument, config_field_docs
+from megatron.training.flag_tables import flag_for
 from megatron.training.arguments import (
     build_parser,
     core_ddp_config_from_args,
@@ -754,7 +755,7 @@ def test_validation_error(extra, options, message):
 def test_range_and_required_checks_name_real_flags():
     flags = {option for action in build_parser()._actions for option in action.option_strings}
     checked = argument_validation._POSITIVE_INTS + argument_validation._NON_NEGATIVE_INTS
-    named = [argument_validation._flag(name) for name in checked + argument_validation._REQUIRED]
+    named = [flag_for(name) for name in checked + argument_validation._REQUIRED]
     assert [flag for flag in named if flag not in flags] == []
     with pytest.raises(ValueError, match="--microbatch-group-size-per-virtual-pipeline-stage must be a positive"):
         validated("--microbatch-group-size-per-virtual-pipeline-stage", 0)

@@ -134,10 +134,16 @@ def test_interleaved_chunks_take_consecutive_slices_in_pipeline_order():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(world_size=6, tp=4), "world size 6 is not divisible by tp x pp x cp = 8"),
-        (dict(world_size=8, ep=8, etp=2), "world size 8 is not divisible by etp x ep x pp = 32"),
-        (dict(tp=0), "tp must be a positive integer, got 0"),
-        (dict(pp=1, vpp=2), "virtual pipeline size 2 needs a pipeline size > 1"),
+        (
+            dict(world_size=6, tp=4),
+            r"world size \(6\) is not divisible by tensor_model_parallel_size \(4\) x .* = 8; launch",
+        ),
+        (
+            dict(world_size=8, ep=8, etp=2),
+            r"world size \(8\) is not divisible by expert_tensor_parallel_size \(2\) x .* = 32; launch",
+        ),
+        (dict(tp=0), "tensor_model_parallel_size must be a positive integer, got 0"),
+        (dict(pp=1, vpp=2), "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
         (dict(order="tp-xx-dp-pp"), "unknown token 'xx' in order 'tp-xx-dp-pp'"),
         (dict(world_size=16, ep=4, etp=1, order="tp-cp-ep-pp-dp"), "order 'tp-cp-ep-pp-dp' does not end with 'pp'"),
         (

@@ -230,7 +230,7 @@ def test_verbose_report_lists_parameter_counts(capsys):
         ({"padded_vocab_size": None}, "args.padded_vocab_size is not set; build the tokenizer"),
         (
             {"world_size": 12, "num_experts": 2, "moe_ffn_hidden_size": 64, "expert_model_parallel_size": 4},
-            r"world_size \(12\) is not divisible by expert_tensor_parallel_size \(2\) x expert_model_parallel_size "
+            r"world size \(12\) is not divisible by expert_tensor_parallel_size \(2\) x expert_model_parallel_size "
             r"\(4\) x pipeline_model_parallel_size \(2\)",
         ),
     ],
