@@ -114,7 +114,7 @@ def cleanup_old_non_persistent_checkpoint(save_dir, leave_ckpt_num=1, do_async=F
     background thread with ``do_async``, joined by :func:`finalize_deletion_processes`)."""
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:  # one rank deletes; others would race it
         return
     iterations = sorted(Path(save_dir).glob("iter_*"), key=lambda path: int(path.name[len("iter_") :]))
     old = iterations[:-leave_ckpt_num] if leave_ckpt_num > 0 else iterations
@@ -159,7 +159,7 @@ def maybe_save_dataloader_state(
             "has no iterable.save_state() to save"
         )
     tp_group, pp_group, _, dp_group = _groups(tp_group, pp_group, None, dp_group)
-    if dist.get_rank(tp_group) != 0 or dist.get_rank(pp_group) != 0:
+    if dist.get_rank(tp_group) != 0 or dist.get_rank(pp_group) != 0:  # one loader state per DP replica
         return
     dp_rank = dist.get_rank(dp_group)
     path = os.path.join(
@@ -250,7 +250,7 @@ def get_rng_state(
     states = [state]
     if get_args().data_parallel_random_init:
         states = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(states, state, group=dp_group)
+        dist.all_gather_object(states, state, group=dp_group)  # DP ranks draw differently: keep each one's
     if ckpt_format != "torch_dist":
         return states
     return ShardedObject(
@@ -258,7 +258,7 @@ def get_rng_state(
         states,
         (dist.get_world_size(pp_group), dist.get_world_size(tp_group)),
         (dist.get_rank(pp_group), dist.get_rank(tp_group)),
-        replica_id=dist.get_rank(dp_cp_group),
+        replica_id=dist.get_rank(dp_cp_group),  # replicated over DP x CP: one of them writes it
     )
 
 
@@ -321,6 +321,7 @@ def generate_state_dict(
         state_dict[_model_key(index, len(model))] = chunk.sharded_state_dict(**(model_sd_kwargs or {}))
     if not args.no_save_optim:
         if optimizer is not None:
+            # The optimizer's sharded entries are keyed by the model's sharded tensors, so it needs them.
             model_state = {key: value for key, value in state_dict.items() if key.startswith("model")}
             state_dict["optimizer"] = optimizer.sharded_state_dict(model_state, **(optim_sd_kwargs or {}))
         if opt_param_scheduler is not None:
@@ -420,11 +421,11 @@ def save_checkpoint(
     if strategy is None:
         strategy = get_default_save_sharded_strategy()
         if args.ckpt_fully_parallel_save:
-            strategy = FullyParallelSaveStrategyWrapper(strategy, dp_cp_group)
+            strategy = FullyParallelSaveStrategyWrapper(strategy, dp_cp_group)  # replicas share the writing
         context["save_strategy"] = strategy
     if dist.get_rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
-    dist.barrier()
+    dist.barrier()  # save() needs the directory on every rank
 
     def mark_latest():
         if dist.get_rank() == 0:
@@ -434,7 +435,7 @@ def save_checkpoint(
             elif not release:
                 for directory in remove_incomplete_checkpoints(save_dir, iteration):
                     print(f"  removed incomplete checkpoint {directory} (left by an interrupted save)", flush=True)
-        dist.barrier()
+        dist.barrier()  # nobody returns before the tracker moved
 
     request = dist_checkpointing.save(
         state_dict,

@@ -185,7 +185,7 @@ def pretrain(
             p2p_communicator=p2p_communicator,
             pg_collection=pg_collection,
         )
-        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+        if args.save and iteration != 0 and iteration % args.save_interval != 0:  # on the interval, train() just saved
             save_checkpoint_and_time(
                 iteration,
                 model,
@@ -219,7 +219,7 @@ def pretrain(
             verbose=True,
             **eval_kwargs,
         )
-    checkpointing.finalize_async_saves()
+    checkpointing.finalize_async_saves()  # no async save may still be writing at exit
 
 
 def destroy_global_state():
@@ -256,7 +256,7 @@ def train_step(
     """
     args = get_args()
     for chunk in model:
-        chunk.zero_grad_buffer()
+        chunk.zero_grad_buffer()  # main_grad accumulates over micro-batches
         if iteration is not None:
             chunk.iteration = iteration + 1
     optimizer.zero_grad()
@@ -273,7 +273,7 @@ def train_step(
         pg_collection=pg_collection,
     )
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    if update_successful:
+    if update_successful:  # a skipped step must not advance the LR schedule
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         opt_param_scheduler.step(increment=increment)
     skipped_iter = 0 if update_successful else 1
@@ -293,10 +293,11 @@ def _reduce_losses_over_data_parallel(losses_reduced: List[Dict]) -> Dict[str, t
         values = [torch.as_tensor(step[key], device=get_current_device()).float().view(-1) for step in losses_reduced]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
+            # Numerators and token counts are summed first, so every token weighs the same across ranks.
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             reduced[key] = total[0] / total[1].clamp_min(1)
         else:
-            mean = torch.stack(values).mean().view(1)
+            mean = torch.stack(values).mean().view(1)  # SUM over DP then divide: gloo has no AVG reduction
             dist.all_reduce(mean, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             reduced[key] = mean[0] / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     return reduced
@@ -310,14 +311,14 @@ def _configure_hooks(config, model, optimizer) -> None:
     if args.overlap_grad_reduce:
         no_sync = [chunk.no_sync for chunk in model]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if args.align_grad_reduce:
+        if args.align_grad_reduce:  # the schedule launches the reductions itself
             grad_sync = [chunk.start_grad_sync for chunk in model]
             config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
     if args.overlap_param_gather and args.align_param_gather:
         param_sync = [chunk.start_param_sync for chunk in model]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    config.grad_scale_func = optimizer.scale_loss  # losses are multiplied by the (fp16) loss scale
     config.timers = None
 
 
@@ -358,7 +359,7 @@ def train(
     timers("interval-time", log_level=0).start(barrier=True)
     print_rank_0(f"[before the start of training step] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}")
     while iteration < args.train_iters:
-        update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        update_num_microbatches(args.consumed_train_samples, consistency_check=True)  # batch-size ramp-up
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func,
             train_data_iterator,
@@ -412,7 +413,7 @@ def train(
                 pg_collection=pg_collection,
                 p2p_communicator=p2p_communicator,
             )
-        checkpointing.maybe_finalize_async_saves()
+        checkpointing.maybe_finalize_async_saves()  # collective: every rank calls it each iteration
         if checkpoint_and_decide_exit(
             model,
             optimizer,
@@ -519,7 +520,7 @@ def _exit_reason(iteration, signal_handler) -> Optional[str]:
         return f"after receiving a termination signal at iteration {iteration}"
     if args.exit_duration_in_mins:
         elapsed_mins = torch.tensor([(progress_log.seconds_since_start()) / 60.0], device=get_current_device())
-        dist.all_reduce(elapsed_mins, op=dist.ReduceOp.MAX)
+        dist.all_reduce(elapsed_mins, op=dist.ReduceOp.MAX)  # clocks differ; all ranks must decide alike
         if elapsed_mins.item() > args.exit_duration_in_mins:
             return f"after {elapsed_mins.item():.1f} minutes"
     if args.exit_interval and iteration % args.exit_interval == 0:
@@ -736,7 +737,7 @@ def evaluate_and_print_results(
     string = f" validation loss at {prefix} | "
     for key, value in total_loss_dict.items():
         value = float(value)
-        ppl = math.exp(min(20.0, value))
+        ppl = math.exp(min(20.0, value))  # capped: a diverged loss would overflow exp
         string += f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E} | "
         if writer is not None:
             writer.add_scalar(f"{key} validation", value, iteration)
@@ -792,5 +793,5 @@ def _print_dry_run_report(args) -> None:
     if dist.get_rank() == 0:
         print(describe_parallel_layout_for_args(args), flush=True)
         report_theoretical_memory(args, num_microbatches=get_num_microbatches(), verbose=True)
-    dist.barrier()
+    dist.barrier()  # the others wait for rank 0's report
     sys.stdout.flush()

@@ -150,6 +150,7 @@ class GPTDataset(MegatronDataset):
         config: GPTDatasetConfig,
     ) -> None:
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        # Without resets or EOD masking the masks do not depend on the tokens, so one copy serves every sample.
         self.masks_and_position_ids_are_cacheable = not any(
             [config.reset_position_ids, config.reset_attention_mask, config.eod_mask_loss]
         )
@@ -187,10 +188,12 @@ class GPTDataset(MegatronDataset):
         text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
         text = torch.from_numpy(text)
         if self.config.add_extra_token_to_sequence:
+            # The sample holds one extra token, so every input position has a real next-token label.
             tokens = text[:-1].contiguous()
             labels = text[1:].contiguous()
         else:
             tokens = text
+            # No extra token: the last position has no next token, so its label is padding (masked below).
             labels = torch.roll(text, shifts=-1, dims=0)
             labels[-1] = self._pad_token_id
 
@@ -215,6 +218,7 @@ class GPTDataset(MegatronDataset):
         """Masks and positions; without resets or EOD masking they are the same for every sample, so cached."""
         if self.masks_and_position_ids_are_cacheable and self._cached_masks_and_position_ids is not None:
             attention_mask, loss_mask, position_ids = self._cached_masks_and_position_ids
+            # A copy: __getitem__ zeroes padding labels in loss_mask in place, which would corrupt the cached one.
             return attention_mask, loss_mask.clone(), position_ids
         result = _get_ltor_masks_and_position_ids(
             tokens,
@@ -232,12 +236,14 @@ class GPTDataset(MegatronDataset):
     def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
         """The `sequence_length + extra` tokens of sample `idx` (padded) and the ids of the documents they span."""
         extra = int(self.config.add_extra_token_to_sequence)
+        # Samples are read through the shuffle index; sample_index rows stay in document order.
         sample = int(self.shuffle_index[idx])
         begin_position, begin_offset = (int(value) for value in self.sample_index[sample])
         end_position, end_offset = (int(value) for value in self.sample_index[sample + 1])
 
         document_ids = [int(self.document_index[p]) for p in range(begin_position, end_position + 1)]
         if begin_position == end_position:
+            # + extra: the token past the sample's end, which becomes its last label.
             parts = [self.dataset.get(document_ids[0], offset=begin_offset, length=end_offset - begin_offset + extra)]
         else:
             parts = [self.dataset.get(document_ids[0], offset=begin_offset)]
@@ -278,6 +284,8 @@ class GPTDataset(MegatronDataset):
             )
         num_epochs = self._num_epochs(tokens_per_epoch)
         separate_final_epoch = False
+        # When little of the last epoch is needed, it is shuffled apart and its samples come last: the full
+        # epochs are then used completely, and the partial one still draws from every document.
         if num_epochs > 1:
             samples_before_final_epoch = count_samples(
                 (num_epochs - 1) * tokens_per_epoch, sequence_length, True, extra
@@ -285,6 +293,7 @@ class GPTDataset(MegatronDataset):
             samples_in_final_epoch = self.num_samples - samples_before_final_epoch
             samples_per_epoch = count_samples(tokens_per_epoch, sequence_length, True, extra)
             separate_final_epoch = samples_in_final_epoch < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+        # Validation keeps its trailing partial sequence (padded) unless told to drop it.
         drop_last = self.index_split != Split.valid or self.config.drop_last_partial_validation_sequence
 
         def build() -> Dict[str, np.ndarray]:
@@ -294,6 +303,7 @@ class GPTDataset(MegatronDataset):
                 f"building {type(self).__name__} {self.index_split.name} indices: {num_epochs} epoch(s) of "
                 f"{tokens_per_epoch} tokens, separate final epoch: {separate_final_epoch}",
             )
+            # One generator from the configured seed: every rank builds (or loads) identical indices.
             rng = np.random.RandomState(self.config.random_seed)
             document_index = build_document_index(self.indices, num_epochs, rng, separate_final_epoch)
             sample_index = build_sample_index(
@@ -318,6 +328,7 @@ class GPTDataset(MegatronDataset):
         if self.num_samples is None:
             return 1
         tokens_needed = self.num_samples * self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        # Ceiling division.
         return max(1, -(-tokens_needed // tokens_per_epoch))
 
 

@@ -140,6 +140,7 @@ class _Index:
             raise IndexedDatasetFormatError(
                 f"{idx_path}: document index has 0 entries; it must hold at least the leading 0"
             )
+        # Checked before mapping, so the frombuffer views below cannot run past the end of the file.
         self._check_size(idx_path, size, sequence_count, document_count, multimodal)
 
         self._buffer = _map_read_only(idx_path, size)
@@ -162,6 +163,7 @@ class _Index:
     @staticmethod
     def _check_size(idx_path, size, sequence_count, document_count, multimodal):
         modes_bytes = sequence_count
+        # 12 bytes per sequence: an int32 length and an int64 byte pointer; 8 per document-index entry.
         without_modes = _INDEX_HEADER.size + 12 * sequence_count + 8 * document_count
         expected = without_modes + (modes_bytes if multimodal else 0)
         if size == expected:
@@ -205,6 +207,7 @@ class _FileBinReader:
 
     def read(self, dtype, count: int, byte_offset: int) -> np.ndarray:
         out = np.empty(count, dtype)
+        # A positional read leaves the descriptor's offset alone, so concurrent reads cannot race on it.
         got = os.preadv(self._fd, [memoryview(out).cast("B")], byte_offset) if count else 0
         if got != out.nbytes:
             raise IndexedDatasetFormatError(
@@ -287,6 +290,7 @@ class IndexedDataset:
     def _check_bin_covers_index(self):
         if len(self) == 0:
             return
+        # Sequences are stored in order, so the last one ends furthest into the file.
         end = int(self._index.sequence_pointers[-1]) + int(self._index.sequence_lengths[-1]) * self._itemsize
         if self._bin_size < end:
             raise IndexedDatasetFormatError(
@@ -302,6 +306,7 @@ class IndexedDataset:
             )
 
     def __getstate__(self):
+        # A memory mapping cannot be pickled (e.g. to dataloader workers); the receiver reopens the files.
         return (self.path_prefix, self.multimodal, self.mmap)
 
     def __setstate__(self, state):
@@ -425,6 +430,7 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype).type
         self.multimodal = multimodal
         self.bin_path = bin_path
+        # A random suffix, opened with "xb": two builders aiming at one path never share a partial file.
         self._partial_bin_path = f"{bin_path}.partial-{uuid.uuid4().hex[:8]}"
         self._data_file = open(self._partial_bin_path, "xb")
         self._sequence_lengths = array("i")
@@ -475,6 +481,7 @@ class IndexedDatasetBuilder:
         data_bytes = _contiguous_data_bytes(dataset)
         offset = len(self._sequence_lengths)
         self._append_lengths(dataset.sequence_lengths)
+        # Skip the appended dataset's leading 0 and shift its boundaries past the sequences already here.
         self._document_indices.frombytes((dataset.document_indices[1:] + offset).astype(np.int64).tobytes())
         if self.multimodal:
             self._sequence_modes.frombytes(dataset.sequence_modes.tobytes())
@@ -492,6 +499,7 @@ class IndexedDatasetBuilder:
                 f"end_document() before finalize()"
             )
         self._data_file.flush()
+        # Durable before the rename: the final .bin must never name data still only in the page cache.
         os.fsync(self._data_file.fileno())
         self._data_file.close()
         partial_idx_path = f"{idx_path}.partial-{uuid.uuid4().hex[:8]}"
@@ -518,6 +526,7 @@ class IndexedDatasetBuilder:
         values = np.asarray(tensor).reshape(-1)
         target = np.dtype(self.dtype)
         if values.size and not np.can_cast(values.dtype, target, casting="safe"):
+            # Narrowing integers (e.g. int64 ids to uint16) is fine when every id fits: check the values, not the dtype.
             if target.kind in "iu" and values.dtype.kind in "iub":
                 low, high = np.iinfo(target).min, np.iinfo(target).max
                 if values.min() < low or values.max() > high:
@@ -539,6 +548,7 @@ class IndexedDatasetBuilder:
         lengths = np.frombuffer(self._sequence_lengths, np.int32)
         pointers = np.zeros(len(lengths), np.int64)
         if len(lengths) > 1:
+            # In int64: byte offsets of a large .bin overflow int32.
             np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(self.dtype).itemsize, out=pointers[1:])
         header = _INDEX_HEADER.pack(
             _INDEX_MAGIC, _INDEX_VERSION, DType.code_from_dtype(self.dtype), len(lengths), len(self._document_indices)

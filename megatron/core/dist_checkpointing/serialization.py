@@ -115,6 +115,7 @@ def save(
         )
     rank = get_rank()
     local_error, shards, compared_common, sharded_part = None, [], None, {}
+    # Errors are caught, not raised: every rank must still reach the all-gather below, or the others would hang.
     try:
         if async_sharded_save:
             check_async_strategy(async_strategy)
@@ -128,9 +129,11 @@ def save(
             compared_common = common_state_dict
             if preprocess_common_before_consistancy_check is not None:
                 compared_common = preprocess_common_before_consistancy_check(common_state_dict)
+        # Every rank adds it with replica_id=rank, so only rank 0's copy (the main replica) is written.
         common_object = common_state_sharded_object(common_state_dict, rank)
         shards.append(common_object)
         sharded_part = {"sharded": sharded_part, COMMON_STATE_KEY: common_object}
+        # The all-gather below doubles as a barrier: no rank writes before the stale markers are gone.
         if rank == 0:
             _prepare_directory(checkpoint_dir)
     except Exception as error:
@@ -138,6 +141,7 @@ def save(
     gathered = all_gather_objects(
         (
             None if local_error is None else describe_error(local_error),
+            # Metadata only: the integrity check needs offsets and shapes, not the tensors.
             [shard.without_data() for shard in shards] if validate_access_integrity else None,
             compared_common,
         )
@@ -159,10 +163,12 @@ def save(
                     save_integrity_manifest(str(checkpoint_dir))
             except Exception as caught:
                 error = caught
+        # Collective even though only rank 0 writes: a failure there must surface on every rank.
         gather_and_raise_errors(error, f"writing {checkpoint_dir / CONFIG_FNAME}")
 
     if async_sharded_save:
         request = sharded_strategy.async_save(sharded_part, checkpoint_dir, async_strategy)
+        # metadata.json marks completion, so it is written only once every rank's async write is done.
         request.add_finalize_fn(write_config)
         return request
     sharded_strategy.save(sharded_part, checkpoint_dir)
@@ -180,9 +186,11 @@ def _resolve_strategy(strategy, action: StrategyAction, default: Tuple[str, int]
 
 def _split_for_save(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, CommonStateDict]:
     """(the sharded leaves with factories built, the common state) -- on a copy of the caller's structure."""
+    # A copy of the nesting (not the tensors), so building factories leaves the caller's dict as it was.
     structure = dict_list_map_outplace(lambda leaf: leaf, sharded_state_dict)
     apply_factories(structure)
     sharded_part, rest = extract_matching_values(structure, lambda leaf: isinstance(leaf, ShardedBase))
+    # LocalNonpersistentObjects are rank-local by definition: they are dropped, not saved.
     _, common_state_dict = extract_matching_values(rest, lambda leaf: isinstance(leaf, LocalNonpersistentObject))
     return sharded_part, common_state_dict
 
@@ -241,6 +249,7 @@ def load(
             verify_integrity_manifest(str(checkpoint_dir))
         common_state_dict = _load_common_state(checkpoint_dir, sharded_strategy)
         structure = dict_list_map_outplace(lambda leaf: leaf, sharded_state_dict)
+        # Kept before they are built, so apply_factory_merges can fold the loaded pieces back after reading.
         factories, _ = extract_matching_values(
             structure, lambda leaf: isinstance(leaf, ShardedTensorFactory), return_lists_as_dicts=True
         )
@@ -257,6 +266,7 @@ def load(
             checkpoint_keys = {sh.key for sh in stored if sh.key != COMMON_STATE_KEY}
     except Exception as error:
         local_error = error
+    # Outside the try: after a local error shards is empty, and this rank must still join the gather.
     local_keys = {shard.key for shard in shards}
     gathered = all_gather_objects(
         (
@@ -273,11 +283,13 @@ def load(
 
     missing_keys, unexpected_keys = set(), set()
     if check_keys:
+        # Missing keys (the *_ALL modes) need every rank's request; using checkpoint_keys leaves none missing.
         global_keys = set().union(*(entry[2] for entry in gathered)) if need_global_keys else checkpoint_keys
         missing_keys, unexpected_keys = determine_missing_and_unexpected_keys(checkpoint_keys, local_keys, global_keys)
         unexpected_by_rank = {rank: entry[3] for rank, entry in enumerate(gathered)}
         _report_mismatch(strict, missing_keys, unexpected_by_rank, checkpoint_dir)
         if unexpected_keys:
+            # Keys the checkpoint lacks are left out of the read, which would fail on them.
             _, to_load = extract_matching_values(
                 to_load, lambda leaf: leaf.key in unexpected_keys, return_lists_as_dicts=True
             )
@@ -308,12 +320,14 @@ def _read_shards(strategy: LoadShardedStrategy, to_load, checkpoint_dir: Path, p
         loaded = strategy.load_local(to_load, checkpoint_dir)
     except Exception as caught:
         error = caught
+    # Only over process_group: the ranks outside it are not reading and must not be waited for.
     gather_and_raise_errors(error, f"loading {checkpoint_dir}", process_group)
     return loaded
 
 
 def _report_mismatch(strict: StrictHandling, missing_keys, unexpected_by_rank, checkpoint_dir: Path) -> None:
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.LOG_UNEXPECTED):
+        # These modes act on unexpected keys only; missing ones are not reported.
         missing_keys = set()
     message = mismatch_message(missing_keys, unexpected_by_rank)
     if not message:
@@ -332,6 +346,7 @@ def _restore_lists(loaded, template):
                 loaded[k] = _restore_lists(loaded[k], sub_template)
         return loaded
     if isinstance(template, list):
+        # A dict keyed exactly 0..n-1 is a list the merge turned into a dict.
         if isinstance(loaded, dict) and set(loaded) == set(range(len(loaded))):
             loaded = [loaded[i] for i in range(len(loaded))]
         if isinstance(loaded, list):
@@ -356,6 +371,7 @@ def verify_checkpoint_and_load_strategy(
 
 def _load_common_state(checkpoint_dir: Path, sharded_strategy: LoadShardedStrategy) -> StateDict:
     """The legacy ``common.pt`` when the checkpoint has one, else the ``common_state`` object of the shards."""
+    # A legacy common.pt wins: _prepare_directory removes it on every new save, so if present it is current.
     if has_legacy_common_state(checkpoint_dir):
         return TorchCommonLoadStrategy("torch", 1).load_common(checkpoint_dir)
     stored = sharded_strategy.load_sharded_metadata(checkpoint_dir)

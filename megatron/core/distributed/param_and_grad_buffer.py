@@ -158,15 +158,19 @@ class _ParamAndGradBucketGroup:
         """
         if self.grad_reduce_handles is not None:
             raise RuntimeError("start_grad_sync called twice for the same bucket group without finish_grad_sync")
+        # Check before the collective: once reduced, every rank would hold the NaN and its origin would be lost.
         if self.ddp_config.check_for_nan_in_grad:
             self.check_grads()
         async_op = self.ddp_config.overlap_grad_reduce
         handles = []
         self.grad_reduce_scattered = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         for bucket in self.buckets:
+            # Pre-scale so the SUM (or AVG) collective yields the DP(+CP) mean; see DDP._gradient_scaling_factors.
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)
             if self.grad_reduce_scattered:
+                # The output is this rank's own slice of the bucket, so the reduced shard lands in place;
+                # the other slices keep this rank's unreduced values, which the distributed optimizer never reads.
                 local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
                 handle = _reduce_scatter_single(
                     local_shard,
@@ -179,6 +183,7 @@ class _ParamAndGradBucketGroup:
                 handle = dist.all_reduce(
                     bucket.grad_data, op=self._reduce_op(), group=self.data_parallel_group, async_op=async_op
                 )
+            # Blocking collectives return None.
             if handle is not None:
                 handles.append(handle)
         self.grad_reduce_handles = handles
@@ -196,6 +201,8 @@ class _ParamAndGradBucketGroup:
         for handle in self.grad_reduce_handles:
             handle.wait()
         self.grad_reduce_handles = None
+        # A reduce-scatter had already been launched (hooks or grad_sync_func), so only this rank's shard is
+        # reduced: gather the shards to give every rank the full reduced gradient.
         if force_all_reduce and self.grad_reduce_scattered:
             for bucket in self.buckets:
                 local_shard = shard_buffer(bucket.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
@@ -203,9 +210,12 @@ class _ParamAndGradBucketGroup:
 
     def register_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Backward hook side: once every parameter of the group has its gradient, launch the reduction."""
+        # Inside no_sync (not the last micro-batch) gradients only accumulate; without overlap the
+        # schedule reduces everything at once via finish_grad_sync.
         if not (self.ddp_config.overlap_grad_reduce and self.is_last_microbatch):
             return
         self.params_with_grad.add(param)
+        # Launch only when the whole group is ready; a group with unused parameters is reduced in finish_grad_sync.
         if len(self.params_with_grad) == len(self.params):
             self.start_grad_sync()
 
@@ -215,9 +225,11 @@ class _ParamAndGradBucketGroup:
         """All-gather every bucket's updated parameter shards (asynchronously with ``overlap_param_gather``)."""
         if not self.ddp_config.use_distributed_optimizer:
             raise RuntimeError("parameter all-gather only exists with use_distributed_optimizer=True")
+        # An earlier gather still in flight writes into the same param_data; let it finish first.
         self._wait_param_gather()
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in self.buckets:
+            # Each rank's optimizer wrote only its own shard in place; the gather fills in the other ranks' shards.
             local_shard = shard_buffer(bucket.param_data, self.data_parallel_world_size)[self.data_parallel_rank]
             handle = _all_gather_single(
                 bucket.param_data, local_shard, group=self.data_parallel_group, async_op=async_op
@@ -241,6 +253,7 @@ class _ParamAndGradBucketGroup:
         if not self.param_gather_dispatched:
             self.start_param_sync()
         self._wait_param_gather()
+        # Prefetch: the next group's gather then overlaps this group's forward compute.
         following = self.next_param_gather_bucket_group
         if following is not None and not skip_next_bucket_dispatch and not following.param_gather_dispatched:
             following.start_param_sync()
@@ -271,6 +284,7 @@ class _ParamAndGradBuffer:
 
         bucket_ranges = self._lay_out(bucket_size)
         device = params[0].device
+        # Zeroed because main_grad views are accumulated into with add_ from the first micro-batch on.
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
@@ -287,6 +301,7 @@ class _ParamAndGradBuffer:
     def _pad_bucket_end(self, index: int) -> int:
         if not self.ddp_config.use_distributed_optimizer:
             return index
+        # A multiple of the DP size lets shard_buffer cut the bucket into equal per-rank shards.
         alignment = math.lcm(self.data_parallel_world_size, BUCKET_ALIGNMENT)
         if self.ddp_config.pad_buckets_for_high_nccl_busbw:
             alignment = math.lcm(alignment, HIGH_BUSBW_BUCKET_ALIGNMENT)
@@ -308,7 +323,10 @@ class _ParamAndGradBuffer:
             buckets.append((bucket_start, end, index, bucket_params))
             bucket_start, index, bucket_params = end, end, []
 
+        # Reverse registration order approximates the order backward produces gradients, so the first
+        # buckets fill (and can launch their reduction) first.
         for param in reversed(self.params):
+            # The tied embedding must start a fresh bucket so its shard boundaries match on both stages.
             if self._needs_own_bucket(param) and bucket_params:
                 close_bucket()
             start = self._pad_param_start(index)
@@ -319,6 +337,7 @@ class _ParamAndGradBuffer:
                 close_bucket()
         if bucket_params:
             close_bucket()
+        # close_bucket advanced bucket_start to the padded end, so this includes every bucket's padding.
         self.numel = bucket_start
         self.numel_unpadded = sum(p.numel() for p in self.params)
         return buckets
@@ -338,6 +357,7 @@ class _ParamAndGradBuffer:
         for param, (start, _, _) in self.param_index_map.items():
             if self.param_data is not None:
                 view = self._get(param.data.shape, start, BufferType.PARAM)
+                # Copy before rebinding: param.data then aliases the buffer that the param all-gather fills.
                 view.copy_(param.data)
                 param.data = view
             param.main_grad = self._get(param.data.shape, start, BufferType.GRAD)
@@ -346,6 +366,7 @@ class _ParamAndGradBuffer:
         param_to_index = {}
         for param in params:
             param_start, param_end, _ = self.param_index_map[param]
+            # Bucket-relative offsets, for indexing into the bucket's own grad_data/param_data views.
             param_to_index[param] = (param_start - start, param_end - start)
         return _ParamAndGradBucket(
             params=params,
@@ -368,12 +389,14 @@ class _ParamAndGradBuffer:
 
     def offload_grad_data(self) -> None:
         """Free the gradient buffer's memory; every view of it (main_grad, buckets) stays but must not be read."""
+        # Shrink the storage rather than dropping the tensor so main_grad and bucket views stay attached.
         self.grad_data.untyped_storage().resize_(0)
 
     def restore_grad_data(self) -> None:
         """Reallocate the gradient buffer's memory, zeroed, under the same views."""
         storage = self.grad_data.untyped_storage()
         if storage.nbytes() == 0:
+            # Regrow the same storage so the existing views point at valid memory again.
             storage.resize_(self.numel * self.grad_data.element_size())
         self.grad_data.zero_()
 
@@ -400,6 +423,7 @@ def partition_buckets(
     if not buffers:
         return []
     groups = {id(buffer.data_parallel_group) for buffer in buffers}
+    # A bucket group issues all of its collectives on a single process group.
     if len(groups) > 1:
         raise ValueError("partition_buckets: the buffers reduce over different data-parallel groups")
     first = buffers[0]

@@ -74,10 +74,12 @@ def shard_ranges(buffer: _ParamAndGradBuffer, data_parallel_rank: int) -> Dict[t
     world_size = buffer.data_parallel_world_size
     ranges = {}
     for bucket in buffer.buckets:
+        # Exact: with the distributed optimizer every bucket is padded to a multiple of the DP size.
         shard_size = bucket.grad_data.numel() // world_size
         shard = Range(0, shard_size).normalize(bucket.offset + data_parallel_rank * shard_size)
         for param in bucket.params_list:
             in_buffer = Range(*buffer.param_index_map[param][:2])
+            # A parameter may straddle shard boundaries; this rank steps only the piece inside its shard.
             overlap = Range(max(in_buffer.start, shard.start), min(in_buffer.end, shard.end))
             if overlap.size > 0:
                 in_param = overlap.normalize(overlap.start - in_buffer.start)
@@ -147,6 +149,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     "DistributedOptimizer needs the model wrapped in DistributedDataParallel with "
                     "DistributedDataParallelConfig(use_distributed_optimizer=True)"
                 )
+            # shard_ranges pairs the buffer's shard size with this group's rank; a mismatch steps pieces twice or never.
             if buffer.data_parallel_world_size != dp_size:
                 raise ValueError(
                     f"a DDP buffer is sharded over {buffer.data_parallel_world_size} ranks but the "
@@ -164,8 +167,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         f"a parameter of shape {tuple(model_param.shape)} in the optimizer is not in any DDP buffer; "
                         "build the optimizer from the DDP-wrapped model chunks"
                     )
+                # A parameter lying wholly in other ranks' shards is stepped by those ranks only.
                 if model_param in ranges:
                     entries.append(_make_shard_entry(model_param, ranges[model_param]))
+            # From here on the torch optimizer steps the shards, not the model parameters.
             group["params"] = [entry.main_param for entry in entries]
             self.shard_groups.append(entries)
         # Any state the torch optimizer had was keyed by model parameters, which it no longer steps.
@@ -195,12 +200,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_param, main_param, shard, _ in self._entries():
+            # Only this slice of main_grad holds the reduce-scattered sum; the rest of the buffer is unreduced.
             grad = model_param.main_grad.view(-1)[shard.param_start : shard.param_end]
+            # With grad_reduce_in_fp32 this is a view of the buffer; otherwise an fp32 copy.
             main_param.grad = grad if grad.dtype == torch.float32 else grad.float()
 
     def _copy_main_params_to_model_params(self) -> None:
         for model_param, main_param, shard, owns_main in self._entries():
+            # A non-owned main param is a view of the fp32 model parameter, so the step already updated it.
             if owns_main:
+                # param.data is a view into the DDP parameter buffer: this writes the shard that the all-gather sends.
                 model_param.detach().view(-1)[shard.param_start : shard.param_end].copy_(main_param)
 
     @torch.no_grad()
@@ -220,6 +229,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def reload_model_params(self, state_dict=None):
         with torch.no_grad():
             for model_param, main_param, shard, owns_main in self._entries():
+                # Refresh the fp32 copies from the (e.g. just loaded) model parameters.
                 if owns_main:
                     main_param.copy_(model_param.detach().view(-1)[shard.param_start : shard.param_end])
 
@@ -278,6 +288,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 "(it reshards across data-parallel sizes and to the non-distributed optimizers)"
             )
         if is_loading:
+            # Create the state tensors first so the sharded entries have tensors of the right shapes to load into.
             self.init_state_fn(self.optimizer, self.config)
         inner_state = self.optimizer.state_dict()
         step = extract_common_step(inner_state)
@@ -310,6 +321,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 )
             model_sharded = id_to_sharded[index]
             tensors = {"fp32_param": entry.main_param, **self.optimizer.state[entry.main_param]}
+            # The step is saved once in the common param groups, not per parameter.
             tensors.pop("step", None)
             if is_loading and not entry.owns_main:
                 tensors.pop("fp32_param")  # a view of the fp32 model parameter, which the model load fills
@@ -349,8 +361,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange) -> _ShardEntry:
     model_shard = model_param.detach().view(-1)[shard.param_start : shard.param_end]
     if model_param.dtype in _FLOAT16_DTYPES:
+        # An fp32 master copy of the half-precision shard, so small updates are not lost to rounding.
         main_param, owns_main = model_shard.clone().float(), True
     elif model_param.dtype == torch.float32:
+        # fp32 needs no master copy: stepping this view updates the model parameter in place.
         main_param, owns_main = model_shard, False
     else:
         raise TypeError(

@@ -125,6 +125,7 @@ class MegatronOptimizer(ABC):
         """Whether any rank of the grad-stats group holds parameters of ``grad_norm_group`` (the same answer on
         every rank, so that every rank issues the same collectives for that group's norm)."""
         local = any(getattr(p, "grad_norm_group", None) == grad_norm_group for p in self.get_parameters())
+        # MAX acts as a logical OR, so every rank gets the same answer and issues the same collectives.
         found = torch.tensor([1.0 if local else 0.0], device=get_current_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
@@ -178,6 +179,7 @@ class MegatronOptimizer(ABC):
         and returns ``(False, grad_norm, num_zeros_in_grad)``."""
         if self.prepare_grads():
             return False, None, None
+        # Summed over the grad-stats group, so every rank takes the same skip and clip decision.
         grad_norm = self.get_grad_norm()
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if _skips_update(self.config, grad_norm):
@@ -287,6 +289,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if config.fp16 and grad_scaler is None:
             raise ValueError("fp16 training needs a grad scaler (ConstantGradScaler or DynamicGradScaler)")
         self.grad_scaler = grad_scaler
+        # A device tensor reused every step: the fused unscale kernel writes into it and it is all-reduced.
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=get_current_device())
 
     def get_loss_scale(self):
@@ -312,6 +315,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
         if dist.is_available() and dist.is_initialized():
+            # If any rank overflowed, all skip the step together; otherwise their replicas would diverge.
             dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
         return self.found_inf.item() > 0
 
@@ -321,6 +325,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if self.grad_scaler is None:
             return False
         found_inf = self._unscale_main_grads_and_check_for_nan()
+        # Update before the skip so that an overflow still lowers the loss scale.
         self.grad_scaler.update(found_inf)
         return found_inf
 
@@ -361,11 +366,13 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                 if not param.requires_grad:
                     continue
                 if param.dtype in _FLOAT16_DTYPES:
+                    # A separate fp32 master copy, so small updates are not rounded away in bf16/fp16.
                     main_param = param.detach().clone().float()
                     copy_optimizer_param_metadata(main_param, param)
                     group["params"][i] = main_param
                     float16_params.append(param)
                     main_params.append(main_param)
+                    # Existing state follows the parameter to the main copy the optimizer now steps.
                     if param in self.optimizer.state:
                         self.optimizer.state[main_param] = self.optimizer.state.pop(param)
                 elif param.dtype == torch.float32:
@@ -391,11 +398,13 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
                 grad = _model_grad(model_param)
+                # float() copies into fp32; the half-precision .grad is then dropped to free its memory.
                 main_param.grad = None if grad is None else grad.float()
                 model_param.grad = None
         for group in self.fp32_from_fp32_groups:
             for param in group:
                 if getattr(param, "main_grad", None) is not None:
+                    # fp32 parameters are stepped directly: alias .grad to DDP's buffer instead of copying.
                     param.grad = param.main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
@@ -448,6 +457,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups)
             for model, main in zip(model_group, main_group)
         }
+        # fp32 parameters are their own main parameter, so they map to themselves.
         return [model_of_main.get(id(param), param) for param in self.get_parameters()]
 
     def sharded_state_dict(
@@ -470,6 +480,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
         fp32_params = {}
         for index, (model_param, main_param) in enumerate(zip(model_params, self.get_parameters())):
+            # Only bf16/fp16 parameters have a separate fp32 copy worth saving.
             if main_param is not model_param:
                 fp32_params[index] = make_sharded_optimizer_tensor(
                     id_to_sharded[index], main_param, "optimizer.state.fp32_param"
@@ -649,6 +660,7 @@ class ChainedOptimizer(MegatronOptimizer):
         return any([opt.has_grad_norm_group(grad_norm_group) for opt in self.chained_optimizers])
 
     def get_grad_norm(self):
+        # The L2 norm over disjoint parameter sets: the root of the summed squared norms.
         return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
 
     def count_zeros(self):
@@ -662,6 +674,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        # A list, not a generator: every optimizer must step even if an earlier one reports failure.
         return all([opt.step_with_ready_grads() for opt in self.chained_optimizers])
 
     def prepare_model_params_for_param_sync(self) -> None:
@@ -675,11 +688,13 @@ class ChainedOptimizer(MegatronOptimizer):
             return False, None, None
         grad_norm = self.get_grad_norm()
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        # One decision for all: stepping only some of the chained optimizers would desynchronise them.
         if any(_skips_update(opt.config, grad_norm) for opt in self.chained_optimizers):
             self.zero_grad(set_to_none=True)
             return False, grad_norm, num_zeros
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0.0:
+                # Against the global norm: with equal clip_grad, every chained gradient is scaled by the same factor.
                 clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
         return self.step_with_ready_grads(), grad_norm, num_zeros
 

@@ -141,6 +141,7 @@ class P2PCommunicator:
         ]
         if self.config.batch_p2p_comm:
             ops = [dist.P2POp(op, tensor, peer, group) for op, tensor, peer in ordered if tensor is not None]
+            # Batched operations are posted together, so the odd/even reordering below is not needed.
             return dist.batch_isend_irecv(ops) if ops else []
         # Unbatched operations may each block until the peer posts its match (NCCL), so neighbours must not both
         # start with a send: odd ranks receive first. The order per channel stays activation-then-gradient.
@@ -160,15 +161,18 @@ class P2PCommunicator:
         device = get_current_device()
 
         def shape_of(tensor):
+            # Shapes travel as int64 tensors because p2p only moves tensors.
             return None if tensor is None else torch.tensor(tensor.shape, dtype=torch.int64, device=device)
 
         def buffer(wanted):
+            # Only the sizes vary: the receiver's number of dimensions comes from tensor_shape.
             return torch.empty(ndim, dtype=torch.int64, device=device) if wanted else None
 
         prev_shape, next_shape = buffer(recv_prev), buffer(recv_next)
         requests = self._post(
             send_next=shape_of(send_next), recv_prev=prev_shape, send_prev=shape_of(send_prev), recv_next=next_shape
         )
+        # Wait now: the caller sizes its receive buffers from these shapes.
         for request in requests:
             request.wait()
         return (
@@ -199,6 +203,7 @@ class P2PCommunicator:
             raise ValueError("a pipeline receive needs tensor_shape (the shape of the tensor to receive)")
         if tensor_send_next is not None:
             _check_sent_tensor(tensor_send_next, "activation sent to the next stage", tensor_shape, config)
+            # isend/irecv move a dense buffer; a non-contiguous view (e.g. a transpose) cannot be sent as is.
             tensor_send_next = tensor_send_next.contiguous()
         if tensor_send_prev is not None:
             _check_sent_tensor(tensor_send_prev, "gradient sent to the previous stage", tensor_shape, config)
@@ -214,6 +219,7 @@ class P2PCommunicator:
         device = get_current_device()
         dtype = config.pipeline_dtype
         tensor_recv_prev = (
+            # A leaf requiring grad: this stage's backward then fills its .grad, the gradient sent back.
             torch.empty(prev_shape, dtype=dtype, device=device, requires_grad=True) if recv_prev else None
         )
         tensor_recv_next = torch.empty(next_shape, dtype=dtype, device=device) if recv_next else None

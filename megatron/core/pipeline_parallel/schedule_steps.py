@@ -76,6 +76,7 @@ def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_ou
             "the stage output is a view of another tensor, so freeing it would release no memory; return a tensor "
             "that owns its storage (e.g. .contiguous() or .clone()), or set deallocate_pipeline_outputs=False"
         )
+    # Rebinding .data keeps grad_fn; the expanded one-element tensor has the old shape but no real storage.
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype).expand(out.shape)
 
 
@@ -104,6 +105,7 @@ def get_tensor_shapes(
     del decoder_seq_length  # encoder-decoder models are not supported; decoders use seq_length
     cp_size = parallel_state.get_context_parallel_world_size() if cp_group is None else cp_group.size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_group is None else tp_group.size()
+    # Context parallelism splits the sequence across CP ranks; sequence parallelism splits it again over TP.
     seq = seq_length // cp_size
     if config.sequence_parallel:
         seq //= tp_size
@@ -146,6 +148,7 @@ def forward_step(
     unwrap_output_tensor = not isinstance(input_tensor, list)
     if unwrap_output_tensor:
         input_tensor = [input_tensor]
+    # Off the first stage the received activation replaces the embedding output as the chunk's input.
     get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
 
     if config.enable_autocast:
@@ -203,6 +206,7 @@ def forward_step_calc_loss(
         is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if cp_group_size is None:
         cp_group_size = parallel_state.get_context_parallel_world_size()
+    # A device tensor: the counts are summed and then broadcast/all-reduced in finalize_model_grads.
     num_tokens = torch.zeros((), dtype=torch.int64, device=get_current_device())
     if not is_last_stage:
         return output_tensor, num_tokens
@@ -269,9 +273,11 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
         output_tensor_grad = [output_tensor_grad]
     for tensor in input_tensor:
         if tensor is not None:
+            # This .grad is what gets sent back to the previous stage; retain it even if the input is not a leaf.
             tensor.retain_grad()
 
     loss_or_output = output_tensor[0]
+    # No incoming gradient means this is the loss: apply the (fp16) loss scale before backward.
     if output_tensor_grad[0] is None and config.grad_scale_func is not None:
         loss_or_output = config.grad_scale_func(loss_or_output)
     if config.deallocate_pipeline_outputs:
@@ -317,8 +323,10 @@ def backward_step_multimodule(
     for name, output in output_tensor.items():
         output = bare(output)
         grad = None if output_tensor_grad is None else bare(output_tensor_grad.get(name))
+        # Only the loss has no incoming gradient, so only it gets the loss scale.
         if grad is None and config.grad_scale_func is not None:
             output = config.grad_scale_func(output)
+        # A module whose output carries no graph (e.g. frozen) has nothing to backpropagate.
         if output is not None and output.requires_grad:
             outputs.append(output)
             grads.append(grad)

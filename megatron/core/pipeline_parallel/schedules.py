@@ -103,6 +103,7 @@ def get_pp_rank_microbatches(
     if forward_only:
         num_warmup = total
     elif pp_size > 1 and vp_size is None:
+        # Stage r runs p-r-1 forwards before the first gradient can come back from the last stage.
         num_warmup = pp_size - pp_rank - 1
     elif pp_size > 1:
         num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
@@ -121,6 +122,7 @@ class _GradSyncSwitch:
         if isinstance(no_sync_func, (list, tuple)):
             chunk_funcs = list(no_sync_func)
 
+            # One context that suspends reduction on every chunk (an ExitStack of the per-chunk contexts).
             def no_sync_func():
                 stack = contextlib.ExitStack()
                 for func in chunk_funcs:
@@ -133,6 +135,7 @@ class _GradSyncSwitch:
     def disable(self) -> None:
         if self.context is None:
             self.context = self.no_sync_func()
+            # Entered and left by hand: the switch toggles between loop iterations, not around one block.
             self.context.__enter__()
 
     def enable(self) -> None:
@@ -176,6 +179,7 @@ def _finalize(config, model_chunks: list, total_num_tokens, forward_only, pg_col
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             model_chunks,
+            # Only per-token loss needs the step's token count; otherwise each loss was already divided.
             total_num_tokens if config.calculate_per_token_loss else None,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
@@ -327,6 +331,7 @@ def forward_backward_pipelining_without_interleaving(
     num_steady = num_microbatches - num_warmup
 
     grad_sync = _GradSyncSwitch(config.no_sync_func)
+    # every backward but the last only accumulates
     grad_sync.disable()
     # With a custom grad_sync_func only the first stage reduces during its last backward pass; the others launch
     # their reduction after the flush, so every stage's reduction starts at about the same time.
@@ -348,6 +353,7 @@ def forward_backward_pipelining_without_interleaving(
     def run_backward(output_tensor_grad, is_last_backward: bool):
         if is_last_backward and sync_in_last_backward:
             grad_sync.enable()
+        # FIFO: 1F1B runs backward passes in forward order
         input_tensor = input_tensors.pop(0)
         output_tensor = output_tensors.pop(0)
         return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
@@ -368,6 +374,7 @@ def forward_backward_pipelining_without_interleaving(
 
         input_tensor = None
         if num_steady > 0:
+            # later inputs arrive with send_backward_recv_forward
             input_tensor = p2p.recv_forward(recv_shape, first_stage)
         for step in range(num_steady):
             last_step = step == num_steady - 1
@@ -379,6 +386,7 @@ def forward_backward_pipelining_without_interleaving(
                 continue
             output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shape, last_stage)
             stash(input_tensor, output_tensor)
+            # Only the last overall backward reduces; with warm-up the cool-down loop ends later.
             input_tensor_grad = run_backward(output_tensor_grad, is_last_backward=last_step and num_warmup == 0)
             if last_step:
                 p2p.send_backward(input_tensor_grad, first_stage)
@@ -511,10 +519,12 @@ class _InterleavedRunner:
         plan, config = self.plan, self.config
         self.grad_sync.disable()
         if self.param_sync_funcs is not None:
+            # The first two chunks are gathered up front; _launch_param_sync prefetches each later one in time.
             for chunk in range(min(2, plan.num_model_chunks)):
                 self.param_sync_funcs[chunk](self.model[chunk].parameters())
         first_key = plan.forward_key(0)
         if not plan.is_first_virtual_stage(first_key[1]):
+            # No earlier slot posted this receive, so fetch the first input before the loop.
             self.inputs[first_key] = self.p2p.recv_forward(self.tensor_shape, is_first_stage=False)
 
         for slot in range(plan.num_slots):
@@ -540,6 +550,7 @@ class _InterleavedRunner:
                 self.pending_gradients = self._post(None, input_tensor_grad, None, recv_next_key)
             else:
                 self.pending_activations = self._post(output_tensor, input_tensor_grad, recv_prev_key, recv_next_key)
+                # Without overlap each exchange completes before the next slot.
                 self._wait_activations()
         self._wait_activations()
         self._wait_gradients()
@@ -594,6 +605,7 @@ class _InterleavedRunner:
     def _forward(self, virtual_id: int):
         plan = self.plan
         microbatch, chunk = plan.forward_key(virtual_id)
+        # parallel_state's first/last-stage queries inside the model then answer for this chunk.
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         self._launch_param_sync(virtual_id)
         if plan.is_first_virtual_stage(chunk):
@@ -624,6 +636,7 @@ class _InterleavedRunner:
         output_grad = None if plan.is_last_virtual_stage(chunk) else self.output_grads.pop((microbatch, chunk))
         input_tensor_grad = backward_step(input_tensor, output_tensor, output_grad, self.config)
         self._launch_grad_sync(backward_id)
+        # The next backward pass, of whichever chunk, only accumulates again.
         self.grad_sync.disable()
         return input_tensor_grad
 
@@ -638,6 +651,7 @@ class _InterleavedRunner:
         sync_id = virtual_id + plan.pp_rank
         if sync_id < plan.total and plan.forward_key(sync_id)[0] == 0:
             chunk = plan.forward_key(sync_id)[1] + 1
+            # Chunks 0 and 1 were gathered in run() before the first slot.
             if 1 < chunk < plan.num_model_chunks:
                 self.param_sync_funcs[chunk](self.model[chunk].parameters())
 

@@ -101,6 +101,7 @@ def _initialize_affine_weight_gpu(
     """Initialise this rank's shard in place, drawing from the (expert) tensor-parallel RNG stream."""
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
     stream = _EXPERT_PARALLEL_RNG_TRACKER_NAME if is_expert else _MODEL_PARALLEL_RNG_TRACKER_NAME
+    # The TP stream is seeded per TP rank, so the shards draw independent values.
     with get_cuda_rng_tracker().fork(stream):
         init_method(weight)
 
@@ -126,6 +127,7 @@ def _initialize_affine_weight_cpu(
     gives rank r ``[gate_r; up_r]``, so each rank can split its own output in two.
     """
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    # Drawn in fp32 whatever params_dtype is, so every dtype starts from the same values (then rounded).
     master_weight = torch.empty(output_size, input_size, dtype=torch.float32)
     init_method(master_weight)
     master_weight = master_weight.to(dtype=params_dtype)
@@ -173,6 +175,7 @@ class _TensorParallelModule(torch.nn.Module):
         local_shape[partition_dim] //= self.tp_size
         weight = Parameter(torch.empty(local_shape, dtype=self.config.params_dtype, device=get_current_device()))
         if not self.config.perform_initialization:
+            # Tagged even uninitialised: optimizers, clipping and checkpoints read these attributes.
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
         elif self.config.use_cpu_initialization:
             self.master_weight = _initialize_affine_weight_cpu(
@@ -190,6 +193,7 @@ class _TensorParallelModule(torch.nn.Module):
             )
         else:
             _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=stride, is_expert=self.is_expert)
+        # allreduce=False sends the parameter to DDP's expert buffers, reduced over the expert-DP group.
         weight.allreduce = not (self.is_expert and self.expert_parallel)
         return weight
 
@@ -250,6 +254,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.grad_output_buffer = grad_output_buffer
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.group = tp_group
+        # Only the local slice is saved; backward re-gathers it (see the class docstring).
         ctx.save_for_backward(input, weight)
         total_input = _gather_along_first_dim(input, tp_group) if sequence_parallel else input
         return F.linear(total_input, weight, bias)
@@ -258,6 +263,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
         group = ctx.group
+        # False for a weight that does not require grad: skip its GEMM.
         wgrad_compute = ctx.needs_input_grad[1]
         buffer = ctx.grad_output_buffer
         if wgrad_compute and buffer is not None:
@@ -266,14 +272,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 wgrad_compute = False
         total_input, gather_work = input_, None
         if ctx.sequence_parallel and wgrad_compute:
+            # Started before the input-gradient GEMM so the two overlap.
             total_input, gather_work = _start_gather_along_first_dim(input_, group)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         if gather_work is not None:
             gather_work.wait()  # the re-gather of the input overlapped the input-gradient GEMM
 
         reduce_work = None
+        # Forward gathered the sequence, so its gradient is summed and split back to this rank's [s/tp] slice.
         if grad_input is not None and ctx.sequence_parallel:
             grad_input, reduce_work = _start_reduce_scatter_along_first_dim(grad_input, group)
+        # Each rank's input gradient is partial (its output columns only): sum them over TP.
         elif grad_input is not None and ctx.allreduce_dgrad:
             reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
 
@@ -286,6 +295,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_bias = grad_output_2d.sum(dim=0)
         if reduce_work is not None:
             reduce_work.wait()  # the input-gradient reduction overlapped the weight-gradient GEMM
+        # None for the non-tensor arguments of forward.
         return (grad_input, grad_weight, grad_bias) + (None,) * 8
 
 
@@ -315,6 +325,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     group = resolve_tp_group(tp_group)
     communicates = group_size(group) > 1 and (allreduce_dgrad or sequence_parallel)
     fuses = gradient_accumulation_fusion and hasattr(weight, "main_grad")
+    # Nothing special to do: let PyTorch's linear and its autograd handle it.
     if not (communicates or fuses or grad_output_buffer is not None):
         return F.linear(input, weight, bias)
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
@@ -379,6 +390,7 @@ def linear_with_frozen_weight(
     group = resolve_tp_group(tp_group)
     if sequence_parallel and group_size(group) > 1:
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
+        # The gather's backward reduce-scatters the input gradient, which already sums it over TP.
         allreduce_dgrad = False
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, group)
 
@@ -545,6 +557,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             weight,
             bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            # Under sequence parallelism the reduce-scatter in backward does this reduction.
             allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
             sequence_parallel=communicates and self.sequence_parallel,
             tp_group=self.tp_group,
@@ -617,6 +630,7 @@ class RowParallelLinear(_ParallelLinearBase):
         self.weight = self._new_weight((output_size, input_size), 1, init_method, stride, keep_master_weight_for_test)
         if bias:
             self.bias = self._new_bias(output_size)
+            # Under SP each rank adds the bias to its own sequence slice only, so its gradient is partial.
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
@@ -626,6 +640,7 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        # No bias here: added after the reduction, it is counted once rather than tp times.
         output_parallel = F.linear(input_parallel, self.weight)
 
         if self.explicit_expert_comm:
@@ -680,6 +695,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def forward(self, input_):
         if self.tp_size > 1:
             not_here = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            # Ids owned elsewhere look up row 0 and are zeroed, so the sum over TP keeps only the owner's row.
             local_ids = (input_ - self.vocab_start_index).masked_fill(not_here, 0)
             output_parallel = F.embedding(local_ids, self.weight).masked_fill(not_here.unsqueeze(-1), 0.0)
         else:

@@ -55,6 +55,7 @@ def _check_divisible(size: int, world_size: int, what: str, shape) -> None:
 
 
 def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
+    # A fresh dense copy: reducing the caller's tensor in place could corrupt another branch (module docstring).
     output = input_.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(output, group=group)
     return output
@@ -78,6 +79,7 @@ def _start_gather_along_first_dim(input_: torch.Tensor, group):
     output = torch.empty(
         (group_size(group) * input_.size(0),) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device
     )
+    # Collectives read a dense buffer; a transposed or sliced input is copied first.
     work = all_gather_into_tensor(output, input_.contiguous(), group=group, async_op=True)
     return output, work
 
@@ -132,6 +134,7 @@ def _reduce_scatter_along_first_dim_uneven(input_: torch.Tensor, group, input_sp
     world_size = group_size(group)
     mine = input_split_sizes[group_rank(group)]
     received = _all_to_all(input_, group, [mine] * world_size, list(input_split_sizes))
+    # Rows arrive grouped by source rank, each block that rank's partial values of our rows: sum the blocks.
     return received.view((world_size, mine) + tuple(input_.shape[1:])).sum(dim=0)
 
 
@@ -261,6 +264,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
             else:
                 grad_input = _reduce_scatter_along_first_dim(grad_output, ctx.group)
         elif sizes is not None:
+            # This rank's rows follow those of every lower rank in the gathered tensor.
             start = sum(sizes[: group_rank(ctx.group)])
             grad_input = grad_output[start : start + sizes[group_rank(ctx.group)]].contiguous()
         else:
@@ -340,6 +344,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _apply(function, input_: torch.Tensor, group, *args) -> torch.Tensor:
     group = resolve_tp_group(group)
+    # One rank: every collective is the identity, so skip the autograd function altogether.
     if group_size(group) == 1:
         return input_
     return function.apply(input_, group, *args)

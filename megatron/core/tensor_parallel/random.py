@@ -272,10 +272,12 @@ def model_parallel_cuda_manual_seed(
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset_rng)
     tracker = get_cuda_rng_tracker()
+    # Re-seeding replaces the streams; add() refuses a name or seed that already exists.
     tracker.reset()
     set_device_rng_state(_device_rng_state_for_seed(seed))
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
+    # Distinct for every (EP rank, expert-TP rank) pair while the expert-TP size stays below 100.
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + etp_rank)
 
 
@@ -286,6 +288,7 @@ class _RngSnapshot:
     """Every generator state a recomputed forward must see again: CPU, device and the tracker's streams."""
 
     def __init__(self):
+        # Always kept: CPU-side random ops draw from it even when the model runs on an accelerator.
         self.cpu_state = torch.get_rng_state()
         on_cpu = get_current_device().type == "cpu"
         self.device_state = None if on_cpu else get_device_rng_state()
@@ -307,6 +310,7 @@ class CheckpointFunction(torch.autograd.Function):
     ) -> _R:
         ctx.run_function = run_function
         ctx.rng_snapshot = _RngSnapshot()
+        # No graph is recorded: that is the memory saved; backward reruns the function with grad.
         with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
 
@@ -320,6 +324,7 @@ class CheckpointFunction(torch.autograd.Function):
                 )
             # Keep only this rank's 1/tp of the first input; backward all-gathers it.
             ctx.distributed_first_input_shape = args[0].shape
+            # A copy, not a view: only then can the full tensor be freed once the caller drops it.
             saved[0] = split_tensor_into_1d_equal_chunks(args[0].detach(), new_buffer=True)
         _save_inputs(ctx, saved, args)
         return outputs
@@ -333,6 +338,7 @@ class CheckpointFunction(torch.autograd.Function):
         outputs = _rerun(ctx.run_function, inputs, ctx.rng_snapshot)
         _backward_through(outputs, args)
         input_grads = tuple(inp.grad if torch.is_tensor(inp) and inp.requires_grad else None for inp in inputs)
+        # No gradients for run_function and distribute_saved_activations.
         return (None, None) + input_grads
 
 
@@ -350,6 +356,7 @@ def _restore_inputs(ctx) -> List[Any]:
     for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
         args[position] = tensor
     return [
+        # Fresh leaves: the rerun's backward stops at them and their .grad is the input gradient.
         arg.detach().requires_grad_(needs_grad) if torch.is_tensor(arg) else arg
         for arg, needs_grad in zip(args, ctx.inputs_require_grad)
     ]
@@ -358,6 +365,7 @@ def _restore_inputs(ctx) -> List[Any]:
 def _rerun(run_function, inputs: List[Any], rng_snapshot: "_RngSnapshot"):
     """Run ``run_function`` again with grad enabled under the RNG states of its first run, then restore the
     current states."""
+    # Put the current states back afterwards so the recomputation does not shift later draws.
     states_now = _RngSnapshot()
     rng_snapshot.restore()
     try:
@@ -468,6 +476,7 @@ class CheckpointWithoutOutput:
             hook_tensor.register_hook(self._recompute_hook)
 
     def _recompute_hook(self, grad):
+        # Recompute once: backward() of the checkpoint node also recomputes if this hook never ran.
         if self.recomputed_outputs is None:
             self.recompute()
         return grad
@@ -485,6 +494,7 @@ class CheckpointWithoutOutput:
         )
         for output, value in zip(self._output_tensors(), recomputed_tensors):
             storage = output.untyped_storage()
+            # Only discarded outputs; one that aliased an input was never freed.
             if storage.size() == 0:
                 storage.resize_(value.untyped_storage().size())
                 storage.copy_(value.untyped_storage())

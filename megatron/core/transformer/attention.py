@@ -219,6 +219,7 @@ class Attention(MegatronModule, ABC):
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
         self.hidden_size_per_attention_head = config.kv_channels
+        # divide() raises unless heads and query groups split evenly: each TP rank holds whole heads and groups.
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
 
@@ -234,6 +235,7 @@ class Attention(MegatronModule, ABC):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
+        # Selective recompute (Korthikanti et al., 2022): the s x s attention activations are large, cheap to redo.
         self.checkpoint_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
@@ -244,6 +246,7 @@ class Attention(MegatronModule, ABC):
             config=config,
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
+            # Core attention's output is already split by heads across the TP ranks.
             input_is_parallel=True,
             skip_bias_add=True,
             is_expert=False,
@@ -331,6 +334,7 @@ class Attention(MegatronModule, ABC):
             # Packed sequences: one row [t, 1, ...] of concatenated sequences becomes [t, heads, d] (THD).
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         query, key = self._rotate(query, key, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, packed_seq_params)
+        # Only training runs backward, so only then is there anything to recompute.
         if self.checkpoint_core_attention and self.training:
             context = tensor_parallel.checkpoint(
                 self._core_attention, False, query, key, value, attention_mask, attention_bias, packed_seq_params
@@ -338,6 +342,7 @@ class Attention(MegatronModule, ABC):
         else:
             context = self._core_attention(query, key, value, attention_mask, attention_bias, packed_seq_params)
         if packed:
+            # Back to the [t, 1, h] row layout the output projection and the residual expect.
             context = context.reshape(context.shape[0], 1, -1)
         return self.linear_proj(context)
 
@@ -427,6 +432,7 @@ class SelfAttention(Attention):
         heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         d = self.hidden_size_per_attention_head
         s, b = mixed_qkv.shape[:2]
+        # The projection's channels are grouped per query group, [q heads; k; v] each (module docstring).
         mixed_qkv = mixed_qkv.view(s, b, self.num_query_groups_per_partition, (heads_per_group + 2) * d)
         split_sizes = [heads_per_group * d, d, d]
         if not split_qkv:

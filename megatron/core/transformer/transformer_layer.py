@@ -80,6 +80,7 @@ def layers_per_virtual_stage(
                 f"({vp}); change num_layers, the stage sizes or virtual_pipeline_model_parallel_size so that every "
                 "stage's layers split evenly into its model chunks"
             )
+    # Pipeline order: every rank's chunk 0, then every rank's chunk 1, ... (virtual stage c * pp + r).
     per_virtual = [per_rank[rank] // vp for _ in range(vp) for rank in range(pp)]
     # Each virtual stage has at least one slot, and the first and last differ unless there is only one (which then
     # has num_layers + both extras), so no count goes negative.
@@ -273,6 +274,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.self_attention = build_module(submodules.self_attention, **attention_kwargs)
         self.self_attn_bda = build_module(submodules.self_attn_bda)
         self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, **norm_kwargs)
+        # CrossAttention's constructor takes no pp_layer_offset.
         attention_kwargs.pop("pp_layer_offset", None)
         self.cross_attention = build_module(submodules.cross_attention, **attention_kwargs)
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
@@ -282,6 +284,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
 
+        # An IdentityOp norm (e.g. fused into the next linear) has no output worth recomputing.
         self.recompute_input_layernorm = self._recompute("layernorm") and not isinstance(
             self.input_layernorm, IdentityOp
         )
@@ -304,11 +307,14 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
     def _norm(self, norm, hidden_states: Tensor, recompute: bool) -> Tensor:
         if recompute and self.training:
+            # The norm's output is not kept: it is recomputed from hidden_states in backward.
             return tensor_parallel.checkpoint(norm, False, hidden_states)
         return norm(hidden_states)
 
     def _residual(self, hidden_states: Tensor, normed: Tensor) -> Tensor:
+        # Megatron's option to take the residual after the norm (as original BERT did) rather than before it.
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        # Keeps the residual stream in fp32 so rounding does not build up across layers.
         return residual.float() if self.config.fp32_residual_connection else residual
 
     def forward(
@@ -347,6 +353,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
         )
+        # The bda factory takes self.training so that dropout applies only in training.
         hidden_states = self.self_attn_bda(self.training, fused)(
             attention_output_with_bias, residual, self.hidden_dropout
         )

@@ -163,10 +163,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         planning_error = None
         try:
             for shard in nested_values(sharded_state_dict):
+                # Replicas hold identical data: only the main one is written, so each piece is stored once.
                 if is_main_replica(shard.replica_id):
                     _add_write_items(shard, items, data, copy_data, self.materialize)
         except Exception as error:  # reported to every rank at finalisation, never raised on this rank alone
             planning_error = describe_error(error)
+        # fsync the shards: metadata.json, written after them, must never mark unsynced data as complete.
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True)
         writer.set_up_storage_writer(rank == 0, rank=rank)
 
@@ -175,6 +177,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if planning_error is not None:
                 return [], planning_error
             try:
+                # The rank in the file prefix keeps ranks from ever writing the same file.
                 plan = writer.prepare_local_plan(SavePlan(items, storage_data=_StoragePrefix(f"__{rank}_")))
                 return writer.write_data(plan, _StagedDataPlanner(data)).wait(), None
             except Exception as error:
@@ -185,6 +188,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         def finalize() -> None:
             results, write_error = request.async_fn_result
             data.clear()  # drop the staged copies
+            # The save's one collective: rank 0 needs every rank's chunks and file offsets for .metadata.
             all_writes = all_gather_objects(_RankWrites(items, results, write_error))
             raise_gathered_errors([w.error for w in all_writes], f"writing the shards of {checkpoint_dir}")
             error = None
@@ -193,6 +197,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     writer.finish(_global_metadata(all_writes), [w.results for w in all_writes])
                 except Exception as caught:
                     error = caught
+            # A failure on rank 0 is raised on every rank, so none of them goes on as if the save succeeded.
             gather_and_raise_errors(error, f"writing {checkpoint_dir / DCP_METADATA_FNAME}")
 
         request.add_finalize_fn(finalize)
@@ -228,6 +233,7 @@ def _add_write_items(
             continue
         tensor = box_view(shard.data.detach(), box, data_slice)
         if copy_data:
+            # Async: snapshot now, since training goes on changing the tensor while the background write runs.
             tensor = tensor.to("cpu", copy=True)
         data[index] = tensor
 
@@ -249,6 +255,7 @@ def _global_metadata(all_writes: List[_RankWrites]) -> Metadata:
             entry.chunks.append(tensor_data.chunk)
     for entry in entries.values():
         if isinstance(entry, TensorStorageMetadata):
+            # A fixed order by offset, whichever rank wrote each chunk.
             entry.chunks.sort(key=lambda chunk: tuple(chunk.offsets))
     return Metadata(state_dict_metadata=entries, planner_data={fqn: (fqn,) for fqn in entries})
 
@@ -282,11 +289,13 @@ class _TargetsPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         stored = self.files.load_object(read_item.storage_index.fqn, value)
+        # Objects are stored as a one-element list (Megatron's format); unwrap it.
         self.objects[read_item.dest_index.fqn] = stored[0] if isinstance(stored, list) and len(stored) == 1 else stored
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         target = self.targets[read_item.dest_index.fqn]
         for axis, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            # A view into the requested tensor, so the reader copies straight into place.
             target = target.narrow(axis, offset, length)
         return target
 
@@ -406,6 +415,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 index: info for index, info in metadata.storage_data.items() if index.fqn not in removed
             }
         path = checkpoint_dir / DCP_METADATA_FNAME
+        # Write-then-rename: a crash leaves the old .metadata or the new one, never a half-written file.
         temporary = path.with_name(path.name + ".tmp")
         with open(temporary, "wb") as file:
             pickle.dump(metadata, file)
@@ -452,6 +462,7 @@ class _ShardFiles:
                     f"the checkpoint {self.name} is corrupt"
                 )
             path = self.checkpoint_dir / info.relative_path
+            # Each file must be at least as long as the furthest byte any item reads from it.
             needed[path] = max(needed.get(path, 0), info.offset + info.length)
         for path, size in needed.items():
             if not path.exists():
@@ -480,6 +491,7 @@ class _ShardFiles:
             by_file.setdefault(self.file_of(item.storage_index), []).append(item)
         for path, items in by_file.items():
             try:
+                # Read again file by file to name the damaged one.
                 self._read(items, planner)
             except Exception:
                 return path
@@ -538,6 +550,7 @@ def _plan_tensor_read(
         wanted = box.intersection(stored_extent)
         if wanted is None:
             continue
+        # A unique name per requested box: the planner finds the target view by this fqn.
         target_name = str(len(targets))
         targets[target_name] = box_view(data, box, data_slice)
         covered = 0
@@ -556,6 +569,7 @@ def _plan_tensor_read(
                     torch.Size(overlap.shape),
                 )
             )
+        # Stored chunks do not overlap, so a shortfall means part of the tensor was never written.
         if covered != wanted.numel:
             raise CheckpointingException(
                 f"the checkpoint {checkpoint_dir} holds only {covered} of the {wanted.numel} elements of "
@@ -584,6 +598,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
 
     def transform_object(self, write_item: WriteItem, object: Any):
         if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            # Already the serialized bytes of a ShardedObject: write them as they are.
             return object
         return super().transform_object(write_item, object)
 

@@ -59,6 +59,7 @@ def switch_load_balancing_loss_func(
     if padding_mask is not None:
         probs = probs * padding_mask.unsqueeze(-1)
     summed_probs = probs.sum(dim=0)
+    # E * sum_i f_i * P_i with f_i = n_i / (T * k) and P_i = (sum of probs)_i / T, folded into one factor.
     scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
     return torch.sum(summed_probs * tokens_per_expert) * scale
 
@@ -66,6 +67,7 @@ def switch_load_balancing_loss_func(
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)^2``, times the coefficient.
     ``padding_mask`` (True = padding) leaves padding tokens out of the mean."""
+    # logsumexp, not log(sum(exp)): large logits would overflow exp.
     squared = torch.square(torch.logsumexp(logits, dim=-1))
     if padding_mask is None:
         return squared.mean() * z_loss_coeff
@@ -121,6 +123,7 @@ def get_tokens_per_expert_and_token_count(
     local_num_tokens = routing_map.shape[0]
     total_num_tokens = local_num_tokens
     for group in groups:
+        # Every rank of a group holds the same number of rows, so the total is local times the group sizes.
         total_num_tokens *= 1 if group is None else group.size()
     return global_tokens_per_expert, local_num_tokens, total_num_tokens
 
@@ -146,8 +149,10 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         if scale is None:
+            # No schedule set a scale (e.g. a bare forward/backward): the aux loss gets gradient 1.
             scale = torch.tensor(1.0, device=aux_loss.device)
             MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+        # The activation's gradient passes through; the aux loss gets d(scaled loss)/d(aux_loss) = scale.
         return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device)
 
     @staticmethod
@@ -156,6 +161,7 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         # One value, whatever shape it comes in ([] or [1]), so later calls can copy into the stored tensor.
         scale = torch.as_tensor(scale).detach().reshape(())
         if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
+            # Own copy: later set_loss_scale calls copy_ into it and must not write into the caller's tensor.
             MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
         else:
             MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
@@ -174,6 +180,7 @@ def group_limited_topk(
     group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)
+    # -inf keeps experts of unchosen groups out of the final top-k.
     masked_scores = scores.masked_fill(~expert_mask.reshape(num_tokens, -1).bool(), float("-inf"))
     return torch.topk(masked_scores, k=topk, dim=-1)
 
@@ -236,10 +243,12 @@ def topk_routing_with_score_function(
     else:
         scores = _score(logits, score_function)
         if expert_bias is not None:
+            # The bias only steers which experts are chosen; the weights below use the unbiased scores.
             _, top_indices = choose(scores + expert_bias.float())
             top_scores = torch.gather(scores, dim=1, index=top_indices)
         else:
             top_scores, top_indices = choose(scores)
+        # The epsilon guards a row whose chosen scores are all zero.
         probs = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top_scores
     if scaling_factor:
         probs = probs * scaling_factor
@@ -290,10 +299,12 @@ def apply_router_token_dropping(
     fillers), so the dispatch has fixed shapes. Returns ``(probs, map)``."""
     num_tokens, num_experts = routing_probs.shape
     capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    # An expert can then take every token, so nothing is dropped.
     if capacity > num_tokens:
         keep = torch.ones_like(routing_map, dtype=torch.bool)
     else:
         if drop_policy == "probs":
+            # Along dim 0: each expert (column) keeps its own top-capacity tokens.
             _, kept_rows = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)
         elif drop_policy == "position":
             # A stable sort of each 0/1 column keeps the earliest routed tokens (topk leaves ties unordered).
@@ -301,6 +312,7 @@ def apply_router_token_dropping(
         else:
             raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {drop_policy!r}")
         keep = torch.zeros_like(routing_map, dtype=torch.bool).scatter(0, kept_rows, True)
+    # Padding keeps all capacity rows per expert; rows not routed there have probability 0.
     final_map = keep if pad_to_capacity else routing_map & keep
     return routing_probs * final_map, final_map
 
@@ -328,8 +340,10 @@ def get_updated_expert_bias(
         if tp_dp_cp_group is None:
             tp_dp_cp_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         if tp_dp_cp_group is not None and dist.get_world_size(tp_dp_cp_group) > 1:
+            # Every rank must apply the same bias update, so it is computed from the global counts.
             dist.all_reduce(tokens_per_expert, group=tp_dp_cp_group)
         mean_tokens = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+        # A fixed step in the direction of balance, whatever the size of the imbalance (sign, as in the paper).
         return expert_bias + torch.sign(mean_tokens - tokens_per_expert) * expert_bias_update_rate
 
 
@@ -358,6 +372,7 @@ def permute(
     _refuse_fused("permute", fused)
     num_tokens = tokens.shape[0]
     num_experts = routing_map.shape[1]
+    # Expert-major, like the permuted rows, so positions in the flat routing map index it directly.
     probs_by_expert = None if probs is None else probs.T.contiguous().reshape(-1)
     if drop_and_pad and num_out_tokens is not None:
         capacity = num_out_tokens // num_experts
@@ -371,6 +386,7 @@ def permute(
             num_out_tokens = int(routing_map.sum())
         flat_map = routing_map.bool().T.contiguous().reshape(-1)
         flat_positions = flat_map.to(torch.int8).argsort(descending=True, stable=True)[:num_out_tokens]
+        # Positions in the expert-major [experts * tokens] map; the token row is the remainder.
         sorted_indices = flat_positions % num_tokens
     permuted_probs = None if probs is None else probs_by_expert.index_select(0, flat_positions)
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices, None, tokens_per_expert
@@ -402,9 +418,11 @@ def unpermute(
             offsets = (torch.arange(num_experts, device=probs.device).unsqueeze(-1) * num_tokens).expand(-1, capacity)
             permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, offsets.reshape(-1) + sorted_indices)
         else:
+            # Expert-major selection: the same order in which permute laid out the rows.
             permuted_probs = probs.T.contiguous().masked_select(routing_map.T.contiguous().bool())
         permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)
     output = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    # index_add_ sums the k expert outputs that belong to the same token.
     output.index_add_(0, sorted_indices, permuted_tokens)
     return output.to(dtype=input_dtype)
 
@@ -438,6 +456,7 @@ class RouterGatingLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], router_dtype: torch.dtype):
+        # The low-precision tensors are saved, not their router_dtype copies, to keep activation memory small.
         ctx.save_for_backward(inp, weight, bias)
         ctx.router_dtype = router_dtype
         flat = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
@@ -473,6 +492,7 @@ class RandomSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
         with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            # A new tensor of the logits' shape and dtype; the input logits are left untouched.
             return logits.clone().normal_()
 
     @staticmethod
@@ -571,6 +591,7 @@ def reduce_aux_losses_tracker_across_ranks(
     for name in names:
         entry = _MOE_LAYER_WISE_LOGGING_TRACKER[name]
         values = entry["values"]
+        # Each stage filled only its own layers' entries (zeros elsewhere), so a sum assembles them.
         _all_reduce(values, pp_group)
         _all_reduce(values, entry.get("reduce_group"))
         _all_reduce(values, entry.get("avg_group"), dist.ReduceOp.AVG)
@@ -610,6 +631,7 @@ def track_moe_metrics(
     ``force_initialize`` creates zero entries for ``track_names`` so that ranks without MoE layers (a dense
     pipeline stage) take part in the same collectives. Returns the log-line fragment ``" name: value |"`` per loss,
     then clears the tracker."""
+    # Collectives below must run on every rank, including stages whose layers recorded nothing.
     if force_initialize and track_names is not None:
         from megatron.core.utils import get_current_device
 

@@ -156,12 +156,15 @@ class TopKRouter(Router):
             return torch.softmax(values, dim=-1, dtype=torch.float32).type_as(values)
 
         if self.training:
+            # The choice is not differentiated; gradients reach the gate through activation(logits) below.
             with torch.no_grad():
+                # In fp32: Sinkhorn exponentiates the logits, and exp() overflows fp16 beyond about 11.
                 _, indices = torch.topk(sinkhorn(logits.to(dtype=torch.float32)), k=self.topk, dim=1)
             scores = activation(logits)
         else:
             scores = activation(logits)
             _, indices = torch.topk(scores, k=self.topk, dim=1)
+        # Experts not chosen for a token get probability 0.
         routing_map = torch.zeros_like(scores, dtype=torch.int32).scatter(1, indices, 1).bool()
         return scores * routing_map, routing_map
 
@@ -182,6 +185,7 @@ class TopKRouter(Router):
         coeff = self.get_aux_loss_coeff("aux_loss")
         if coeff == 0:
             return probs
+        # Summed over TP x CP: those ranks hold slices of the same sequences, so the loss sees their whole load.
         tokens_per_expert, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
             routing_map, self.tp_cp_group, topk=self.topk, with_padding_mask=with_padding_mask
         )
@@ -221,6 +225,7 @@ class TopKRouter(Router):
         tokens_per_expert, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
             routing_map, self.tp_dp_cp_group, topk=self.topk, with_padding_mask=with_padding_mask
         )
+        # Accumulated over the step's micro-batches; finalize_model_grads resets it (reset_global_aux_loss_tracker).
         self.global_tokens_per_expert += tokens_per_expert
         self.ga_steps += 1
         averaged = self.global_tokens_per_expert / self.ga_steps
@@ -231,6 +236,7 @@ class TopKRouter(Router):
             aux_loss,
             "global_load_balancing_loss",
             self.tp_dp_cp_group,
+            # The counts already span the DP ranks, so logging must not average over DP again.
             needs_dp_avg=False,
             valid_token_count=local_tokens,
         )
@@ -268,6 +274,7 @@ class TopKRouter(Router):
     def apply_z_loss(self, logits, padding_mask: Optional[torch.Tensor] = None):
         """In training, attach ST-MoE's z-loss of the logits (coefficient divided by the TP x CP size: each of
         those ranks holds a slice of the sequence and the slices' losses are summed)."""
+        # Without gradients (evaluation, inference) there is nothing to attach the loss to.
         if self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
         tp_cp = 1 if self.tp_cp_group is None else self.tp_cp_group.size()
@@ -318,6 +325,7 @@ class TopKRouter(Router):
         logits = logits.view(-1, self.num_experts)
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
+        # On the raw logits, before any scoring or top-k.
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
         if self.routing_type == "sinkhorn":
             probs, routing_map = self.sinkhorn_load_balancing(logits)
@@ -342,6 +350,7 @@ class TopKRouter(Router):
                 pad_to_capacity=self.config.moe_pad_expert_input_to_capacity,
             )
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            # Losses use scores over all experts, free of expert bias and group limits, as in Megatron.
             aux_map, aux_scores = compute_routing_scores_for_aux_loss(
                 logits, self.topk, self.score_function, padding_mask=padding_mask
             )
