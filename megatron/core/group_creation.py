@@ -46,9 +46,22 @@ def create_group(
     return group
 
 
-def forget_created_groups() -> None:
-    """Drop the record of created groups (parallel_state.destroy_model_parallel calls this)."""
+def destroy_created_groups() -> None:
+    """Destroy every group ``create_group`` made on this rank, then forget them (destroy_model_parallel calls this).
+
+    Dropping our references is not enough: torch.distributed keeps each group, with its sockets and its gloo/NCCL
+    threads, in its own registry until ``destroy_process_group``; without this every initialise/destroy cycle leaked
+    dozens of file descriptors and threads per rank.
+    """
     global _global_process_group_list
+    for group in _global_process_group_list or []:
+        if group is None or not dist.is_initialized():
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            # Already gone: the caller destroyed it, or tore the whole world down (and maybe started a new one).
+            pass
     _global_process_group_list = None
 
 

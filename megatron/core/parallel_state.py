@@ -21,7 +21,7 @@ from megatron.core.public_api import public_api
 from megatron.core.group_creation import (  # noqa: F401
     create_group,
     create_hierarchical_groups,
-    forget_created_groups,
+    destroy_created_groups,
     get_nccl_options,
     overwrite_nccl_comm_cfgs,
     read_nccl_comm_cfgs,
@@ -296,7 +296,7 @@ def destroy_model_parallel() -> None:
     _GROUP_RANKS.clear()
     _OVERRIDES.clear()
     destroy_global_memory_buffer()
-    forget_created_groups()
+    destroy_created_groups()
     _VIRTUAL_PIPELINE_WORLD_SIZE = None
     _VIRTUAL_PIPELINE_RANK = None
 
