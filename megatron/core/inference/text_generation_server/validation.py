@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from megatron.core.inference.text_generation_server.errors import (
-    NOT_FOUND,
     OpenAIError,
     above_maximum,
     below_minimum,
@@ -253,16 +252,10 @@ class RequestParser:
         model = body.get("model")
         if model is None:
             return
+        # Any name is served by the one model, as Megatron's server does: clients, evaluation harnesses and RL
+        # agents send names of their own. The response's "model" field names what actually answered.
         if not isinstance(model, str):
             raise invalid_type("model", "a string", model)
-        if model != self.model_name:
-            raise OpenAIError(
-                f"The model '{model}' does not exist; this server serves '{self.model_name}' (see GET /v1/models).",
-                status=404,
-                type=NOT_FOUND,
-                param="model",
-                code="model_not_found",
-            )
 
     @staticmethod
     def _refuse_unsupported(body, names) -> None:
