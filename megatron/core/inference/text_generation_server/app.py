@@ -36,9 +36,7 @@ def create_app(
 
     if termination_id is None:
         termination_id = getattr(tokenizer, "eod", None)
-    parser = RequestParser(
-        tokenizer, model_name, max_sequence_length, defaults, render_chat or default_chat_prompt, vocab_size
-    )
+    parser = RequestParser(tokenizer, max_sequence_length, defaults, render_chat or default_chat_prompt, vocab_size)
     app = FastAPI(title="Megatron text generation server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(
         serving_loop, tokenizer, model_name, max_sequence_length, parser, termination_id, created=responses.now()

@@ -87,19 +87,17 @@ def parse_json_body(raw: bytes) -> Dict[str, Any]:
 
 
 class RequestParser:
-    """Reads request bodies for one served model: its name, its tokenizer and its context length."""
+    """Reads request bodies for one served model: its tokenizer and its context length."""
 
     def __init__(
         self,
         tokenizer,
-        model_name: str,
         max_sequence_length: int,
         defaults: Optional[ServingDefaults] = None,
         render_chat: Optional[Callable] = None,
         vocab_size: Optional[int] = None,
     ):
         self.tokenizer = tokenizer
-        self.model_name = model_name
         self.max_sequence_length = max_sequence_length
         self.defaults = defaults or ServingDefaults()
         self.render_chat = render_chat
