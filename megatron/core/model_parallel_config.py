@@ -207,16 +207,12 @@ def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
         pp=config.pipeline_model_parallel_size,
         cp=config.context_parallel_size,
         ep=config.expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
     )
     if config.sequence_parallel and config.tensor_model_parallel_size == 1:
         raise ValueError(
             "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1); "
             "turn sequence_parallel off or raise tensor_model_parallel_size"
-        )
-    if config.virtual_pipeline_model_parallel_size is not None and config.pipeline_model_parallel_size < 2:
-        raise ValueError(
-            f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} needs "
-            f"pipeline_model_parallel_size > 1 (got {config.pipeline_model_parallel_size})"
         )
 
 
