@@ -155,11 +155,11 @@ class ParamStateLayouts:
         saved = state_dict.get("per_bucket_numel_unpadded")
         if saved is not None and _plain(saved) != _plain(self.per_bucket_numel_unpadded):
             raise ValueError(
-                "DistributedOptimizer: this dp_reshardable optimizer checkpoint was written for other buckets (unpadded "
-                f"bucket sizes {_plain(saved)}, this run has {_plain(self.per_bucket_numel_unpadded)}). The "
-                "dp_reshardable layout reloads only with the same model, tensor/pipeline layout and --ddp-bucket-size "
-                "(any data-parallel size); save with --dist-ckpt-optim-fully-reshardable (fully_reshardable) to change "
-                "them, or pass --no-load-optim"
+                "DistributedOptimizer: this dp_reshardable optimizer checkpoint was written for other buckets "
+                f"(unpadded bucket sizes {_plain(saved)}, this run has {_plain(self.per_bucket_numel_unpadded)}). "
+                "The dp_reshardable layout reloads only with the same model, tensor/pipeline layout and "
+                "--ddp-bucket-size (any data-parallel size); save with --dist-ckpt-optim-fully-reshardable "
+                "(fully_reshardable) to change them, or pass --no-load-optim"
             )
         for index, buffer in enumerate(self.buffers):
             for bucket_state, pieces in zip(state_dict[index][_dtype_key(buffer)], self.bucket_pieces[index]):
@@ -180,8 +180,8 @@ class ParamStateLayouts:
             for param, (start, end, _) in buffer.param_index_map.items():
                 if param not in sharded_of:
                     raise ValueError(
-                        f"DistributedOptimizer: a parameter of shape {tuple(param.shape)} is not in the model's sharded "
-                        "state dict; build the optimizer's sharded state from the same model chunks it steps"
+                        f"DistributedOptimizer: a parameter of shape {tuple(param.shape)} is not in the model's "
+                        "sharded state dict; build the optimizer's sharded state from the same model chunks it steps"
                     )
                 state[index] = {
                     name: make_sharded_optimizer_tensor(
@@ -262,8 +262,8 @@ class ParamStateLayouts:
         others) and sends each rank its shards."""
         if update_legacy_format:
             raise ValueError(
-                "DistributedOptimizer: parameter state files from before 'buckets_coalesced' (update_legacy_format=True) "
-                "are not supported; convert the checkpoint with Megatron-LM first"
+                "DistributedOptimizer: parameter state files from before 'buckets_coalesced' "
+                "(update_legacy_format=True) are not supported; convert the checkpoint with Megatron-LM first"
             )
         dp_rank, dp_size = self._dp_rank_and_size()
         source = dist.get_global_rank(self.data_parallel_group, 0)
