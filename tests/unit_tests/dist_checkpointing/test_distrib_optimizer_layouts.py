@@ -88,8 +88,7 @@ def load(gpt, optimizer, checkpoint: Path):
     }
     loaded = dist_checkpointing.load(request, checkpoint)
     gpt.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    optimizer.reload_model_params()
+    optimizer.load_state_dict(loaded["optimizer"])  # the fp32 main params come from here, not from the bf16 weights
     return metadata
 
 
