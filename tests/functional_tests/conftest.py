@@ -47,7 +47,8 @@ def equivalence_reference(cpu_data_flags) -> RunResult:
 @pytest.fixture(scope="session")
 def tp2_pp2_run(tmp_path_factory, cpu_data_flags) -> CheckpointedRun:
     """TP2 x PP2 with the distributed optimizer: planned like the reference (same --train-iters, so the same LR and
-    weight-decay schedule) but stopped by --exit-interval at iteration 10, after saving there."""
+    weight-decay schedule) but stopped by --exit-interval at iteration 10, after saving there, in the
+    fully_reshardable layout so that it resumes at another tensor/pipeline layout."""
     name, nproc, layout_flags = PARALLEL_LAYOUTS[0]
     assert name == "tp2_pp2_distopt"
     save_dir = tmp_path_factory.mktemp("tp2_pp2_checkpoints")
@@ -61,6 +62,7 @@ def tp2_pp2_run(tmp_path_factory, cpu_data_flags) -> CheckpointedRun:
             save_dir,
             "--save-interval",
             "10",
+            "--dist-ckpt-optim-fully-reshardable",
         ]
     )
     return CheckpointedRun(run_pretrain(flags + cpu_data_flags, nproc), save_dir)

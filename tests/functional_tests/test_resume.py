@@ -73,6 +73,7 @@ def test_resharded_resume_restores_weights_and_optimizer_state_exactly(tp2_pp2_r
             resave_dir,
             "--save-interval",
             "1000",
+            "--dist-ckpt-optim-fully-reshardable",
         ]
     )
     result = run_pretrain(flags, nproc=2)

@@ -5,11 +5,14 @@ Every data-parallel rank trains on the same batch, so the gradients and hence th
 on the data-parallel size: the loss after one more step must match Megatron's own (the fixture's) at every layout.
 """
 
+import shutil
+
 import pytest
 import torch
 
 from megatron.core import dist_checkpointing
 from tests.unit_tests.dist_checkpointing.test_distrib_optimizer_layouts import (
+    FIXTURES,
     _expected,
     _load_fixture_and_step,
     batch_loss,
@@ -89,3 +92,30 @@ def test_megatron_fully_reshardable_checkpoint_resumes_at_another_tensor_paralle
     name = "fully_reshardable_tp2_dp2"
     for result in run_distributed(2, _load_fixture_and_step, name, 1, None):
         assert result["loss"] == pytest.approx(_expected(name)["loss_after_step_2"], abs=2e-3)
+
+
+def _load_error(checkpoint: str, bucket_size):
+    gpt, _, optimizer, _ = build(1, bucket_size)
+    try:
+        load(gpt, optimizer, checkpoint)
+    except Exception as error:  # noqa: BLE001 - the message is what is tested
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def test_dp_reshardable_with_other_buckets_is_refused():
+    checkpoint = FIXTURES / "dp_reshardable_tp1_dp2"  # written with 500-element buckets
+    for message in run_distributed(2, _load_error, str(checkpoint), None):
+        assert "this dp_reshardable distributed-optimizer checkpoint was written for other buckets" in message
+        assert "--ddp-bucket-size" in message and "--dist-ckpt-optim-fully-reshardable" in message
+
+
+def test_a_truncated_optimizer_shard_is_named(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dp_reshardable_tp1_dp2", checkpoint)
+    shard = checkpoint / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = {path.name: path.read_bytes() for path in checkpoint.iterdir()}
+    for message in run_distributed(2, _load_error, str(checkpoint), 500):
+        assert message is not None and "__1_0.distcp" in message
+    assert before == {path.name: path.read_bytes() for path in checkpoint.iterdir()}  # nothing written over

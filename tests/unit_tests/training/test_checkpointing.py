@@ -207,8 +207,8 @@ def test_round_trip_carries_rerun_state_machine_and_content_metadata(tmp_path):
     results = run_distributed(2, _round_trip, str(tmp_path))
     metadata = {
         "singleton_local_shards": False,
-        "chained_optim_avoid_prefix": False,
-        "distrib_optim_sharding_type": "fully_sharded_model_space",
+        "chained_optim_avoid_prefix": True,
+        "distrib_optim_sharding_type": "dp_reshardable",
     }
     assert results == [(True, True, metadata, True, True, 7, 1234.0, RerunMode.DISABLED, 2, 7, 3.0)] * 2
 
@@ -285,3 +285,47 @@ def test_dataloader_state_one_file_per_data_parallel_rank(tmp_path):
     assert sorted(os.listdir(directory)) == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
     state = torch.load(directory / "train_dataloader_dprank001.pt", weights_only=True)
     assert state == {"dataloader_state_dict": {"position": 1}}
+
+
+def _load_errors(root):
+    """A checkpoint saved with --no-save-optim, then resumed without and with --no-load-optim."""
+    try:
+        model, optimizer, scheduler = _setup(root, 1, "--no-save-optim")
+        _train_one_step(model, optimizer, scheduler)
+        checkpointing.save_checkpoint(3, model, optimizer, scheduler, 0)
+        global_vars.unset_global_variables()
+        model, optimizer, scheduler = _setup(root, 2)
+        try:
+            checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")
+            missing_optimizer = None
+        except checkpointing.CheckpointingException as error:
+            missing_optimizer = str(error)
+        global_vars.unset_global_variables()
+        model, optimizer, scheduler = _setup(root, 2, "--no-load-optim")
+        iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")
+        return missing_optimizer, iteration
+    finally:
+        global_vars.unset_global_variables()
+
+
+def test_a_checkpoint_without_optimizer_state_needs_no_load_optim(tmp_path):
+    for missing_optimizer, iteration in run_distributed(2, _load_errors, str(tmp_path)):
+        assert "holds no optimizer state (it was saved with --no-save-optim); pass --no-load-optim" in (
+            missing_optimizer
+        )
+        assert iteration == 3  # with --no-load-optim the weights load
+
+
+def test_a_bucket_space_optimizer_layout_is_refused_at_another_model_parallel_layout():
+    from argparse import Namespace
+
+    args = Namespace(use_distributed_optimizer=True)
+    for layout in ("dp_reshardable", "dp_zero_gather_scatter"):
+        metadata = {"distrib_optim_sharding_type": layout}
+        checkpointing._check_optimizer_layout(args, metadata, True, "ckpt/iter_0000010")  # same layout: fine
+        with pytest.raises(checkpointing.CheckpointingException) as error:
+            checkpointing._check_optimizer_layout(args, metadata, False, "ckpt/iter_0000010")
+        assert f"ckpt/iter_0000010: its distributed-optimizer state is in the {layout} layout" in str(error.value)
+        assert "--dist-ckpt-optim-fully-reshardable" in str(error.value) and "--no-load-optim" in str(error.value)
+    for layout in ("fully_reshardable", "fully_sharded_model_space"):
+        checkpointing._check_optimizer_layout(args, {"distrib_optim_sharding_type": layout}, False, "ckpt")

@@ -530,13 +530,18 @@ def _plan_tensor_read(
     stored = metadata.state_dict_metadata.get(shard.key)
     if not isinstance(stored, TensorStorageMetadata):
         what = "is not in" if stored is None else "is an object, not a tensor, in"
-        raise CheckpointingException(f"ShardedTensor {shard.key!r} {what} the checkpoint {checkpoint_dir}")
+        raise CheckpointingException(
+            f"ShardedTensor {shard.key!r} {what} the checkpoint {checkpoint_dir}{_bucket_layout_hint(shard.key)}"
+        )
     stored_shape = tuple(stored.size)
     if stored_shape != tuple(shard.global_shape) and not shard.allow_shape_mismatch:
+        fix = _bucket_layout_hint(shard.key) or (
+            "; load with the same model configuration, or set allow_shape_mismatch=True on it if the difference is "
+            "intended (e.g. vocabulary padding)"
+        )
         raise CheckpointingException(
             f"ShardedTensor {shard.key!r}: the model expects global shape {tuple(shard.global_shape)} but the "
-            f"checkpoint {checkpoint_dir} stores {stored_shape}; load with the same model configuration, or set "
-            "allow_shape_mismatch=True on it if the difference is intended (e.g. vocabulary padding)"
+            f"checkpoint {checkpoint_dir} stores {stored_shape}{fix}"
         )
     if shard.data is not None:
         data = shard.data.detach()
@@ -681,3 +686,14 @@ def flatten_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict
 
 register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))
 register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+
+
+def _bucket_layout_hint(key: str) -> str:
+    """What to do when a distributed optimizer's bucket-space (dp_reshardable) tensor does not fit this run."""
+    if ".bucket_idx_" not in key or "optimizer.distributed." not in key:
+        return ""
+    return (
+        ": this dp_reshardable distributed-optimizer checkpoint was written for other buckets; it reloads only with "
+        "the same model, tensor/pipeline layout and --ddp-bucket-size (at any data-parallel size). Save it with "
+        "--dist-ckpt-optim-fully-reshardable to change them, or pass --no-load-optim"
+    )
