@@ -43,7 +43,9 @@ class LanguageModule(MegatronModule):
         vp_stage: Optional[int],
     ) -> None:
         """Refuse a vocabulary TP cannot split, then keep the settings every language model has."""
-        tp_size = tp_group_or_default(self.pg_collection).size()
+        # The group the vocabulary (output layer and loss) is split over, as Megatron's LanguageModule.tp_group.
+        self.tp_group = tp_group_or_default(self.pg_collection)
+        tp_size = self.tp_group.size()
         if vocab_size % tp_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size}); pad it as "
@@ -71,7 +73,7 @@ class LanguageModule(MegatronModule):
                 max_sequence_length=self.max_sequence_length,
                 position_embedding_type=position_embedding_type,
                 scatter_to_sequence_parallel=scatter_to_sequence_parallel,
-                tp_group=tp_group_or_default(self.pg_collection),
+                tp_group=self.tp_group,
             )
 
     def _build_rotary_embedding(
@@ -107,7 +109,7 @@ class LanguageModule(MegatronModule):
                     skip_bias_add=False,
                     gather_output=not self.parallel_output,
                     skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
-                    tp_group=tp_group_or_default(self.pg_collection),
+                    tp_group=self.tp_group,
                 )
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
@@ -125,7 +127,7 @@ class LanguageModule(MegatronModule):
         labels = labels.transpose(0, 1).contiguous()
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
     def setup_embeddings_and_output_layer(self) -> None:
