@@ -46,7 +46,16 @@ from megatron.core.utils import get_current_device, warn_once
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+# Megatron's set: how a parameter is split, plus the tags optimizers that treat expert or fused-QKV weights apart
+# (Muon-style ones split a QKV weight into its q/k/v blocks) read, so a copy of a parameter keeps them all.
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
+}
 
 
 # ---- tensor-parallel attributes on parameters ----------------------------------------------------------------------
