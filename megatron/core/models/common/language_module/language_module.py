@@ -10,6 +10,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.tensor_parallel.sharded_state import make_tp_sharded_tensor_for_checkpoint
@@ -42,7 +43,8 @@ class LanguageModule(MegatronModule):
         position_embedding_type: str,
         vp_stage: Optional[int],
     ) -> None:
-        """Refuse a vocabulary TP cannot split, then keep the settings every language model has."""
+        """Refuse unset sizes and a vocabulary TP cannot split, then keep the settings every language model has."""
+        require_model_sizes(self.config, type(self).__name__)
         # The group the vocabulary (output layer and loss) is split over, as Megatron's LanguageModule.tp_group.
         self.tp_group = tp_group_or_default(self.pg_collection)
         tp_size = self.tp_group.size()
