@@ -160,13 +160,6 @@ def _build_num_microbatches_calculator(
 ) -> Union["ConstantNumMicroBatchesCalculator", "StepBatchsizeNumMicroBatchesCalculator"]:
     """A constant calculator, or one following ``step_batch_size_schedule`` (which replaces ``global_batch_size``)."""
     if step_batch_size_schedule is not None:
-        if decrease_batch_size_if_needed:
-            # Each step's batch size is given exactly; rounding it down would silently change the schedule.
-            raise ValueError(
-                f"step_batch_size_schedule={step_batch_size_schedule!r} cannot be combined with "
-                "decrease_batch_size_if_needed=True; make every batch size in the schedule a multiple of "
-                "micro_batch_size x data_parallel_size instead"
-            )
         calculator = StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size,
             data_parallel_size,
@@ -461,6 +454,12 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         seq_length: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if decrease_batch_size_if_needed:
+            # Each step's batch size is given exactly; rounding it down would silently change the schedule.
+            raise ValueError(
+                f"step_batch_size_schedule={schedule!r} cannot be combined with decrease_batch_size_if_needed=True; "
+                "make every batch size in the schedule a multiple of micro_batch_size x data_parallel_size instead"
+            )
         _check_positive(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size)
         if seq_length is not None:
             _check_positive(seq_length=seq_length)
