@@ -127,8 +127,8 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy: ``labels [b, s]``, vocab-parallel ``logits [s, b, v/tp]`` -> loss ``[b, s]``."""
         labels = labels.transpose(0, 1).contiguous()
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
+        # The cross entropy computes in fp32 whatever the logits' dtype, so fp16_lm_cross_entropy changes nothing
+        # here (as in Megatron-Core 0.19).
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
