@@ -69,9 +69,11 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
-    if not getattr(param, "allreduce", True):
-        return group_rank(resolve_tp_group(expert_tp_group, is_expert=True)) == 0
-    return group_rank(resolve_tp_group(tp_group)) == 0
+    is_expert = not getattr(param, "allreduce", True)
+    group = expert_tp_group if is_expert else tp_group
+    if group is not None:
+        return group.rank() == 0  # the given group's own answer, as in Megatron (any object with rank() will do)
+    return group_rank(resolve_tp_group(None, is_expert=is_expert)) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:

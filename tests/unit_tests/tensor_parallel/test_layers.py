@@ -403,3 +403,21 @@ def test_optimizer_tags_are_tensor_parallel_attributes_too():
     tagged.is_qkv = True
     with pytest.raises(ValueError, match="already has the tensor-parallel attribute 'is_qkv'"):
         set_tensor_model_parallel_attributes(tagged, is_parallel=True, dim=0, stride=1)
+
+
+class _RankGroup:
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def test_duplicate_filter_asks_the_given_group_for_this_ranks_index():
+    # Megatron's check: a replicated parameter counts on rank 0 of the group passed in, initialised or not.
+    param = torch.nn.Parameter(torch.ones(1))
+    assert not param_is_not_tensor_parallel_duplicate(param, _RankGroup(1))
+    assert param_is_not_tensor_parallel_duplicate(param, _RankGroup(0))
+    param.allreduce = False  # an expert parameter: replicated over the expert tensor-parallel group instead
+    assert param_is_not_tensor_parallel_duplicate(param, tp_group=_RankGroup(1), expert_tp_group=_RankGroup(0))
+    assert not param_is_not_tensor_parallel_duplicate(param, tp_group=_RankGroup(0), expert_tp_group=_RankGroup(1))
