@@ -61,6 +61,7 @@ FLOORS = [
         "megatron.core.optimizer",
         "megatron.core.ssm",
         "megatron.core.safe_globals",
+        "megatron.core.fp8_utils",
     ],
     # 8
     ["megatron.core.models"],

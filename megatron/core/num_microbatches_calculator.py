@@ -11,7 +11,7 @@ samples have been consumed, then 1536.
 
 import logging
 from abc import ABC, abstractmethod
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +75,14 @@ def init_num_microbatches_calculator(
     """
     _configure_global_num_microbatches_calculator(
         rank,
-        rampup_batch_size,
         global_batch_size,
         micro_batch_size,
         data_parallel_size,
         decrease_batch_size_if_needed,
+        step_batch_size_schedule,
+        seq_length,
         init=True,
-        step_batch_size_schedule=step_batch_size_schedule,
-        seq_length=seq_length,
+        rampup_batch_size=rampup_batch_size,
     )
 
 
@@ -99,62 +99,67 @@ def reconfigure_num_microbatches_calculator(
     """Replace the process-wide calculator (e.g. for evaluation with another batch size)."""
     _configure_global_num_microbatches_calculator(
         rank,
-        rampup_batch_size,
-        global_batch_size,
-        micro_batch_size,
-        data_parallel_size,
-        decrease_batch_size_if_needed,
-        init=False,
-        step_batch_size_schedule=step_batch_size_schedule,
-        seq_length=seq_length,
-    )
-
-
-def _configure_global_num_microbatches_calculator(
-    rank,
-    rampup_batch_size,
-    global_batch_size,
-    micro_batch_size,
-    data_parallel_size,
-    decrease_batch_size_if_needed=False,
-    init=False,
-    step_batch_size_schedule=None,
-    seq_length=None,
-) -> None:
-    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    if init and _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
-        raise RuntimeError(
-            "num microbatches calculator is already initialized; use reconfigure_num_microbatches_calculator() "
-            "or destroy_num_microbatches_calculator() first"
-        )
-    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
-        rank,
-        rampup_batch_size,
         global_batch_size,
         micro_batch_size,
         data_parallel_size,
         decrease_batch_size_if_needed,
         step_batch_size_schedule,
         seq_length,
+        init=False,
+        rampup_batch_size=rampup_batch_size,
+    )
+
+
+def _configure_global_num_microbatches_calculator(
+    rank,
+    global_batch_size,
+    micro_batch_size,
+    data_parallel_size,
+    decrease_batch_size_if_needed=False,
+    step_batch_size_schedule=None,
+    seq_length=None,
+    init=False,
+    rampup_batch_size=None,
+) -> None:
+    """Megatron's parameters, plus ``rampup_batch_size``: the ramp-up Megatron 0.19 deprecated, which we still run."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    if init and _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        raise RuntimeError(
+            "num microbatches calculator is already initialized; use reconfigure_num_microbatches_calculator() "
+            "or destroy_num_microbatches_calculator() first"
+        )
+    if rampup_batch_size is None:
+        _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
+            rank,
+            global_batch_size,
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed,
+            step_batch_size_schedule,
+            seq_length,
+        )
+        return
+    if step_batch_size_schedule is not None:
+        raise ValueError(
+            f"rampup_batch_size={rampup_batch_size!r} and step_batch_size_schedule={step_batch_size_schedule!r} "
+            "are both set; give one batch-size schedule"
+        )
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_rampup_calculator(
+        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
     )
 
 
 def _build_num_microbatches_calculator(
-    rank,
-    rampup_batch_size,
-    global_batch_size,
-    micro_batch_size,
-    data_parallel_size,
-    decrease_batch_size_if_needed,
-    step_batch_size_schedule=None,
-    seq_length=None,
-) -> "NumMicroBatchesCalculator":
+    rank: int,
+    global_batch_size: Optional[int],
+    micro_batch_size: int,
+    data_parallel_size: int,
+    decrease_batch_size_if_needed: bool,
+    step_batch_size_schedule: Optional[str] = None,
+    seq_length: Optional[int] = None,
+) -> Union["ConstantNumMicroBatchesCalculator", "StepBatchsizeNumMicroBatchesCalculator"]:
+    """A constant calculator, or one following ``step_batch_size_schedule`` (which replaces ``global_batch_size``)."""
     if step_batch_size_schedule is not None:
-        if rampup_batch_size is not None:
-            raise ValueError(
-                f"rampup_batch_size={rampup_batch_size!r} and step_batch_size_schedule={step_batch_size_schedule!r} "
-                "are both set; give one batch-size schedule"
-            )
         calculator = StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size,
             data_parallel_size,
@@ -170,13 +175,19 @@ def _build_num_microbatches_calculator(
         return calculator
     if global_batch_size is None:
         raise ValueError("global_batch_size is None; set it (or give step_batch_size_schedule)")
-    if rampup_batch_size is None:
-        calculator = ConstantNumMicroBatchesCalculator(
-            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
-        )
-        if rank == 0:
-            logger.info("setting number of micro-batches to constant %d", calculator.get())
-        return calculator
+    calculator = ConstantNumMicroBatchesCalculator(
+        global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank
+    )
+    if rank == 0:
+        logger.info("setting number of micro-batches to constant %d", calculator.get())
+    return calculator
+
+
+def _build_rampup_calculator(
+    rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed
+) -> "RampupBatchsizeNumMicroBatchesCalculator":
+    if global_batch_size is None:
+        raise ValueError("global_batch_size is None; rampup_batch_size ramps up to it, so set it")
     if len(rampup_batch_size) != 3:
         raise ValueError(
             f"rampup_batch_size must be [start batch size, batch size increment, ramp-up samples], got "
@@ -443,6 +454,12 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         seq_length: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if decrease_batch_size_if_needed:
+            # Each step's batch size is given exactly; rounding it down would silently change the schedule.
+            raise ValueError(
+                f"step_batch_size_schedule={schedule!r} cannot be combined with decrease_batch_size_if_needed=True; "
+                "make every batch size in the schedule a multiple of micro_batch_size x data_parallel_size instead"
+            )
         _check_positive(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size)
         if seq_length is not None:
             _check_positive(seq_length=seq_length)

@@ -5,9 +5,9 @@ reads the groups that :func:`megatron.core.parallel_state.initialize_model_paral
 ``ProcessGroupCollection._default``. Passing a collection explicitly lets one process hold several models with
 different layouts (and keeps model code free of globals).
 
-As in Megatron, a collection holds only the groups it was given: a group that was never set is absent
-(``hasattr(pgs, "cp")`` is False), while a group set to ``None`` is present and empty. Code that accepts partial
-collections tests with ``hasattr`` or ``getattr(pgs, name, None)``.
+As in Megatron 0.19, a collection holds only the groups it was given, and a group that was never set reads as
+``None`` (``ProcessGroupCollection().cp is None``), the same as one set to ``None``; a name that is not a group is
+still an AttributeError. Code that accepts partial collections therefore tests ``pgs.cp is None``, not ``hasattr``.
 """
 
 import importlib
@@ -96,6 +96,12 @@ class ProcessGroupCollection:
                 raise ValueError(f"Unknown attribute: {name}")
             setattr(self, name, group)
 
+    def __getattr__(self, name: str):
+        # Only reached for names not set on the instance: an unset group is None, anything else does not exist.
+        if name in _FIELD_NAMES:
+            return None
+        raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
+
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: Optional[List[str]] = None) -> "ProcessGroupCollection":
         """Build a collection from the groups ``parallel_state.initialize_model_parallel`` created.
@@ -117,16 +123,16 @@ class ProcessGroupCollection:
     def __repr__(self) -> str:
         present = []
         for f in fields(self):
-            if not hasattr(self, f.name):
-                continue
             group = getattr(self, f.name)
-            present.append(f"{f.name}({_size_of(group)})")
+            if group is not None:
+                present.append(f"{f.name}({_size_of(group)})")
         return f"ProcessGroupCollection({', '.join(present)})" if present else "ProcessGroupCollection(empty)"
 
 
+_FIELD_NAMES = frozenset(f.name for f in fields(ProcessGroupCollection))
+
+
 def _size_of(group) -> str:
-    if group is None:
-        return "None"
     if isinstance(group, list):  # hcp: one group per hierarchy level
         return "[" + ", ".join(str(g.size()) for g in group) + "]"
     return str(group.size())

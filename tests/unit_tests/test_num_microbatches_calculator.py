@@ -1,5 +1,7 @@
 """Constant, ramp-up and step global batch sizes, the module-level getters, and bad settings."""
 
+import inspect
+
 import pytest
 
 from megatron.core import num_microbatches_calculator as mb
@@ -143,15 +145,6 @@ def test_step_schedule_checks_divisibility_when_an_entry_is_reached():
     mb.update_num_microbatches(50)
     with pytest.raises(ValueError, match=r"global batch size \(6\) is not divisible"):
         mb.update_num_microbatches(100, consistency_check=True)
-    mb.reconfigure_num_microbatches_calculator(
-        0,
-        micro_batch_size=2,
-        data_parallel_size=2,
-        decrease_batch_size_if_needed=True,
-        step_batch_size_schedule="0:4 100:6",
-    )
-    mb.update_num_microbatches(100)
-    assert (mb.get_current_global_batch_size(), mb.get_current_running_global_batch_size()) == (6, 4)
 
 
 @pytest.mark.parametrize(
@@ -185,3 +178,39 @@ def test_step_calculator_class_directly():
         4,
         2,
     )
+
+
+def test_build_helper_has_megatrons_signature():
+    # Megatron 0.19: (rank, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed,
+    # step_batch_size_schedule=None, seq_length=None); ramp-up is set up by init/reconfigure only.
+    params = list(inspect.signature(mb._build_num_microbatches_calculator).parameters)
+    assert params == [
+        "rank",
+        "global_batch_size",
+        "micro_batch_size",
+        "data_parallel_size",
+        "decrease_batch_size_if_needed",
+        "step_batch_size_schedule",
+        "seq_length",
+    ]
+    calculator = mb._build_num_microbatches_calculator(0, 32, 8, 2, False)
+    assert type(calculator) is mb.ConstantNumMicroBatchesCalculator
+    assert (calculator.get(), calculator.get_current_global_batch_size()) == (2, 32)
+    step = mb._build_num_microbatches_calculator(
+        0, None, 2, 1, False, step_batch_size_schedule="0:2 10:4", seq_length=1
+    )
+    assert type(step) is mb.StepBatchsizeNumMicroBatchesCalculator
+
+
+def test_step_schedule_refuses_decrease_batch_size_if_needed():
+    # As Megatron's calculator does, whether built directly or through init.
+    message = r"step_batch_size_schedule='0:16 100:32' cannot be combined with decrease_batch_size_if_needed=True"
+    with pytest.raises(ValueError, match=message):
+        mb._build_num_microbatches_calculator(0, None, 8, 2, True, step_batch_size_schedule="0:16 100:32")
+    with pytest.raises(ValueError, match=message):
+        mb.StepBatchsizeNumMicroBatchesCalculator(1, 2, True, 0, "0:16 100:32")
+
+
+def test_rampup_needs_a_global_batch_size():
+    with pytest.raises(ValueError, match="rampup_batch_size ramps up to it, so set it"):
+        mb.init_num_microbatches_calculator(0, [4, 4, 100], None, 1, 1)

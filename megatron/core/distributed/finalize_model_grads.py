@@ -10,7 +10,8 @@ Called once per training step (the pipeline schedules call it through ``config.f
    and of learned absolute position embeddings over the position-embedding group;
 4. with aux-loss-free MoE load balancing (``moe_router_enable_expert_bias``), move every router's
    ``expert_bias`` by ``moe_router_bias_update_rate`` towards balance, from this step's token counts summed over
-   the TP x DP x CP ranks, then clear the per-step router statistics (:func:`reset_model_temporary_tensors`);
+   the TP x DP x CP ranks, then clear the per-step router statistics (:func:`reset_model_temporary_tensors`)
+   (quantile balancing, Megatron's other per-batch router update, is not built: ``_update_router_qb_beta``);
 5. with per-token loss, divide every gradient by the number of tokens in the global batch.
 
 Expert parameters (``allreduce=False``) are not special-cased here: DDP already reduced them over the
@@ -155,6 +156,29 @@ def _update_router_expert_bias(model: List[torch.nn.Module], config, tp_dp_cp_gr
             router.expert_bias.copy_(new_bias)
 
 
+def _update_router_qb_beta(
+    model: List[torch.nn.Module], config, dp_cp_group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Megatron's once-per-batch update of quantile-balancing router biases (``qb_beta``), for
+    ``moe_router_load_balancing_type='quantile_balancing'``.
+
+    Quantile balancing is not built here (the config and the router refuse it), so no training module accumulates
+    ``qb_beta_accum`` and this is a no-op, as in Megatron when the feature is off. A module that does carry the
+    accumulators (someone else's router) is refused rather than left with a bias that silently never moves.
+    """
+    carriers = [
+        name
+        for chunk in model
+        for name, module in chunk.named_modules()
+        if getattr(module, "qb_beta_accum", None) is not None and module.training
+    ]
+    if carriers:
+        raise ValueError(
+            f"not supported yet: MoE quantile balancing (modules {carriers[:3]} carry qb_beta_accum); use "
+            "moe_router_load_balancing_type 'aux_loss', 'seq_aux_loss', 'global_aux_loss', 'sinkhorn' or 'none'"
+        )
+
+
 def _scale_grads(chunk: torch.nn.Module, factor: torch.Tensor) -> None:
     if hasattr(chunk, "scale_gradients"):
         chunk.scale_gradients(factor)
@@ -205,6 +229,8 @@ def finalize_model_grads(
     _allreduce_position_embedding_grads(chunks, config, getattr(groups, "pos_embd", None), groups.pp)
     if getattr(config, "moe_router_enable_expert_bias", False):
         _update_router_expert_bias(chunks, config, getattr(groups, "tp_dp_cp", None))
+    if getattr(config, "moe_router_load_balancing_type", None) == "quantile_balancing":
+        _update_router_qb_beta(chunks, config, dp_cp_group=groups.dp_cp)
     if config is not None:
         reset_model_temporary_tensors(config, chunks)
     if num_tokens is not None:

@@ -10,7 +10,8 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size, resolve_tp_group
+from megatron.core.parallel_state import get_tensor_model_parallel_group
+from megatron.core.tensor_parallel.utils import VocabUtility, group_rank, group_size
 
 
 class VocabParallelCrossEntropy:
@@ -88,7 +89,9 @@ class VocabParallelCrossEntropy:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, label_smoothing, group):
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        # None: the tensor-parallel group, or a one-rank group when no model-parallel groups exist.
+        group = tp_group if tp_group is not None else get_tensor_model_parallel_group(check_initialized=False)
         world_size = group_size(group)
         partition_vocab_size = vocab_parallel_logits.size(-1)
         vocab_size = partition_vocab_size * world_size
@@ -168,4 +171,4 @@ def vocab_parallel_cross_entropy(
         )
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, resolve_tp_group(tp_group))
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group)

@@ -46,7 +46,16 @@ from megatron.core.utils import get_current_device, warn_once
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+# Megatron's set: how a parameter is split, plus the tags optimizers that treat expert or fused-QKV weights apart
+# (Muon-style ones split a QKV weight into its q/k/v blocks) read, so a copy of a parameter keeps them all.
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
+}
 
 
 # ---- tensor-parallel attributes on parameters ----------------------------------------------------------------------
@@ -60,9 +69,11 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
-    if not getattr(param, "allreduce", True):
-        return group_rank(resolve_tp_group(expert_tp_group, is_expert=True)) == 0
-    return group_rank(resolve_tp_group(tp_group)) == 0
+    is_expert = not getattr(param, "allreduce", True)
+    group = expert_tp_group if is_expert else tp_group
+    if group is not None:
+        return group.rank() == 0  # the given group's own answer, as in Megatron (any object with rank() will do)
+    return group_rank(resolve_tp_group(None, is_expert=is_expert)) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:

@@ -23,6 +23,7 @@ from megatron.core.transformer.rope_utils import (
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
@@ -202,6 +203,7 @@ class Attention(MegatronModule, ABC):
         name: str | None = None,
     ):
         super().__init__(config)
+        require_model_sizes(config, type(self).__name__, attention=True)
         if config.multi_latent_attention:
             # MLATransformerConfig constructs (it is Megatron's public config), but MLA layers are not built yet.
             raise ValueError(

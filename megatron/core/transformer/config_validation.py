@@ -52,11 +52,22 @@ _KERNEL_KNOBS = (
 )
 
 
+# Megatron 0.19 defaults these to 0, meaning "not set yet": a config made only to carry settings (e.g. for DDP or
+# an optimizer) constructs without them. Building a model checks them (require_model_sizes).
+_MODEL_SIZES = ("num_layers", "hidden_size", "num_attention_heads")
+
+
 def _validate_shape(config: TransformerConfig) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+    for name in _MODEL_SIZES:
         value = getattr(config, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a positive integer (or 0, not set yet), got {value!r}")
+    if config.num_layers == 0 and config.output_layer_init_method is None:
+        # As in Megatron, which scales the default output-layer init by 1 / sqrt(2 * num_layers).
+        raise ValueError(
+            "num_layers=0 leaves the default output_layer_init_method undefined (it is scaled by num_layers); "
+            "set num_layers or pass output_layer_init_method"
+        )
     if config.normalization not in _NORMALIZATIONS:
         raise ValueError(f"normalization={config.normalization!r} is not supported; use one of {_NORMALIZATIONS}")
     for name in ("hidden_dropout", "attention_dropout"):
@@ -69,6 +80,11 @@ def _derive_defaults(config: TransformerConfig) -> None:
     if config.ffn_hidden_size is None:
         config.ffn_hidden_size = 4 * config.hidden_size
     if config.kv_channels is None:
+        if config.num_attention_heads == 0:
+            raise ValueError(
+                "num_attention_heads=0 (not set) leaves kv_channels undefined (it defaults to hidden_size // "
+                "num_attention_heads); set num_attention_heads or kv_channels"
+            )
         if config.hidden_size % config.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
@@ -77,7 +93,7 @@ def _derive_defaults(config: TransformerConfig) -> None:
         config.kv_channels = config.hidden_size // config.num_attention_heads
     if config.num_query_groups is None:
         config.num_query_groups = config.num_attention_heads
-    if config.num_attention_heads % config.num_query_groups != 0:
+    if config.num_query_groups and config.num_attention_heads % config.num_query_groups != 0:
         raise ValueError(
             f"num_attention_heads ({config.num_attention_heads}) must be a multiple of num_query_groups "
             f"({config.num_query_groups})"
@@ -86,6 +102,20 @@ def _derive_defaults(config: TransformerConfig) -> None:
     # with that, the result equals unscaled attention.
     if config.apply_query_key_layer_scaling:
         config.attention_softmax_in_fp32 = True
+
+
+def require_model_sizes(config: TransformerConfig, module: str, attention: bool = False) -> None:
+    """Refuse to build ``module`` from a config whose sizes are still Megatron's 0 ("not set") defaults.
+
+    ``attention`` adds the attention sizes (heads, query groups, head size), which a Mamba-only stack does not use.
+    """
+    names = ("hidden_size", "num_attention_heads", "num_query_groups", "kv_channels") if attention else ("hidden_size",)
+    unset = [f"{name}={getattr(config, name)!r}" for name in names if not getattr(config, name)]
+    if unset:
+        raise ValueError(
+            f"{module} cannot be built with {', '.join(unset)}: TransformerConfig accepts 0 as 'not set', but a "
+            "model needs positive sizes; set them in the config"
+        )
 
 
 def _validate_tensor_parallel_split(config: TransformerConfig) -> None:

@@ -84,7 +84,7 @@ class DotProductAttention(MegatronModule):
             if isinstance(cp_comm_type, list):
                 cp_comm_type = cp_comm_type[self.layer_number - 1]
         cp_comm_type = cp_comm_type or "p2p"
-        if pg_collection is not None and hasattr(pg_collection, "cp"):
+        if getattr(pg_collection, "cp", None) is not None:
             cp_group, hierarchical = pg_collection.cp, getattr(pg_collection, "hcp", None)
         else:
             cp_group = parallel_state.get_context_parallel_group()

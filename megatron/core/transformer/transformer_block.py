@@ -10,6 +10,7 @@ from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -69,6 +70,7 @@ class TransformerBlock(MegatronModule):
         vp_stage: Optional[int] = None,
     ):
         super().__init__(config)
+        require_model_sizes(config, "TransformerBlock")
         self.submodules = _block_submodules(config, spec)
         self.pre_process = pre_process
         self.post_process = post_process

@@ -51,13 +51,17 @@ def test_field_names_are_megatrons_short_names():
     assert [f.name for f in fields(ProcessGroupCollection)] == list(GLOBAL_GROUP_OF)
 
 
-def test_empty_collection_has_no_groups():
+def test_unset_groups_read_as_none_like_megatron():
+    # Megatron 0.19's ProcessGroupCollection.__getattr__: a declared group that was never set is None.
     collection = ProcessGroupCollection()
-    assert not any(hasattr(collection, name) for name in GLOBAL_GROUP_OF)
+    assert all(getattr(collection, name) is None for name in GLOBAL_GROUP_OF)
+    assert (collection.cp, collection.dp, collection.dp_cp) == (None, None, None)
     assert repr(collection) == "ProcessGroupCollection(empty)"
+    assert vars(collection) == {}  # reading does not set anything
     explicit_none = ProcessGroupCollection(cp=None)
-    assert hasattr(explicit_none, "cp") and explicit_none.cp is None
-    assert repr(explicit_none) == "ProcessGroupCollection(cp(None))"
+    assert explicit_none.cp is None and repr(explicit_none) == "ProcessGroupCollection(empty)"
+    with pytest.raises(AttributeError, match=r"'ProcessGroupCollection' object has no attribute 'tensor'"):
+        collection.tensor
 
 
 def test_unknown_keyword_is_an_error():
@@ -120,7 +124,8 @@ def _collections_from_the_globals():
             subset.tp is ps.get_tensor_model_parallel_group(),
             subset.pp is ps.get_pipeline_model_parallel_group(),
         ),
-        "subset_others_absent": not any(hasattr(subset, n) for n in GLOBAL_GROUP_OF if n not in ("tp", "pp")),
+        "subset_others_absent": set(vars(subset)) == {"tp", "pp"}
+        and all(getattr(subset, n) is None for n in GLOBAL_GROUP_OF if n not in ("tp", "pp")),
         "subset_repr": repr(subset),
         "embd_present": everything.embd is not None,
         "intra_dist_opt_size": everything.intra_dist_opt.size(),

@@ -1,5 +1,6 @@
 """finalize_model_grads on plain modules and on chunks that look like our DDP (main_grad, finish_grad_sync)."""
 
+import inspect
 import types
 
 import pytest
@@ -10,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import (
     _allreduce_position_embedding_grads,
     _get_main_grad_attr,
+    _update_router_qb_beta,
     finalize_model_grads,
     reset_model_temporary_tensors,
 )
@@ -249,3 +251,23 @@ def test_expert_bias_update_matches_a_hand_computation():
     for routers in run_distributed(2, _expert_biases_after_one_step):
         for (bias, tokens), (expected_bias, expected_tokens) in zip(routers, expected):
             assert bias == pytest.approx(expected_bias) and tokens == expected_tokens
+
+
+def test_update_router_qb_beta_has_megatrons_signature_and_is_a_no_op_without_quantile_balancing():
+    assert list(inspect.signature(_update_router_qb_beta).parameters) == ["model", "config", "dp_cp_group"]
+    router = _Router()
+    chunk = torch.nn.Sequential(torch.nn.Linear(2, 2), router)
+    config = types.SimpleNamespace(moe_router_quantile_balancing_ema=0.0)
+    before = [p.clone() for p in chunk.parameters()]
+    _update_router_qb_beta([chunk], config)  # no router accumulates qb_beta: nothing to update, no collective
+    assert all(torch.equal(a, b) for a, b in zip(before, chunk.parameters()))
+
+
+def test_update_router_qb_beta_refuses_a_quantile_balancing_router():
+    router = _Router()
+    router.qb_beta, router.qb_beta_accum, router.qb_beta_count = torch.zeros(2), torch.ones(2), torch.ones(1)
+    chunk = torch.nn.Sequential(torch.nn.Linear(2, 2), router)
+    with pytest.raises(ValueError, match=r"not supported yet: MoE quantile balancing \(modules \['1'\] carry"):
+        _update_router_qb_beta([chunk], types.SimpleNamespace(moe_router_quantile_balancing_ema=0.9))
+    chunk.eval()  # Megatron updates only modules in training mode
+    _update_router_qb_beta([chunk], types.SimpleNamespace(moe_router_quantile_balancing_ema=0.9))

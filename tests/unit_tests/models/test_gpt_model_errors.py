@@ -120,3 +120,34 @@ def test_decoder_block_spec():
     assert norm == "RMSNorm"
     assert "decoder.layers.1.mlp.linear_fc2.weight" in names
     assert "decoder.final_layernorm.bias" not in names  # RMSNorm has no bias
+
+
+def _unset_size_errors():
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1)
+    spec = get_gpt_layer_local_spec()
+    # Megatron's 0 defaults construct (a settings-only config); building a model from them does not.
+    no_hidden = TransformerConfig(num_layers=2, num_attention_heads=4)
+    no_heads = TransformerConfig(num_layers=2, hidden_size=8, kv_channels=2)
+    return [
+        _capture(lambda: GPTModel(no_hidden, spec, vocab_size=VOCAB, max_sequence_length=8)),
+        _capture(lambda: TransformerBlock(no_hidden, spec)),
+        _capture(lambda: HybridStack(no_hidden, HybridStackSubmodules(), layer_type_list=["M"])),
+        _capture(lambda: SelfAttention(no_heads, spec.submodules.self_attention.submodules, 1, AttnMaskType.causal)),
+    ]
+
+
+def test_unset_model_sizes_are_refused_when_the_model_is_built():
+    messages = run_distributed(1, _unset_size_errors)[0]
+    expected = [
+        r"ValueError: GPTModel cannot be built with hidden_size=0: TransformerConfig accepts 0 as 'not set'",
+        r"ValueError: TransformerBlock cannot be built with hidden_size=0",
+        r"ValueError: HybridStack cannot be built with hidden_size=0",
+        r"ValueError: SelfAttention cannot be built with num_attention_heads=0, num_query_groups=0",
+    ]
+    for message, pattern in zip(messages, expected):
+        assert message is not None and re.match(pattern, message), (pattern, message)

@@ -384,3 +384,40 @@ def test_tensor_parallel_attribute_helpers():
     copy = torch.nn.Parameter(torch.ones(4))
     copy_tensor_model_parallel_attributes(copy, tensor)
     assert (copy.tensor_model_parallel, copy.partition_dim, copy.partition_stride) == (True, 0, 2)
+
+
+def test_optimizer_tags_are_tensor_parallel_attributes_too():
+    # Megatron's set: expert and fused-QKV tags travel with a parameter's copies (e.g. fp32 main params).
+    source = torch.nn.Parameter(torch.ones(4))
+    source.is_qkv, source.qkv_split_shapes, source.expert_tp = True, [2, 1, 1], True
+    copy = torch.nn.Parameter(torch.ones(4))
+    copy_tensor_model_parallel_attributes(copy, source)
+    assert (copy.is_qkv, copy.qkv_split_shapes, copy.expert_tp) == (True, [2, 1, 1], True)
+    assert not hasattr(copy, "tensor_model_parallel")  # only attributes the source has are copied
+
+    plain = torch.nn.Parameter(torch.ones(4))
+    set_defaults_if_not_set_tensor_model_parallel_attributes(plain)
+    assert (plain.is_qkv, plain.qkv_split_shapes, plain.expert_tp) == (False, None, False)
+
+    tagged = torch.nn.Parameter(torch.ones(4))
+    tagged.is_qkv = True
+    with pytest.raises(ValueError, match="already has the tensor-parallel attribute 'is_qkv'"):
+        set_tensor_model_parallel_attributes(tagged, is_parallel=True, dim=0, stride=1)
+
+
+class _RankGroup:
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def test_duplicate_filter_asks_the_given_group_for_this_ranks_index():
+    # Megatron's check: a replicated parameter counts on rank 0 of the group passed in, initialised or not.
+    param = torch.nn.Parameter(torch.ones(1))
+    assert not param_is_not_tensor_parallel_duplicate(param, _RankGroup(1))
+    assert param_is_not_tensor_parallel_duplicate(param, _RankGroup(0))
+    param.allreduce = False  # an expert parameter: replicated over the expert tensor-parallel group instead
+    assert param_is_not_tensor_parallel_duplicate(param, tp_group=_RankGroup(1), expert_tp_group=_RankGroup(0))
+    assert not param_is_not_tensor_parallel_duplicate(param, tp_group=_RankGroup(0), expert_tp_group=_RankGroup(1))

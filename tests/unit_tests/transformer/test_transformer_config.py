@@ -35,8 +35,10 @@ def test_selective_recompute_defaults_to_core_attention():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"num_layers": 0}, r"num_layers must be a positive integer, got 0"),
-        ({"hidden_size": -1}, r"hidden_size must be a positive integer, got -1"),
+        ({"num_layers": -1}, r"num_layers must be a positive integer \(or 0, not set yet\), got -1"),
+        ({"hidden_size": -1}, r"hidden_size must be a positive integer \(or 0, not set yet\), got -1"),
+        ({"num_layers": 0}, r"num_layers=0 leaves the default output_layer_init_method undefined"),
+        ({"num_attention_heads": 0}, r"num_attention_heads=0 \(not set\) leaves kv_channels undefined"),
         ({"num_attention_heads": 6}, r"hidden_size \(64\) must be divisible by num_attention_heads \(6\)"),
         ({"num_query_groups": 3}, r"num_attention_heads \(8\) must be a multiple of num_query_groups \(3\)"),
         (
@@ -125,3 +127,23 @@ def test_model_parallel_config_alone():
     assert config.expert_tensor_parallel_size == 2
     with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size > 1"):
         ModelParallelConfig(sequence_parallel=True)
+
+
+def test_megatrons_zero_defaults_construct_as_unset_sizes():
+    # Megatron 0.19 defaults num_layers/hidden_size/num_attention_heads to 0 and constructs a settings-only config
+    # such as TransformerConfig(num_attention_heads=1, num_layers=1) (its DDP and optimizer tests do).
+    settings_only = TransformerConfig(num_attention_heads=1, num_layers=1)
+    assert (settings_only.hidden_size, settings_only.ffn_hidden_size, settings_only.kv_channels) == (0, 0, 0)
+    no_heads = TransformerConfig(num_layers=2, hidden_size=8, kv_channels=2)
+    assert (no_heads.num_attention_heads, no_heads.num_query_groups) == (0, 0)
+    no_layers = TransformerConfig(hidden_size=8, num_attention_heads=2, output_layer_init_method=lambda w: w)
+    assert no_layers.num_layers == 0
+    assert make(num_query_groups=0).num_query_groups == 0
+    # Sizes a model needs are checked when it is built.
+    from megatron.core.transformer.config_validation import require_model_sizes
+
+    require_model_sizes(make(), "GPTModel", attention=True)
+    with pytest.raises(ValueError, match=r"GPTModel cannot be built with hidden_size=0: TransformerConfig accepts 0"):
+        require_model_sizes(settings_only, "GPTModel")
+    with pytest.raises(ValueError, match=r"SelfAttention cannot be built with num_attention_heads=0, num_query_groups"):
+        require_model_sizes(no_heads, "SelfAttention", attention=True)

@@ -110,7 +110,7 @@ class GPTModel(LanguageModule):
         """The CP group rotary angles are split over (this rank's chunks of the sequence), or None without CP."""
         if self.config.context_parallel_size == 1:
             return None
-        if pg_collection is not None and hasattr(pg_collection, "cp"):
+        if getattr(pg_collection, "cp", None) is not None:
             return pg_collection.cp
         return parallel_state.get_context_parallel_group()
 

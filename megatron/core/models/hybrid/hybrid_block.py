@@ -12,6 +12,7 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, refuse_layer_types_not_built
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -64,6 +65,7 @@ class HybridStack(MegatronModule):
         name: str | None = None,
     ) -> None:
         super().__init__(config)
+        require_model_sizes(config, "HybridStack")
         if device is not None and torch.device(device).type == "meta":
             raise ValueError("not supported yet: building a HybridStack on the meta device (device='meta')")
         if is_mtp_layer:

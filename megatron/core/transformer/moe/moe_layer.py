@@ -91,13 +91,11 @@ def _complete_pg_collection(pg_collection: Optional[ProcessGroupCollection]) -> 
     """``pg_collection`` with every group an MoE layer uses; missing ones come from parallel_state."""
     if pg_collection is None:
         return get_default_pg_collection()
-    if all(hasattr(pg_collection, name) for name in _MOE_GROUPS):
+    if all(getattr(pg_collection, name) is not None for name in _MOE_GROUPS):
         return pg_collection
     defaults = get_default_pg_collection()
-    present = {name: getattr(pg_collection, name) for name in _MOE_GROUPS if hasattr(pg_collection, name)}
-    for name in ("pp", "dp", "dp_cp"):
-        if hasattr(pg_collection, name):
-            present[name] = getattr(pg_collection, name)
+    present = {name: getattr(pg_collection, name) for name in (*_MOE_GROUPS, "pp", "dp", "dp_cp")}
+    present = {name: group for name, group in present.items() if group is not None}
     return ProcessGroupCollection(**{**{n: getattr(defaults, n) for n in _MOE_GROUPS}, **present})
 
 

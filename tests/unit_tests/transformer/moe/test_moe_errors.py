@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -79,3 +80,24 @@ def _mismatched_groups():
 def test_expert_groups_that_do_not_nest_are_refused_before_any_communication():
     for message in run_distributed(4, _mismatched_groups):
         assert message is not None and "the expert groups do not nest" in message
+
+
+def _completed_partial_collection():
+    from megatron.core.transformer.moe.moe_layer import _complete_pg_collection
+
+    Utils.initialize_model_parallel(1, expert_model_parallel_size=2)
+    defaults = parallel_state.get_process_group_collection()
+    mine = dist.new_group([0, 1])
+    # Unset groups read as None (Megatron 0.19); the MoE layer fills those from parallel_state, keeps the given ones.
+    completed = _complete_pg_collection(ProcessGroupCollection(ep=mine, pp=defaults.pp))
+    return (
+        completed.ep is mine,
+        completed.pp is defaults.pp,
+        all(getattr(completed, name) is getattr(defaults, name) for name in ("tp", "cp", "expt_tp", "expt_dp")),
+        completed.dp is None,  # only the MoE groups are completed
+    )
+
+
+def test_partial_collection_is_completed_from_parallel_state():
+    for result in run_distributed(2, _completed_partial_collection):
+        assert result == (True, True, True, True)

@@ -10,6 +10,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.tensor_parallel.sharded_state import make_tp_sharded_tensor_for_checkpoint
@@ -42,8 +43,11 @@ class LanguageModule(MegatronModule):
         position_embedding_type: str,
         vp_stage: Optional[int],
     ) -> None:
-        """Refuse a vocabulary TP cannot split, then keep the settings every language model has."""
-        tp_size = tp_group_or_default(self.pg_collection).size()
+        """Refuse unset sizes and a vocabulary TP cannot split, then keep the settings every language model has."""
+        require_model_sizes(self.config, type(self).__name__)
+        # The group the vocabulary (output layer and loss) is split over, as Megatron's LanguageModule.tp_group.
+        self.tp_group = tp_group_or_default(self.pg_collection)
+        tp_size = self.tp_group.size()
         if vocab_size % tp_size != 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size ({tp_size}); pad it as "
@@ -71,7 +75,7 @@ class LanguageModule(MegatronModule):
                 max_sequence_length=self.max_sequence_length,
                 position_embedding_type=position_embedding_type,
                 scatter_to_sequence_parallel=scatter_to_sequence_parallel,
-                tp_group=tp_group_or_default(self.pg_collection),
+                tp_group=self.tp_group,
             )
 
     def _build_rotary_embedding(
@@ -107,7 +111,7 @@ class LanguageModule(MegatronModule):
                     skip_bias_add=False,
                     gather_output=not self.parallel_output,
                     skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
-                    tp_group=tp_group_or_default(self.pg_collection),
+                    tp_group=self.tp_group,
                 )
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
@@ -123,9 +127,9 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy: ``labels [b, s]``, vocab-parallel ``logits [s, b, v/tp]`` -> loss ``[b, s]``."""
         labels = labels.transpose(0, 1).contiguous()
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        # The cross entropy computes in fp32 whatever the logits' dtype, so fp16_lm_cross_entropy changes nothing
+        # here (as in Megatron-Core 0.19).
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
     def setup_embeddings_and_output_layer(self) -> None:
