@@ -30,12 +30,8 @@ from megatron.core.dist_checkpointing.optimizer import (
     saved_step_and_param_groups,
 )
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-from megatron.core.optimizer.distrib_optimizer_layouts import (
-    BUCKET_SPACE_LAYOUTS,
-    SHARDING_TYPES,
-    ParamStateLayouts,
-    bucket_pieces,
-)
+from megatron.core.optimizer import distrib_optimizer_layouts as layouts
+from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS, SHARDING_TYPES, bucket_pieces
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
@@ -101,7 +97,7 @@ class _ShardEntry(NamedTuple):
     owns_main: bool  # False when main_param is a view of an fp32 model parameter
 
 
-class DistributedOptimizer(ParamStateLayouts, MixedPrecisionOptimizer):
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """Steps this data-parallel rank's shard of every DDP buffer (see the module docstring).
 
     Args:
@@ -192,6 +188,24 @@ class DistributedOptimizer(ParamStateLayouts, MixedPrecisionOptimizer):
         self.per_bucket_numel_unpadded = [
             {(b.param_dtype, b.grad_dtype): [bucket.numel_unpadded for bucket in b.buckets]} for b in self.buffers
         ]
+
+    # Megatron's checkpoint layouts of the parameter state (see distrib_optimizer_layouts).
+    _get_main_param_and_optimizer_states = layouts._get_main_param_and_optimizer_states
+    _set_main_param_and_optimizer_states = layouts._set_main_param_and_optimizer_states
+    _state_names = layouts._state_names
+    _dp_rank_and_size = layouts._dp_rank_and_size
+    _object_key = layouts._object_key
+    _gather_buffer = layouts._gather_buffer
+    get_parameter_state_dp_reshardable = layouts.get_parameter_state_dp_reshardable
+    sharded_param_state_dp_reshardable = layouts.sharded_param_state_dp_reshardable
+    load_parameter_state_from_dp_reshardable = layouts.load_parameter_state_from_dp_reshardable
+    sharded_param_state_fully_reshardable = layouts.sharded_param_state_fully_reshardable
+    load_parameter_state_from_fully_reshardable = layouts.load_parameter_state_from_fully_reshardable
+    get_parameter_state_dp_zero = layouts.get_parameter_state_dp_zero
+    sharded_param_state_dp_zero = layouts.sharded_param_state_dp_zero
+    load_parameter_state_from_dp_zero = layouts.load_parameter_state_from_dp_zero
+    save_parameter_state = layouts.save_parameter_state
+    load_parameter_state = layouts.load_parameter_state
 
     def _entries(self):
         return (entry for entries in self.shard_groups for entry in entries)
