@@ -474,6 +474,10 @@ def _save_plain(
     print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save}")
 
 
+# The torch_dist load builds its template with every part, as sharded state, whatever this run saves.
+_SHARDED_LOAD_TEMPLATE = {"no_save_optim": False, "no_save_rng": False, "ckpt_format": "torch_dist"}
+
+
 def load_checkpoint(
     ddp_model,
     optimizer,
@@ -550,9 +554,7 @@ def load_checkpoint(
         else None
     )
     # What to load is decided above, whatever the --no-save-* flags say.
-    template_args = argparse.Namespace(
-        **{**vars(args), "no_save_optim": False, "no_save_rng": False, "ckpt_format": "torch_dist"}
-    )
+    template_args = argparse.Namespace(**{**vars(args), **_SHARDED_LOAD_TEMPLATE})
     sharded = generate_state_dict(
         template_args,
         ddp_model,

@@ -7,7 +7,7 @@ expert-data-parallel rank 0 for expert shards). With the distributed optimizer, 
 holds the parameter state gathered over the data-parallel ranks (``optimizer.save_parameter_state``).
 
 Each file is written to a temporary name and renamed into place, so a file that exists is whole. Files are read
-with the safe-globals allow-list (``safe_torch_load``), never with ``weights_only=False``. A legacy checkpoint loads
+with the safe-globals allow-list (``safe_torch_load``), never by unrestricted unpickling. A legacy checkpoint loads
 only into the tensor / pipeline / expert layout that saved it; ``--ckpt-convert-format torch_dist`` turns it into a
 distributed checkpoint, which loads into any layout.
 """

@@ -13,10 +13,10 @@ from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.dist_checkpointing.checkpoint_dir import checkpoint_format
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.training import checkpointing, global_vars
-from megatron.training.legacy_checkpointing import load_legacy_state_dict
+from megatron.training.legacy_checkpointing import load_legacy_state_dict, require_parameter_state_io
 from megatron.training.plain_checkpointing import format_to_load
 from tests.unit_tests.test_utilities import REPO_ROOT, run_distributed
-from tests.unit_tests.training.test_arguments import validated
+from tests.unit_tests.training.test_arguments import parse, validated
 from tests.unit_tests.training.test_checkpointing import _weights
 
 FIXTURE = os.path.join(REPO_ROOT, "tests/unit_tests/dist_checkpointing/data/megatron_legacy_torch")
@@ -201,3 +201,67 @@ def test_a_legacy_file_with_a_class_outside_the_allow_list_is_refused_unrun(tmp_
     with pytest.raises(CheckpointingException, match=r"holds an object of .*system, which is not in the allow-list"):
         load_legacy_state_dict(str(tmp_path / "iter_0000001"), 1, False)
     assert not marker.exists()
+
+
+# ---- offline conversion ----------------------------------------------------------------------------------------
+
+
+def _convert(root):
+    """torch_dist -> torch -> torch_dist with --ckpt-convert-format: every checkpoint loads the same weights."""
+    tp2 = ("--tensor-model-parallel-size", 2)
+    try:
+        model, optimizer, scheduler = _setup(1, "--save", f"{root}/orig", "--save-interval", 10, *tp2)
+        _step(model, optimizer, scheduler)
+        checkpointing.save_checkpoint(3, model, optimizer, scheduler, 42.0)
+        saved = _weights(model)
+        results = []
+        for seed, load, target in ((2, "orig", "torch"), (3, "conv/torch", "torch_dist")):
+            global_vars.unset_global_variables()
+            convert = ("--ckpt-convert-format", target, "--ckpt-convert-save", f"{root}/conv")
+            with pytest.raises(SystemExit) as exit_info:
+                _setup(seed, "--load", f"{root}/{load}", "--auto-detect-ckpt-format", *convert, *tp2)
+            results.append(exit_info.value.code in (0, None))
+            global_vars.unset_global_variables()
+            model, _, _ = _setup(seed + 10, "--load", f"{root}/conv/{target}", "--ckpt-format", target, *tp2)
+            args = global_vars.get_args()
+            same = all(torch.equal(saved[n], p) for n, p in _weights(model).items())
+            results.append((args.iteration, args.num_floating_point_operations_so_far, same))
+        return results
+    finally:
+        global_vars.unset_global_variables()
+
+
+def test_ckpt_convert_format_round_trip(tmp_path):
+    converted = [True, (3, 42.0, True)]
+    assert run_distributed(2, _convert, str(tmp_path)) == [converted * 2] * 2
+    assert checkpoint_format(tmp_path / "conv" / "torch" / "iter_0000003") == "torch"
+    assert checkpoint_format(tmp_path / "conv" / "torch_dist" / "iter_0000003") == "torch_dist"
+
+
+# ---- what the formats refuse -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, match",
+    [
+        (("--ckpt-format", "torch_dcp", "--tensor-model-parallel-size", 2), 2, "which --tensor-model-parallel-size 2"),
+        (("--ckpt-format", "torch_dcp", "--use-distributed-optimizer"), 1, "which --use-distributed-optimizer would"),
+        (("--ckpt-format", "torch", "--async-save"), 1, "--async-save writes torch_dist checkpoints; not supported"),
+        (("--ckpt-convert-format", "torch"), 1, "--ckpt-convert-format needs --load"),
+    ],
+)
+def test_refused_settings(flags, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        validated(*flags, world_size=world_size)
+
+
+def test_the_legacy_distributed_optimizer_file_needs_parameter_state_io():
+    with pytest.raises(CheckpointingException, match="not supported yet: --ckpt-format torch with --use-distrib"):
+        require_parameter_state_io(types.SimpleNamespace())
+
+
+def test_use_checkpoint_args_reads_a_legacy_checkpoint(tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "ckpt")
+    args = parse("--load", tmp_path / "ckpt", "--use-checkpoint-args")
+    checkpointing.load_args_from_checkpoint(args)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 16, 4)
