@@ -196,6 +196,12 @@ class ModelParallelConfig:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
         if self.tp_comm_overlap:
             warn_once("tp_comm_overlap needs Transformer Engine userbuffers; running without the overlap")
+        if self.expert_model_parallel_size > 1 and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            # Megatron warns here too; MoELayer refuses the training forward (evaluation and inference are fine).
+            warn_once(
+                "expert and tensor parallelism without sequence parallelism can evaluate and generate but not train "
+                "an MoE model; set sequence_parallel=True (--sequence-parallel) for training"
+            )
 
 
 def _validate_parallel_sizes(config: ModelParallelConfig) -> None:

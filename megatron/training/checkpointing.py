@@ -272,14 +272,50 @@ def get_rng_state(
 
 
 def _content_metadata(args) -> dict:
-    """Megatron's ``content_metadata``: how this run's model and optimizer lay out their sharded state (the
-    distributed optimizer's layout; ChainedOptimizer prefixes its members' keys with ``chained_<i>.``)."""
-    from megatron.core.optimizer.distrib_optimizer import _SHARDING_TYPE
+    """Megatron's ``content_metadata``: how this run's model and optimizer lay out their sharded state. As in
+    Megatron-LM the distributed optimizer writes ``dp_reshardable`` (bucket space: reloads at another data-parallel
+    size) or, with --dist-ckpt-optim-fully-reshardable, ``fully_reshardable`` (model space: any layout)."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        if args.dist_ckpt_optim_fully_reshardable:
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            mem_efficient = args.distrib_optim_fully_reshardable_mem_efficient
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = mem_efficient
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
 
+
+def _checkpoint_content_metadata(common: dict, args) -> dict:
+    """The layout flags the checkpoint was written with. Megatron-Core before 0.13 wrote none: its distributed
+    optimizer used ``fully_sharded_model_space`` with --ckpt-fully-parallel-save, else ``dp_zero_gather_scatter``."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if metadata is not None:
+        return metadata
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": False}
     if args.use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = _SHARDING_TYPE
+        fully_parallel = getattr(common.get("args"), "ckpt_fully_parallel_save", False)
+        metadata["distrib_optim_sharding_type"] = (
+            "fully_sharded_model_space" if fully_parallel else "dp_zero_gather_scatter"
+        )
     return metadata
+
+
+def _check_optimizer_layout(args, content_metadata: dict, same_layout: bool, checkpoint_dir) -> None:
+    """Refuse, before anything is read, a distributed-optimizer layout that cannot follow this run's model-parallel
+    layout (every rank decides alike, so no rank is left waiting)."""
+    from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS
+
+    sharding_type = content_metadata.get("distrib_optim_sharding_type")
+    if args.use_distributed_optimizer and not same_layout and sharding_type in BUCKET_SPACE_LAYOUTS:
+        raise CheckpointingException(
+            f"{checkpoint_dir}: its distributed-optimizer state is in the {sharding_type} layout, which reloads only "
+            "at the tensor/pipeline-parallel sizes it was saved with, and this run's differ. Load it at its own "
+            "layout and save with --dist-ckpt-optim-fully-reshardable (the fully_reshardable layout reloads at any "
+            "layout), or pass --no-load-optim to start the optimizer afresh"
+        )
 
 
 def generate_state_dict(
@@ -534,14 +570,21 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     set_checkpoint_version(common.get("checkpoint_version", 0))
     fix_query_key_value_ordering(ddp_model, get_checkpoint_version())
-    # The checkpoint's own layout flags build the state to load into (a checkpoint without them predates them).
-    content_metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or _content_metadata(args)
+    # The checkpoint's own layout flags build the state to load into.
+    content_metadata = _checkpoint_content_metadata(common, args)
     saved_args = common.get("args")
     same_layout = saved_args is not None and (
         saved_args.tensor_model_parallel_size == dist.get_world_size(tp_group)
         and saved_args.pipeline_model_parallel_size == dist.get_world_size(pp_group)
     )
-    load_optimizer = not (args.no_load_optim or finetune or release) and "opt_param_scheduler" in common
+    load_optimizer = not (args.no_load_optim or finetune or release)
+    if load_optimizer and optimizer is not None:
+        if "opt_param_scheduler" not in common:
+            raise CheckpointingException(
+                f"{checkpoint_dir} holds no optimizer state (it was saved with --no-save-optim); pass "
+                "--no-load-optim to start the optimizer and learning-rate schedule afresh from its weights"
+            )
+        _check_optimizer_layout(args, content_metadata, same_layout, checkpoint_dir)
     load_rng = not (args.no_load_rng or finetune or release) and same_layout
     if not (args.no_load_rng or finetune or release) and not same_layout:
         print_rank_0("  the checkpoint's tensor/pipeline layout differs from this run's: RNG state not restored")

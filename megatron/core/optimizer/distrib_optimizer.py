@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import (
     common_param_groups,
     extract_common_step,
@@ -29,6 +30,12 @@ from megatron.core.dist_checkpointing.optimizer import (
     saved_step_and_param_groups,
 )
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from megatron.core.optimizer.distrib_optimizer_layouts import (
+    BUCKET_SPACE_LAYOUTS,
+    SHARDING_TYPES,
+    ParamStateLayouts,
+    bucket_pieces,
+)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
@@ -94,7 +101,7 @@ class _ShardEntry(NamedTuple):
     owns_main: bool  # False when main_param is a view of an fp32 model parameter
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
+class DistributedOptimizer(ParamStateLayouts, MixedPrecisionOptimizer):
     """Steps this data-parallel rank's shard of every DDP buffer (see the module docstring).
 
     Args:
@@ -175,6 +182,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.shard_groups.append(entries)
         # Any state the torch optimizer had was keyed by model parameters, which it no longer steps.
         self.optimizer.state = defaultdict(dict)
+        self._entry_of = {entry.model_param: entry for entry in self._entries()}
+        # What the checkpoint layouts need (Megatron's names): per buffer, this rank's pieces of every bucket's
+        # shard, and the buckets' sizes keyed by the buffer's (param dtype, grad dtype).
+        self.bucket_pieces = [bucket_pieces(self._entries(), buffer, dp_rank) for buffer in self.buffers]
+        self.per_bucket_numel = [
+            {(b.param_dtype, b.grad_dtype): [bucket.grad_data.numel() for bucket in b.buckets]} for b in self.buffers
+        ]
+        self.per_bucket_numel_unpadded = [
+            {(b.param_dtype, b.grad_dtype): [bucket.numel_unpadded for bucket in b.buckets]} for b in self.buffers
+        ]
 
     def _entries(self):
         return (entry for entries in self.shard_groups for entry in entries)
@@ -273,43 +290,60 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         sharding_type: Optional[str] = None,
         metadata: Optional[dict] = None,
     ):
-        """This rank's shard as pieces of the global checkpoint, in Megatron's ``fully_sharded_model_space`` layout.
-
-        For every parameter piece this rank steps, its fp32 main parameter and Adam's moments are stored as flat
-        slices (``flattened_range``) of the parameter's own checkpoint entry: ``optimizer.state.fp32_param.<key>``,
-        ``optimizer.state.exp_avg.<key>``, ... So they load into any data-parallel size, any tensor/pipeline layout,
-        and into the non-distributed optimizers, whose keys are the same. The step and the param groups are common.
-        ``sharding_type`` / ``metadata['distrib_optim_sharding_type']`` may only name this layout.
-        """
+        """This rank's optimizer state as pieces of the global checkpoint, in one of Megatron's layouts (see
+        ``distrib_optimizer_layouts``): ``metadata['distrib_optim_sharding_type']`` (``sharding_type``, deprecated
+        in Megatron, overrides it), by default ``fully_sharded_model_space`` as in Megatron-Core; megatron.training
+        asks for ``dp_reshardable`` or, with --dist-ckpt-optim-fully-reshardable, ``fully_reshardable``."""
         sharding_type = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", _SHARDING_TYPE)
-        if sharding_type != _SHARDING_TYPE:
+        if sharding_type not in SHARDING_TYPES:
             raise ValueError(
-                f"DistributedOptimizer: sharding_type={sharding_type!r} is not supported; use {_SHARDING_TYPE!r} "
-                "(it reshards across data-parallel sizes and to the non-distributed optimizers)"
+                f"DistributedOptimizer: sharding_type={sharding_type!r} is not supported; use one of {SHARDING_TYPES}"
             )
         if is_loading:
             # Create the state tensors first so the sharded entries have tensors of the right shapes to load into.
             self.init_state_fn(self.optimizer, self.config)
+        common = self._common_state()
+        if sharding_type in BUCKET_SPACE_LAYOUTS:
+            # As in Megatron, the bucket-space layouts keep the common state per model-parallel group.
+            dp_rank = dist.get_rank(self.data_parallel_group)
+            replica = (self.distributed_optimizer_instance_id, 0, dp_rank)
+            common = {
+                name: ShardedObject(self._object_key(name), value, (1,), (0,), replica_id=replica)
+                for name, value in common.items()
+            }
+        build = {
+            "dp_reshardable": self.sharded_param_state_dp_reshardable,
+            "dp_zero_gather_scatter": self.sharded_param_state_dp_zero,
+            "fully_reshardable": self.sharded_param_state_fully_reshardable,
+            "fully_sharded_model_space": self.sharded_param_state_fs_model_space,
+        }[sharding_type]
+        state = {
+            **common,
+            "param_state": build(model_sharded_state_dict, is_loading, metadata),
+            "param_state_sharding_type": sharding_type,
+        }
+        return mark_sharded_state(state)
+
+    def _common_state(self) -> Dict[str, Any]:
+        """What every data-parallel rank shares: the param groups, each with the step (as Megatron stores them),
+        and the loss scaler."""
         inner_state = self.optimizer.state_dict()
         step = extract_common_step(inner_state)
         param_groups = common_param_groups(inner_state["param_groups"])
         if step is not None:
             for group in param_groups:
                 group["step"] = int(step)
-        state = {
-            "optimizer": {"param_groups": param_groups},
-            "param_state": self.sharded_param_state_fs_model_space(model_sharded_state_dict, is_loading, metadata),
-            "param_state_sharding_type": sharding_type,
-        }
+        common = {"optimizer": {"param_groups": param_groups}}
         if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return mark_sharded_state(state)
+            common["grad_scaler"] = self.grad_scaler.state_dict()
+        return common
 
     def sharded_param_state_fs_model_space(
         self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, metadata: Optional[dict] = None
     ):
-        """The ``param_state`` part of :meth:`sharded_state_dict`: by optimizer parameter index, the fp32 main
-        shard and optimizer tensors of each parameter piece, as flat slices of the parameter's checkpoint entry."""
+        """Megatron's deprecated ``fully_sharded_model_space`` layout: by optimizer parameter index, the fp32 main
+        shard and optimizer tensors of each parameter piece, as flat slices (``flattened_range``) of the
+        parameter's own checkpoint entry, ``optimizer.state.fp32_param.<key>``, ``optimizer.state.exp_avg.<key>``..."""
         entries = list(self._entries())
         id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, [e.model_param for e in entries])
         param_state = {}
@@ -349,7 +383,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _load_sharded_state_dict(self, state_dict: Dict) -> None:
         step, saved_groups = saved_step_and_param_groups(state_dict)
-        self.load_parameter_state_from_fs_model_space(state_dict["param_state"])
+        sharding_type = state_dict.get("param_state_sharding_type", _SHARDING_TYPE)
+        load = {
+            "dp_reshardable": self.load_parameter_state_from_dp_reshardable,
+            "dp_zero_gather_scatter": self.load_parameter_state_from_dp_zero,
+            "fully_reshardable": self.load_parameter_state_from_fully_reshardable,
+            "fully_sharded_model_space": self.load_parameter_state_from_fs_model_space,
+        }.get(sharding_type)
+        if load is None:
+            raise ValueError(
+                f"DistributedOptimizer: the checkpoint's optimizer layout {sharding_type!r} is unknown; "
+                f"known layouts: {SHARDING_TYPES}"
+            )
+        load(state_dict["param_state"])
         per_param_state = {
             index: dict(self.optimizer.state[entry.main_param]) for index, entry in enumerate(self._entries())
         }

@@ -35,6 +35,7 @@ from megatron.core.optimizer.clip_grads import (
     counts_for_grad_stats,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
@@ -734,13 +735,21 @@ class ChainedOptimizer(MegatronOptimizer):
             opt.load_state_dict(opt_state)
 
     def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, **kwargs):
-        """Each chained optimizer's sharded state, by index, its keys prefixed ``chained_<index>.`` (a single
-        optimizer's state is returned as it is)."""
+        """Each chained optimizer's sharded state, by index (a single optimizer's state is returned as it is).
+
+        As in Megatron, the keys are prefixed ``chained_<index>.`` unless ``metadata['chained_optim_avoid_prefix']``
+        is set and no bucket-space distributed-optimizer layout is asked for (model-space keys are unique already;
+        the bucket-space ones would collide between the dense and the expert optimizer)."""
         if len(self.chained_optimizers) == 1:
             return self.chained_optimizers[0].sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        metadata = kwargs.get("metadata") or {}
+        add_prefix = metadata.get("distrib_optim_sharding_type") in BUCKET_SPACE_LAYOUTS or not metadata.get(
+            "chained_optim_avoid_prefix", False
+        )
         sharded_state_dict = {}
         for index, opt in enumerate(self.chained_optimizers):
             opt_state = opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-            add_prefix_for_sharding(opt_state, f"chained_{index}.")
+            if add_prefix:
+                add_prefix_for_sharding(opt_state, f"chained_{index}.")
             sharded_state_dict[index] = opt_state
         return sharded_state_dict

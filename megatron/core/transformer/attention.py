@@ -253,6 +253,11 @@ class Attention(MegatronModule, ABC):
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
         )
+        # Megatron registers core attention and the output projection before the input projections. Registration
+        # order is parameter order, which lays out the DDP buffers and so the distributed optimizer's bucket-space
+        # checkpoints: follow it (the construction order above only fixes the random draws).
+        for name in [name for name in self._modules if name not in ("core_attention", "linear_proj")]:
+            self._modules[name] = self._modules.pop(name)
 
     @abstractmethod
     def _build_input_projections(self, submodules) -> None:

@@ -282,7 +282,7 @@ def _optimizer_errors():
     state_dict = helpers.checkpoint_state_dict(chunks)
     messages = []
     for call in (
-        lambda: optimizer.sharded_state_dict(state_dict, sharding_type="dp_zero_gather_scatter"),
+        lambda: optimizer.sharded_state_dict(state_dict, sharding_type="fully_sharded_bucket_space"),
         lambda: optimizer.sharded_state_dict({}),
     ):
         try:
@@ -294,7 +294,7 @@ def _optimizer_errors():
 
 def test_distributed_optimizer_errors():
     sharding_type_error, missing_model_error = run_distributed(1, _optimizer_errors)[0]
-    assert "sharding_type='dp_zero_gather_scatter' is not supported; use 'fully_sharded_model_space'" in (
+    assert "sharding_type='fully_sharded_bucket_space' is not supported; use one of ('dp_reshardable'" in (
         sharding_type_error
     )
     assert "is not in the model's sharded state dict" in missing_model_error

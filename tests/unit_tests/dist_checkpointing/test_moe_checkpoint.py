@@ -1,6 +1,7 @@
 """MoE checkpoints: Megatron-Core 0.19's keys and global shapes (each expert at its global index), pieces that tile
-every tensor exactly once at any EP / ETP layout, and a checkpoint saved at EP=4 that loads at EP=1, EP=2, ETP=2 and
-TP2 x EP2 into models built from another seed, with the same weights and the same loss afterwards."""
+every tensor exactly once at any EP / ETP layout, and a checkpoint saved at EP=4 that loads at EP=1, EP=2, ETP=2,
+TP2 x EP2 and TP2 without sequence parallelism into models built from another seed, with the same weights and the
+same loss afterwards."""
 
 import re
 
@@ -48,6 +49,7 @@ output_layer.weight tensor [64, 16]
 
 
 def _config(tp=1, ep=1, etp=None, **overrides):
+    overrides.setdefault("sequence_parallel", tp > 1)
     return TransformerConfig(
         num_layers=2,
         hidden_size=16,
@@ -67,7 +69,6 @@ def _config(tp=1, ep=1, etp=None, **overrides):
         attention_dropout=0.0,
         use_cpu_initialization=True,
         tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type="alltoall",
@@ -181,8 +182,9 @@ def _save_at_ep4(directory, grouped):
     return _full_weights(model), _loss(model)
 
 
-def _load(directory, tp, ep, etp, grouped):
-    model = _build(tp, ep, etp, seed=2, moe_grouped_gemm=grouped)
+def _load(directory, tp, ep, etp, grouped, sequence_parallel=None):
+    sequence_parallel = tp > 1 if sequence_parallel is None else sequence_parallel
+    model = _build(tp, ep, etp, seed=2, moe_grouped_gemm=grouped, sequence_parallel=sequence_parallel)
     before = _full_weights(model)
     loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
     model.load_state_dict(loaded)
@@ -203,6 +205,16 @@ def test_saved_at_ep4_loads_at_other_layouts(saved, world, tp, ep, etp):
     for before, after, loss in run_distributed(world, _load, directory, tp, ep, etp, grouped):
         assert after.keys() == expected.keys()
         assert any(relative_error(before[k], expected[k]) > 1e-3 for k in expected)  # built from another seed
+        for name, weight in expected.items():
+            assert torch.equal(after[name], weight), name
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_saved_at_ep4_loads_at_tp2_without_sequence_parallel(saved):
+    """Megatron loads and evaluates an MoE checkpoint at TP > 1 without --sequence-parallel: same weights, same
+    eval loss."""
+    directory, expected, expected_loss, grouped = saved
+    for _, after, loss in run_distributed(2, _load, directory, 2, 1, 2, grouped, False):
         for name, weight in expected.items():
             assert torch.equal(after[name], weight), name
         assert loss == pytest.approx(expected_loss, rel=1e-5)

@@ -16,6 +16,15 @@ from tests.unit_tests.models.gpt_test_helpers import SEQ, VARIANTS, VOCAB, build
 
 MAX_SEQ = 2 * SEQ
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [42]]
+# The GPT test variants plus a Mixtral-like one: Llama with MoE MLPs (4 experts, top-2). Inference runs without
+# sequence parallelism, which MoE accepts at TP > 1 outside training, as in Megatron.
+MODELS = {
+    **VARIANTS,
+    "mixtral": dict(
+        config={**VARIANTS["llama"]["config"], "num_moe_experts": 4, "moe_router_topk": 2},
+        model=VARIANTS["llama"]["model"],
+    ),
+}
 
 
 def tokenizer() -> NullTokenizer:
@@ -27,13 +36,13 @@ def build_model(variant: str, tp: int = 1, pp: int = 1, seed: int = 1234) -> GPT
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(seed)
-    spec = VARIANTS[variant]
+    spec = MODELS[variant]
     config = build_config(
         tp, False, {**spec["config"], "pipeline_model_parallel_size": pp, "pipeline_dtype": torch.float32}
     )
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
+        get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm),
         vocab_size=VOCAB,
         max_sequence_length=MAX_SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),

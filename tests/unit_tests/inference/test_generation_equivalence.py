@@ -1,5 +1,6 @@
 """Greedy generation with the KV cache equals greedy decoding by full forward passes without a cache, token for
-token, for GPT (learned positions) and Llama (RoPE, GQA, SwiGLU) at TP1, TP2 and PP2, with both engines."""
+token, for GPT (learned positions) and Llama (RoPE, GQA, SwiGLU) at TP1, TP2 and PP2, and for a Mixtral-like MoE at
+TP2 (without sequence parallelism), with both engines."""
 
 import pytest
 
@@ -49,8 +50,11 @@ def _generate_both_ways(variant: str, tp: int, pp: int):
     }
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama"])
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+CASES = [(variant, tp, pp) for variant in ("gpt2", "llama") for tp, pp in ((1, 1), (2, 1), (1, 2))]
+CASES.append(("mixtral", 2, 1))  # MoE at TP2, without sequence parallelism
+
+
+@pytest.mark.parametrize("variant,tp,pp", CASES)
 def test_kv_cache_greedy_equals_full_forward_greedy(variant, tp, pp):
     for rank, result in enumerate(run_distributed(tp * pp, _generate_both_ways, variant, tp, pp)):
         assert result["static"] == result["expected"], f"rank {rank}: static engine"

@@ -1,8 +1,10 @@
 """GPTModel with MoE layers (mixed with dense ones by moe_layer_freq): the block spec places them, forward and
 backward run with the aux losses in the backward, and TP2 x EP2 with sequence parallelism, and EP2 x PP2 through the
 pipeline schedule, equal one process over the same global batch (loss and every gradient, experts by global index,
-logged losses); a bf16 model keeps its dtypes with fp32 routing."""
+logged losses); TP2 without sequence parallelism evaluates to one process's logits; a bf16 model keeps its dtypes
+with fp32 routing."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +22,7 @@ from tests.unit_tests.transformer.moe.moe_test_helpers import fresh_moe_state, r
 VOCAB, SEQ, BATCH = 64, 8, 2
 
 
-def _model(tp=1, ep=1, seed=1234):
+def _model(tp=1, ep=1, seed=1234, sequence_parallel=None, dispatcher="alltoall"):
     Utils.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     fresh_moe_state()
     model_parallel_cuda_manual_seed(seed)
@@ -43,9 +45,9 @@ def _model(tp=1, ep=1, seed=1234):
         attention_dropout=0.0,
         use_cpu_initialization=True,
         tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1,
+        sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel,
         expert_model_parallel_size=ep,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=dispatcher,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
@@ -99,6 +101,29 @@ def test_gpt_with_moe_layers_matches_single_process_at_tp2_ep2():
             assert relative_error(parallel_grads[name], grad) <= 1e-5, name
         for name, values in tracker.items():
             assert relative_error(parallel_tracker[name], values) <= 1e-5, name
+
+
+def _eval_logits_and_loss(tp, sequence_parallel, dispatcher):
+    from tests.unit_tests.models.gpt_test_helpers import gather_logits
+
+    model = _model(tp, sequence_parallel=sequence_parallel, dispatcher=dispatcher).eval()
+    ((tokens, labels),) = _batches(1)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    with torch.no_grad():
+        logits = gather_logits(model(tokens, position_ids, None))
+        loss = model(tokens, position_ids, None, labels=labels).mean().item()
+    return logits, loss
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_eval_at_tp2_without_sequence_parallel_matches_one_process(dispatcher):
+    """Megatron evaluates (and generates with) an MoE model at TP > 1 without sequence parallelism: same logits and
+    loss as one process and as TP2 with sequence parallelism."""
+    ((expected_logits, expected_loss),) = run_distributed(1, _eval_logits_and_loss, 1, False, dispatcher)
+    for sequence_parallel in (False, True):
+        for logits, loss in run_distributed(2, _eval_logits_and_loss, 2, sequence_parallel, dispatcher):
+            assert relative_error(logits, expected_logits) <= 1e-5
+            assert loss == pytest.approx(expected_loss, rel=1e-5)
 
 
 def _bf16(grouped):

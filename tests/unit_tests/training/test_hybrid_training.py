@@ -267,7 +267,7 @@ def test_the_8b_hybrid_per_token():
 def _model_args(tp: int, pattern: str, ep: int = 1):
     pp = 2 if "|" in pattern else 1
     moe = []
-    if "E" in pattern:  # MoE at TP > 1 needs sequence parallelism
+    if "E" in pattern:  # sequence parallelism, as training MoE at TP > 1 needs
         moe = [
             "--num-experts",
             "4",

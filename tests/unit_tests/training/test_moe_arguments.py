@@ -138,7 +138,6 @@ def test_several_load_balancing_types_keep_their_coefficient_lists():
         ),
         # The config's own validation runs at start-up too.
         (["--num-experts", "2", "--moe-router-topk", "3"], 1, "moe_router_topk=3 is larger than num_moe_experts=2"),
-        (MOE + ["--tensor-model-parallel-size", "2"], 2, "tensor_model_parallel_size=2 with MoE"),
         (MOE + ["--moe-expert-capacity-factor", "1.0"], 1, "needs moe_token_dispatcher_type='alltoall'"),
         (MOE + ["--moe-layer-freq", "[1,0]"], 1, "must list 0 \\(dense\\) or 1 \\(MoE\\) for each of the num_layers=4"),
     ],
@@ -146,6 +145,13 @@ def test_several_load_balancing_types_keep_their_coefficient_lists():
 def test_bad_moe_settings_fail_at_start_up(argv, world_size, message):
     with pytest.raises(ValueError, match=message):
         validated(*argv, world_size=world_size)
+
+
+def test_moe_at_tp2_without_sequence_parallel_starts_as_in_megatron_lm():
+    """Megatron-LM accepts it (evaluation and generation run; MoELayer refuses only the training forward)."""
+    args = validated(*MOE, "--tensor-model-parallel-size", "2", world_size=2)
+    config = core_transformer_config_from_args(args)
+    assert config.tensor_model_parallel_size == 2 and not config.sequence_parallel
 
 
 def test_moe_kernel_switches_have_no_effect_here():

@@ -223,7 +223,8 @@ def build_model_from_hf(
 ):
     """A GPTModel (a HybridModel for NemotronH) for this rank's TP/PP stage with the HF model's architecture and
     (unless ``load_weights=False``) its weights. ``config_overrides`` go to the TransformerConfig (the parallel
-    layout: defaults are parallel_state's TP and PP sizes)."""
+    layout: defaults are parallel_state's TP and PP sizes; an MoE model under TP defaults to sequence parallelism,
+    which its training needs: pass ``sequence_parallel=False`` to evaluate or generate without it)."""
     from megatron.core import parallel_state
 
     _, settings = settings_from_hf_config(read_hf_config(hf_dir))
@@ -232,7 +233,7 @@ def build_model_from_hf(
     config_overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config_overrides.setdefault("perform_initialization", not load_weights)  # every weight is overwritten
     if settings.num_moe_experts and config_overrides["tensor_model_parallel_size"] > 1:
-        config_overrides.setdefault("sequence_parallel", True)  # MoE under TP routes sequence-parallel slices
+        config_overrides.setdefault("sequence_parallel", True)  # MoELayer trains under TP only with SP
     if config_overrides["pipeline_model_parallel_size"] > 1:
         config_overrides.setdefault("pipeline_dtype", torch_dtype(settings))
     config = transformer_config_from_settings(settings, **config_overrides)

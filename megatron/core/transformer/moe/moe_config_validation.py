@@ -230,11 +230,6 @@ def _validate_parallel_sizes(config) -> None:
             f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}; every expert-parallel "
             "rank must hold the same number of experts"
         )
-    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        raise ValueError(
-            f"tensor_model_parallel_size={config.tensor_model_parallel_size} with MoE (num_moe_experts={experts}) "
-            "needs sequence_parallel=True: the router and dispatcher work on sequence-parallel slices"
-        )
     etp = config.expert_tensor_parallel_size
     if config.moe_ffn_hidden_size % etp != 0:
         raise ValueError(

@@ -265,9 +265,13 @@ class MoELayer(BaseMoELayer):
         CUDA-graph capture of Megatron) is not supported and must be None."""
         if intermediate_tensors is not None:
             raise ValueError("MoELayer: intermediate_tensors (partial CUDA-graph capture) is not supported")
+        # As in Megatron, only training is refused: without SP every TP rank routes and computes the same tokens
+        # (the result is right, the work repeated TP times), which evaluation and inference accept.
         if self.training and self.tp_group.size() > 1 and not self.config.sequence_parallel:
             raise ValueError(
-                "MoELayer: tensor_model_parallel_size > 1 needs sequence_parallel=True during training with MoE"
+                f"MoELayer: training with tensor_model_parallel_size={self.tp_group.size()} needs sequence "
+                "parallelism; set sequence_parallel=True (--sequence-parallel), or call model.eval() to evaluate "
+                "or generate without it"
             )
         if self.moe_layer_recompute and self.training:
             if padding_mask is None:

@@ -1,6 +1,6 @@
 """Mixtral (MoE) conversion beyond the per-family tests of test_hf_conversion.py (TP1, TP2, PP2, export): expert
-parallelism (EP2, TP2 x EP2) gives HF's logits with each expert at its global index, the converted checkpoint's
-stored layout and MoE arguments, and what the Mixtral table refuses."""
+parallelism (EP2, TP2 x EP2) and TP2 without sequence parallelism give HF's logits with each expert at its global
+index, the converted checkpoint's stored layout and MoE arguments, and what the Mixtral table refuses."""
 
 import argparse
 import json
@@ -52,9 +52,9 @@ def test_routing_margins_are_clear(mixtral):
         assert (top[:, 1] - top[:, 2]).min().item() > 1e-4
 
 
-def _ep_logits(hf_dir, megatron_dir, input_ids, tp, ep):
+def _ep_logits(hf_dir, megatron_dir, input_ids, tp, ep, sequence_parallel=None):
     """(in-memory logits, converted-checkpoint logits, this rank's first local expert fc1 / the HF cat(w1, w3) of
-    its global index, that global index) at TP x EP."""
+    its global index, that global index) at TP x EP (sequence parallelism: the builder's default unless given)."""
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -66,6 +66,8 @@ def _ep_logits(hf_dir, megatron_dir, input_ids, tp, ep):
     ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1)
     stage = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    if sequence_parallel is not None:
+        stage["sequence_parallel"] = sequence_parallel
     in_memory = build_gpt_model_from_hf(hf_dir, **stage).eval()
     from_checkpoint = build_gpt_model_from_hf(hf_dir, load_weights=False, **stage).eval()
     state = dist_checkpointing.load(
@@ -103,6 +105,18 @@ def test_expert_parallel_model_gives_hf_logits(mixtral, tp, ep):
     assert sorted({index for *_, index in results}) == [0, 2]  # EP rank r holds global experts 2r, 2r + 1
     for in_memory, from_checkpoint, expert_matches, index in results:
         assert expert_matches, f"local expert 0 of the rank holding expert {index} is not HF's expert {index}"
+        assert relative_error(in_memory, expected) <= 1e-5
+        assert relative_error(from_checkpoint, expected) <= 1e-5
+
+
+def test_tp2_without_sequence_parallel_gives_hf_logits(mixtral):
+    """The checkpoint converted at TP1 loads and evaluates at TP2 without --sequence-parallel, as in Megatron-Core
+    (every TP rank then routes the whole sequence; the experts are split over TP)."""
+    hf_dir, megatron_dir, input_ids, expected = mixtral
+    for in_memory, from_checkpoint, expert_matches, _ in run_distributed(
+        2, _ep_logits, hf_dir, megatron_dir, input_ids, 2, 1, False
+    ):
+        assert expert_matches
         assert relative_error(in_memory, expected) <= 1e-5
         assert relative_error(from_checkpoint, expected) <= 1e-5
 

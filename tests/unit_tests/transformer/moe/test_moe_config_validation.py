@@ -1,5 +1,7 @@
 """Every MoE config rule raises one ValueError naming the field and the fix, when the config is built."""
 
+import warnings
+
 import pytest
 
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -10,7 +12,6 @@ ERRORS = [
     (dict(num_moe_experts=0), r"num_moe_experts must be a positive integer, got 0"),
     (dict(moe_router_topk=5), r"moe_router_topk=5 is larger than num_moe_experts=4"),
     (dict(expert_model_parallel_size=3), r"num_moe_experts=4 is not divisible by expert_model_parallel_size=3"),
-    (dict(tensor_model_parallel_size=2), r"tensor_model_parallel_size=2 with MoE .* needs sequence_parallel=True"),
     (
         dict(moe_expert_capacity_factor=1.0),
         r"moe_expert_capacity_factor=1.0 needs moe_token_dispatcher_type="
@@ -142,3 +143,14 @@ def test_valid_moe_settings_build():
         sequence_parallel=True,
         expert_model_parallel_size=2,
     )
+
+
+def test_tensor_parallelism_without_sequence_parallelism_builds_with_megatrons_warning():
+    """Megatron builds an MoE config at TP > 1 without sequence parallelism (MoELayer refuses only its training
+    forward); with expert parallelism too it warns that training needs sequence parallelism."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = TransformerConfig(**BASE, tensor_model_parallel_size=2)
+    assert not config.sequence_parallel
+    with pytest.warns(UserWarning, match=r"set sequence_parallel=True \(--sequence-parallel\) for training"):
+        TransformerConfig(**BASE, tensor_model_parallel_size=2, expert_model_parallel_size=2)
