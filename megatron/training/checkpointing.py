@@ -546,19 +546,12 @@ def load_checkpoint(
     from megatron.core.num_microbatches_calculator import update_num_microbatches
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
-    from megatron.training.utils import is_rank0, print_rank_0
+    from megatron.training.utils import print_rank_0
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     load_dir = getattr(args, load_arg)
-    finetune = args.finetune
-    if load_dir is not None and is_rank0():  # one rank lists the directory: it may hold thousands of files
-        for line in describe_incomplete_checkpoints(load_dir):
-            print(line, flush=True)
-    found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
-    if found is None and args.pretrained_checkpoint is not None:
-        found = find_checkpoint_to_load(args.pretrained_checkpoint)
-        finetune = True
+    found, finetune = _find_checkpoint(args, load_dir)
     if found is None:
         return _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir)
     checkpoint_dir, iteration, release = found
@@ -641,6 +634,20 @@ def load_checkpoint(
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
+
+
+def _find_checkpoint(args, load_dir):
+    """(the checkpoint to load as find_checkpoint_to_load gives it, or None; whether it is a fine-tuning start):
+    --load's, else --pretrained-checkpoint's (loaded as with --finetune)."""
+    from megatron.training.utils import is_rank0
+
+    if load_dir is not None and is_rank0():  # one rank lists the directory: it may hold thousands of files
+        for line in describe_incomplete_checkpoints(load_dir):
+            print(line, flush=True)
+    found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
+    if found is None and args.pretrained_checkpoint is not None:
+        return find_checkpoint_to_load(args.pretrained_checkpoint), True
+    return found, args.finetune
 
 
 def _load_plain(ckpt_format, args, ddp_model, optimizer, opt_param_scheduler, found, groups, **options):

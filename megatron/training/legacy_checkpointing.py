@@ -29,12 +29,15 @@ from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 
 def require_parameter_state_io(optimizer) -> None:
     """The legacy format stores the distributed optimizer's parameter state through Megatron-LM's
-    ``save_parameter_state`` / ``load_parameter_state``; refuse clearly while the optimizer lacks them."""
-    if not (hasattr(optimizer, "save_parameter_state") and hasattr(optimizer, "load_parameter_state")):
-        raise CheckpointingException(
-            "not supported yet: --ckpt-format torch with --use-distributed-optimizer (the optimizer's "
-            "distrib_optim.pt file); use --ckpt-format torch_dist, or save without --use-distributed-optimizer"
-        )
+    ``save_parameter_state`` / ``load_parameter_state`` and keeps only data-parallel-independent optimizer state in
+    ``model_optim_rng.pt`` (which one rank writes for all). This project's ``DistributedOptimizer.state_dict()``
+    still returns the rank's own shard, which the other data-parallel ranks cannot load: refused here, the one
+    place to lift once that state dict is Megatron-LM's."""
+    raise CheckpointingException(
+        "not supported yet: --ckpt-format torch with --use-distributed-optimizer (the optimizer's distrib_optim.pt "
+        f"and data-parallel-independent state of {type(optimizer).__name__}); use --ckpt-format torch_dist, or save "
+        "without --use-distributed-optimizer"
+    )
 
 
 def _writes_model_file(dp_group) -> bool:
