@@ -33,7 +33,7 @@ from megatron.training.arguments_support import (
     value,
 )
 
-SUPPORTED_CKPT_FORMATS = ("torch_dist",)
+SUPPORTED_CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp")
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 
 # Arguments that must be integers >= 1 (when set) and >= 0.
@@ -659,12 +659,38 @@ def _validate_checkpointing(args) -> None:
             f"--ckpt-format {args.ckpt_format} is not supported; this project reads and writes "
             f"{', '.join(SUPPORTED_CKPT_FORMATS)}"
         )
+    for fmt in {args.ckpt_format, args.ckpt_convert_format} - {None, "torch_dist"}:
+        _validate_plain_ckpt_format(args, fmt)
+    if args.ckpt_convert_format is not None:
+        if args.ckpt_convert_save is None or args.load is None:
+            raise ValueError("--ckpt-convert-format needs --load (the checkpoint) and --ckpt-convert-save (where to)")
+        args.exit_on_missing_checkpoint = True  # converting nothing is an error, as in Megatron-LM
     if args.save is not None and args.save_interval is None:
         raise ValueError("--save needs --save-interval N (iterations between two saves)")
     if args.use_checkpoint_args and args.load is None:
         raise ValueError("--use-checkpoint-args needs --load (the checkpoint to take the arguments from)")
     if args.ckpt_fully_parallel_save_deprecated:
         warn_once("--ckpt-fully-parallel-save is deprecated and has no effect (fully parallel save is the default)")
+
+
+def _validate_plain_ckpt_format(args, fmt: str) -> None:
+    """The plain-state-dict formats: saved synchronously; ``torch_dcp`` holds one unsharded state for all ranks."""
+    if args.async_save:
+        raise ValueError(f"--async-save writes torch_dist checkpoints; not supported yet with the {fmt} format")
+    sharded = [
+        f"{flag} {getattr(args, name)}"
+        for name, flag in (
+            ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+            ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+            ("expert_model_parallel_size", "--expert-model-parallel-size"),
+        )
+        if getattr(args, name) > 1
+    ] + (["--use-distributed-optimizer"] if args.use_distributed_optimizer else [])
+    if fmt == "torch_dcp" and sharded:
+        raise ValueError(
+            f"the torch_dcp checkpoint format stores one plain, unsharded state dict for all ranks (Megatron-LM uses "
+            f"it with FSDP2), which {', '.join(sharded)} would split; use --ckpt-format torch_dist (or torch)"
+        )
 
 
 def _validate_logging(args) -> None:

@@ -257,7 +257,6 @@ CHECKPOINT_IO_TUNING = FlagTable(
         value("--async-ckpt-io-priority", int, 3),
         switch("--async-ckpt-use-cpu-shm"),
         value("--async-strategy", str, "nvrx", choices=["nvrx", "mcore"]),
-        switch("--auto-detect-ckpt-format"),
         switch("--ckpt-assume-constant-structure"),
         value(
             "--ckpt-fully-parallel-load-exchange-algo",
@@ -285,8 +284,6 @@ CHECKPOINT_IO_TUNING = FlagTable(
 CHECKPOINT_OPTIONS = FlagTable(
     "checkpointing",
     (
-        value("--ckpt-convert-format", str, None, choices=["torch", "torch_dist"]),
-        value("--ckpt-convert-save", str, None),
         switch("--ckpt-convert-update-legacy-dist-opt-format"),
         switch("--dist-ckpt-optim-fully-reshardable"),
         switch("--dist-ckpt-save-pre-mcore-014"),

@@ -330,7 +330,28 @@ def add_checkpointing_args(parser):
         type=str,
         default="torch_dist",
         choices=CKPT_FORMATS,
-        help="Checkpoint format; this project reads and writes torch_dist.",
+        help="Checkpoint format to save: torch_dist (distributed, loads into any layout), torch (legacy, one "
+        "model_optim_rng.pt per model-parallel rank) or torch_dcp (PyTorch DCP of the plain state dict; no tensor, "
+        "pipeline or expert parallelism, no distributed optimizer). fsdp_dtensor is not supported.",
+    )
+    group.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="Load a checkpoint in whichever format it is (with --ckpt-format torch_dist, the default, the format "
+        "is always detected).",
+    )
+    group.add_argument(
+        "--ckpt-convert-format",
+        type=str,
+        default=None,
+        choices=["torch", "torch_dist"],
+        help="Convert the --load checkpoint to this format, save it to <--ckpt-convert-save>/<format> and exit.",
+    )
+    group.add_argument(
+        "--ckpt-convert-save",
+        type=str,
+        default=None,
+        help="Where --ckpt-convert-format saves the converted checkpoint.",
     )
     group.add_argument(
         "--async-save", action="store_true", help="Write checkpoints in the background (torch_dist only)."

@@ -8,8 +8,10 @@ from megatron.core.dist_checkpointing.checkpoint_dir import (
     checkpoint_exists,
     find_checkpoint_to_load,
     get_checkpoint_tracker_filename,
+    legacy_rank_0_file,
 )
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.training.hf_checkpoint import hugging_face_load_dir, take_hf_model_args
 
 
@@ -145,7 +147,11 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
             f"--use-checkpoint-args: no checkpoint to take the arguments from in {load_dir} "
             f"({get_checkpoint_tracker_filename(load_dir) if load_dir else '--load not given'})"
         )
-    saved = load_common_state_dict(found[0]).get("args")
+    legacy_file = legacy_rank_0_file(found[0])  # a legacy checkpoint's arguments are in every rank's file
+    if legacy_file is not None:
+        saved = safe_torch_load(legacy_file, f"legacy checkpoint file {legacy_file}").get("args")
+    else:
+        saved = load_common_state_dict(found[0]).get("args")
     if saved is None:
         raise CheckpointingException(f"--use-checkpoint-args: checkpoint {found[0]} holds no saved arguments")
     if getattr(args, "use_mp_args_from_checkpoint_args", False):

@@ -51,11 +51,20 @@ from megatron.training.checkpoint_args import (  # noqa: F401
     load_args_from_checkpoint,
 )
 from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint
+from megatron.training.plain_checkpointing import (
+    PLAIN_FORMATS,
+    apply_plain_checkpoint,
+    format_to_load,
+    read_plain_checkpoint,
+    restore_rng_state,
+    save_plain_checkpoint,
+)
+from megatron.training.plain_checkpointing import model_key as _model_key
 
 
 class CheckpointType(enum.Enum):
     """Megatron's kinds of checkpoint: legacy per-rank ``torch`` files, node-local (NVRx), global
-    ``torch_dist``, PyTorch DCP, FSDP DTensor. This project writes and reads GLOBAL ones."""
+    ``torch_dist``, PyTorch DCP, FSDP DTensor. This project writes and reads LEGACY, GLOBAL and TORCH_DCP ones."""
 
     LEGACY = enum.auto()
     LOCAL = enum.auto()
@@ -262,30 +271,6 @@ def get_rng_state(
     )
 
 
-def _restore_rng_state(states, dp_group) -> None:
-    import random
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from megatron.core import tensor_parallel
-    from megatron.core.utils import cuda_available
-    from megatron.training.global_vars import get_args
-
-    state = states[dist.get_rank(dp_group)] if get_args().data_parallel_random_init else states[0]
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if cuda_available() and state["cuda_rng_state"] is not None:
-        tensor_parallel.random.set_device_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _model_key(index: int, num_chunks: int) -> str:
-    return "model" if num_chunks == 1 else f"model{index}"
-
-
 def _content_metadata(args) -> dict:
     """Megatron's ``content_metadata``: how this run's model and optimizer lay out their sharded state. As in
     Megatron-LM the distributed optimizer writes ``dp_reshardable`` (bucket space: reloads at another data-parallel
@@ -345,7 +330,9 @@ def generate_state_dict(
     rerun_state=None,
 ):
     """The checkpoint's content: arguments and version, the model chunk(s), unless --no-save-optim the optimizer
-    and scheduler, the rerun state machine's entry and unless --no-save-rng the RNG state.
+    and scheduler, the rerun state machine's entry and unless --no-save-rng the RNG state. For ``torch_dist`` the
+    model and optimizer give their sharded state; for the plain formats (``torch``, ``torch_dcp``) their
+    ``state_dict_for_save_checkpoint()`` / ``state_dict()``.
 
     The wrappers (DDP, Float16Module) hand through to the model's own sharded_state_dict; DDP first completes a
     pending distributed-optimizer parameter gather, so the weights read are this step's.
@@ -353,10 +340,15 @@ def generate_state_dict(
     state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION}
     if iteration is not None:
         state_dict["iteration"] = iteration
+    plain = args.ckpt_format in PLAIN_FORMATS
     for index, chunk in enumerate(model):
-        state_dict[_model_key(index, len(model))] = chunk.sharded_state_dict(**(model_sd_kwargs or {}))
+        state_dict[_model_key(index, len(model))] = (
+            chunk.state_dict_for_save_checkpoint() if plain else chunk.sharded_state_dict(**(model_sd_kwargs or {}))
+        )
     if not args.no_save_optim:
-        if optimizer is not None:
+        if optimizer is not None and plain:
+            state_dict["optimizer"] = optimizer.state_dict()
+        elif optimizer is not None:
             # The optimizer's sharded entries are keyed by the model's sharded tensors, so it needs them.
             model_state = {key: value for key, value in state_dict.items() if key.startswith("model")}
             state_dict["optimizer"] = optimizer.sharded_state_dict(model_state, **(optim_sd_kwargs or {}))
@@ -424,6 +416,11 @@ def save_checkpoint(
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
+    if args.ckpt_format in PLAIN_FORMATS:
+        groups = (tp_group, pp_group, dp_cp_group, dp_group)
+        plain_options = dict(release=release, non_persistent=non_persistent_ckpt, data_iterator=train_data_iterator)
+        flops = num_floating_point_operations_so_far
+        return _save_plain(args, iteration, model, optimizer, opt_param_scheduler, flops, groups, **plain_options)
     save_dir = args.save
     if non_persistent_ckpt:
         if getattr(args, "non_persistent_ckpt_type", "global") not in (None, "global"):
@@ -490,6 +487,33 @@ def save_checkpoint(
         print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
 
 
+def _save_plain(
+    args, iteration, model, optimizer, opt_param_scheduler, flops, groups, *, release, non_persistent, data_iterator
+):
+    """save_checkpoint in the ``torch`` or ``torch_dcp`` format (see plain_checkpointing)."""
+    if non_persistent:
+        raise ValueError(
+            f"not supported yet: non-persistent checkpoints with --ckpt-format {args.ckpt_format} (Megatron-LM "
+            "writes them in the torch_dist format); use --ckpt-format torch_dist"
+        )
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training.utils import print_rank_last
+
+    print_rank_last(f"saving checkpoint at iteration {iteration:7d} to {args.save} in {args.ckpt_format} format")
+    rng_state = None if args.no_save_rng else get_rng_state(args.ckpt_format, *groups)
+    rerun_state = get_rerun_state_machine().state_dict(data_iterator, args.ckpt_format)
+    state_dict = generate_state_dict(
+        args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration, rerun_state=rerun_state
+    )
+    state_dict["num_floating_point_operations_so_far"] = flops
+    save_plain_checkpoint(args, state_dict, iteration, release, optimizer, groups[3])
+    print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save}")
+
+
+# The torch_dist load builds its template with every part, as sharded state, whatever this run saves.
+_SHARDED_LOAD_TEMPLATE = {"no_save_optim": False, "no_save_rng": False, "ckpt_format": "torch_dist"}
+
+
 def load_checkpoint(
     ddp_model,
     optimizer,
@@ -522,22 +546,20 @@ def load_checkpoint(
     from megatron.core.num_microbatches_calculator import update_num_microbatches
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training.global_vars import get_args
-    from megatron.training.utils import is_rank0, print_rank_0
+    from megatron.training.utils import print_rank_0
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
     load_dir = getattr(args, load_arg)
-    finetune = args.finetune
-    if load_dir is not None and is_rank0():  # one rank lists the directory: it may hold thousands of files
-        for line in describe_incomplete_checkpoints(load_dir):
-            print(line, flush=True)
-    found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
-    if found is None and args.pretrained_checkpoint is not None:
-        found = find_checkpoint_to_load(args.pretrained_checkpoint)
-        finetune = True
+    found, finetune = _find_checkpoint(args, load_dir)
     if found is None:
         return _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir)
     checkpoint_dir, iteration, release = found
+    ckpt_format = format_to_load(args, checkpoint_dir)
+    if ckpt_format in PLAIN_FORMATS:
+        groups = (tp_group, pp_group, dp_cp_group, dp_group)
+        options = dict(finetune=finetune, strict=strict, skip_load_to_model_and_opt=skip_load_to_model_and_opt)
+        return _load_plain(ckpt_format, args, ddp_model, optimizer, opt_param_scheduler, found, groups, **options)
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     set_checkpoint_version(common.get("checkpoint_version", 0))
     fix_query_key_value_ordering(ddp_model, get_checkpoint_version())
@@ -568,7 +590,7 @@ def load_checkpoint(
         else None
     )
     # What to load is decided above, whatever the --no-save-* flags say.
-    template_args = argparse.Namespace(**{**vars(args), "no_save_optim": False, "no_save_rng": False})
+    template_args = argparse.Namespace(**{**vars(args), **_SHARDED_LOAD_TEMPLATE})
     sharded = generate_state_dict(
         template_args,
         ddp_model,
@@ -598,7 +620,7 @@ def load_checkpoint(
     if load_rerun_state:
         get_rerun_state_machine().load_state_dict(state_dict["rerun_state_machine"])
     if load_rng:
-        _restore_rng_state(state_dict["rng_state"], dp_group)
+        restore_rng_state(state_dict["rng_state"], dp_group)
     if finetune or release:
         iteration = 0
     elif saved_args is not None:
@@ -612,6 +634,61 @@ def load_checkpoint(
         f"p {parallel_state.get_pipeline_model_parallel_rank()} ] at iteration {iteration}"
     )
     return iteration, common.get("num_floating_point_operations_so_far", 0) if not finetune else 0
+
+
+def _find_checkpoint(args, load_dir):
+    """(the checkpoint to load as find_checkpoint_to_load gives it, or None; whether it is a fine-tuning start):
+    --load's, else --pretrained-checkpoint's (loaded as with --finetune)."""
+    from megatron.training.utils import is_rank0
+
+    if load_dir is not None and is_rank0():  # one rank lists the directory: it may hold thousands of files
+        for line in describe_incomplete_checkpoints(load_dir):
+            print(line, flush=True)
+    found = find_checkpoint_to_load(load_dir, args.ckpt_step) if load_dir is not None else None
+    if found is None and args.pretrained_checkpoint is not None:
+        return find_checkpoint_to_load(args.pretrained_checkpoint), True
+    return found, args.finetune
+
+
+def _load_plain(ckpt_format, args, ddp_model, optimizer, opt_param_scheduler, found, groups, **options):
+    """load_checkpoint for a ``torch`` or ``torch_dcp`` checkpoint (see plain_checkpointing)."""
+    import torch.distributed as dist
+
+    from megatron.training.utils import print_rank_0
+
+    checkpoint_dir, iteration, release = found
+    print_rank_0(f" loading {ckpt_format} checkpoint from {checkpoint_dir} at iteration {iteration}")
+    state_dict = read_plain_checkpoint(
+        ckpt_format,
+        args,
+        checkpoint_dir,
+        iteration,
+        release,
+        ddp_model,
+        optimizer,
+        opt_param_scheduler,
+        get_rng_state(ckpt_format, *groups),
+        options["finetune"],
+    )
+    set_checkpoint_version(state_dict.get("checkpoint_version", 0))
+    fix_query_key_value_ordering(ddp_model, get_checkpoint_version())
+    iteration, flops = apply_plain_checkpoint(
+        ckpt_format,
+        state_dict,
+        args,
+        ddp_model,
+        optimizer,
+        opt_param_scheduler,
+        checkpoint_dir=checkpoint_dir,
+        iteration=iteration,
+        release=release,
+        dp_group=groups[3],
+        **options,
+    )
+    set_loaded_iteration(iteration)
+    dist.barrier()
+    print_rank_0(f"  successfully loaded {ckpt_format} checkpoint from {checkpoint_dir} at iteration {iteration}")
+    return iteration, flops
 
 
 def _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir):

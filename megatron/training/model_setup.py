@@ -6,6 +6,7 @@ name here (Megatron-LM's path) and runs the loop over what this module builds.
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from megatron.training import checkpointing, progress_log
 from megatron.training.argument_utils import core_ddp_config_from_args, core_optimizer_config_from_args
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args
-from megatron.training.utils import print_rank_0, unwrap_model
+from megatron.training.utils import print_rank_0, unwrap_model, update_use_dist_ckpt
 
 
 def arguments_from_container(cfg_container):
@@ -286,10 +287,28 @@ def setup_model_and_optimizer(
         args.iteration, args.num_floating_point_operations_so_far = checkpointing.load_checkpoint(
             model, optimizer, opt_param_scheduler, checkpointing_context=checkpointing_context
         )
+    if args.ckpt_convert_format is not None:
+        _convert_checkpoint_format(args, model, optimizer, opt_param_scheduler)
     progress_log.set_job_start_flops(args.num_floating_point_operations_so_far)
     for chunk in model:
         chunk.iteration = args.iteration  # DDP names the iteration in NaN reports
     return model, optimizer, opt_param_scheduler
+
+
+def _convert_checkpoint_format(args, model, optimizer, opt_param_scheduler):
+    """``--ckpt-convert-format``: save the checkpoint just loaded from --load in that format to
+    ``<--ckpt-convert-save>/<format>`` and exit (Megatron-LM's offline conversion between formats)."""
+    loaded_format = args.ckpt_format
+    args.ckpt_format = args.ckpt_convert_format
+    args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+    update_use_dist_ckpt(args)
+    checkpointing.save_checkpoint(
+        args.iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far
+    )
+    checkpointing.finalize_async_saves()
+    print_rank_0(f"> converted checkpoint: {loaded_format} -> {args.ckpt_format}.")
+    dist.barrier()
+    raise SystemExit(0)
 
 
 # ---- DDP's forward pre-hooks (the overlapped parameter all-gather) ---------------------------------------------

@@ -5,6 +5,11 @@ release checkpoint) and ``<save>/latest_checkpointed_iteration.txt`` (the tracke
 ``release``), as in Megatron-LM. A save writes ``metadata.json`` and the DCP index last, so a directory lacking them
 is the remains of an interrupted save; :func:`find_checkpoint_to_load` refuses it. Everything here is plain path
 handling: no training globals, so ``megatron.core`` (the HF conversion) and tools can use it.
+
+The same directory may instead hold Megatron-LM's other formats (:func:`checkpoint_format` tells which): ``torch``,
+one ``mp_rank_<tp>[_<pp>][_<ep>]/model_optim_rng.pt`` per model-parallel rank, complete once rank 0's file exists
+(files are renamed into place whole); ``torch_dcp``, a plain PyTorch DCP checkpoint, complete once its ``.metadata``
+exists.
 """
 
 import os
@@ -14,7 +19,7 @@ from typing import List, Optional, Tuple, Union
 
 from megatron.core.public_api import public_api
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
-from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME
+from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME, read_dcp_metadata
 
 TRACKER_FNAME = "latest_checkpointed_iteration.txt"
 
@@ -125,8 +130,49 @@ def write_tracker_atomically(checkpoints_path: Union[str, Path], iteration) -> N
         os.close(directory)
 
 
+LEGACY_RANK_DIR_PREFIX = "mp_rank_"
+LEGACY_BASENAME = "model_optim_rng.pt"
+
+
+def legacy_rank_0_file(checkpoint_dir: Union[str, Path]) -> Optional[str]:
+    """Rank 0's ``model_optim_rng.pt`` of the legacy checkpoint in ``checkpoint_dir`` (``mp_rank_00``, with or
+    without the pipeline and expert rank suffixes), or None when there is none."""
+    for rank_dir in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
+        path = os.path.join(checkpoint_dir, rank_dir, LEGACY_BASENAME)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _is_plain_dcp(checkpoint_dir: Union[str, Path]) -> bool:
+    """A ``.metadata`` without ``metadata.json`` is a ``torch_dcp`` checkpoint, or a ``torch_dist`` save that was
+    interrupted before its last file; the plain state dict of the former stores ``checkpoint_version`` as a key."""
+    if not os.path.exists(os.path.join(checkpoint_dir, DCP_METADATA_FNAME)):
+        return False
+    return "checkpoint_version" in read_dcp_metadata(Path(checkpoint_dir)).state_dict_metadata
+
+
+def checkpoint_format(checkpoint_dir: Union[str, Path]) -> Optional[str]:
+    """The format of the checkpoint in ``checkpoint_dir``: ``torch_dist`` (it has ``metadata.json``), ``torch``
+    (``mp_rank_*`` directories), ``torch_dcp`` (a plain DCP checkpoint), or None when it holds none of them (or the
+    remains of an interrupted ``torch_dist`` save)."""
+    if os.path.exists(os.path.join(checkpoint_dir, CONFIG_FNAME)):
+        return "torch_dist"
+    if os.path.isdir(checkpoint_dir) and any(n.startswith(LEGACY_RANK_DIR_PREFIX) for n in os.listdir(checkpoint_dir)):
+        return "torch"
+    if _is_plain_dcp(checkpoint_dir):
+        return "torch_dcp"
+    return None
+
+
 def _missing_completion_markers(checkpoint_dir: Union[str, Path]) -> List[str]:
-    """The files a finished save writes last (``metadata.json``, the DCP index) that ``checkpoint_dir`` lacks."""
+    """The files a finished save writes last that ``checkpoint_dir`` lacks: rank 0's file of a legacy checkpoint,
+    the ``.metadata`` of a ``torch_dcp`` one, else ``metadata.json`` and the DCP index of a ``torch_dist`` one."""
+    found = checkpoint_format(checkpoint_dir)
+    if found == "torch":
+        return [] if legacy_rank_0_file(checkpoint_dir) else [f"{LEGACY_RANK_DIR_PREFIX}00*/{LEGACY_BASENAME}"]
+    if found == "torch_dcp":
+        return []  # _is_plain_dcp found its .metadata
     markers = (CONFIG_FNAME, DCP_METADATA_FNAME)
     return [name for name in markers if not os.path.exists(os.path.join(checkpoint_dir, name))]
 
@@ -162,10 +208,15 @@ def find_checkpoint_to_load(
 
 @public_api("megatron.training.checkpointing")
 def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
-    """The directory of the distributed checkpoint of ``iteration`` when it is complete, else None (no
-    collective: any rank may ask)."""
+    """Rank 0's file of the legacy checkpoint of ``iteration``, else the directory of its distributed
+    (``torch_dist``) checkpoint when that is complete, else None (no collective: any rank may ask)."""
     checkpoint_dir = get_checkpoint_name(checkpoints_path, iteration, release, return_base_dir=True)
-    return None if _missing_completion_markers(checkpoint_dir) else checkpoint_dir
+    legacy_file = legacy_rank_0_file(checkpoint_dir)
+    if legacy_file is not None:
+        return legacy_file
+    if checkpoint_format(checkpoint_dir) != "torch_dist" or _missing_completion_markers(checkpoint_dir):
+        return None
+    return checkpoint_dir
 
 
 def incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[Tuple[int, str]]:

@@ -1,0 +1,118 @@
+"""Megatron-LM's legacy ``torch`` checkpoint format: one ``torch.save`` file per model-parallel rank.
+
+``<save>/iter_0000100/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/model_optim_rng.pt`` holds that rank's plain state
+dict (the model chunks' ``state_dict_for_save_checkpoint()``, the optimizer's ``state_dict()``, the scheduler, the
+RNG state list, the arguments, ...). The first data-parallel replica writes it (data-parallel rank 0, and
+expert-data-parallel rank 0 for expert shards). With the distributed optimizer, ``distrib_optim.pt`` beside it
+holds the parameter state gathered over the data-parallel ranks (``optimizer.save_parameter_state``).
+
+Each file is written to a temporary name and renamed into place, so a file that exists is whole. Files are read
+with the safe-globals allow-list (``safe_torch_load``), never by unrestricted unpickling. A legacy checkpoint loads
+only into the tensor / pipeline / expert layout that saved it; ``--ckpt-convert-format torch_dist`` turns it into a
+distributed checkpoint, which loads into any layout.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.checkpoint_dir import (
+    LEGACY_RANK_DIR_PREFIX,
+    get_checkpoint_name,
+    get_distributed_optimizer_checkpoint_name,
+)
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+
+
+def require_parameter_state_io(optimizer) -> None:
+    """The legacy format stores the distributed optimizer's parameter state through Megatron-LM's
+    ``save_parameter_state`` / ``load_parameter_state`` and keeps only data-parallel-independent optimizer state in
+    ``model_optim_rng.pt`` (which one rank writes for all). This project's ``DistributedOptimizer.state_dict()``
+    still returns the rank's own shard, which the other data-parallel ranks cannot load: refused here, the one
+    place to lift once that state dict is Megatron-LM's."""
+    raise CheckpointingException(
+        "not supported yet: --ckpt-format torch with --use-distributed-optimizer (the optimizer's distrib_optim.pt "
+        f"and data-parallel-independent state of {type(optimizer).__name__}); use --ckpt-format torch_dist, or save "
+        "without --use-distributed-optimizer"
+    )
+
+
+def _writes_model_file(dp_group) -> bool:
+    """One rank per (tensor, pipeline, expert) shard writes: the first replica of the dense or the expert
+    parameters (either alone misses shards when the dense and expert layouts differ)."""
+    expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
+    return dist.get_rank(dp_group) == 0 or expert_dp_rank == 0
+
+
+def _save_atomically(state, path: str) -> None:
+    temporary = f"{path}.tmp.{os.getpid()}"
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def save_legacy_checkpoint(state_dict: dict, save_dir: str, iteration: int, release: bool, optimizer, args, dp_group):
+    """Write this rank's ``model_optim_rng.pt`` (and with the distributed optimizer its ``distrib_optim.pt``, a
+    collective over the data-parallel ranks). Every rank calls it; the caller marks the checkpoint latest."""
+    checkpoint_name = get_checkpoint_name(save_dir, iteration, release)
+    if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
+        require_parameter_state_io(optimizer)
+        optimizer_file = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+        os.makedirs(os.path.dirname(optimizer_file), exist_ok=True)
+        optimizer.save_parameter_state(optimizer_file)
+    if _writes_model_file(dp_group):
+        os.makedirs(os.path.dirname(checkpoint_name), exist_ok=True)
+        _save_atomically(state_dict, checkpoint_name)
+
+
+def _check_layout(saved_args, checkpoint_dir: str) -> None:
+    """A legacy file holds one rank's shards: only the layout that saved it can use them."""
+    if saved_args is None:
+        return
+    sizes = {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+    }
+    differing = [
+        f"{name} {getattr(saved_args, name)} (this run {size})"
+        for name, size in sizes.items()
+        if getattr(saved_args, name, 1) != size
+    ]
+    if differing:
+        raise CheckpointingException(
+            f"legacy (torch) checkpoint {checkpoint_dir} was saved with {', '.join(differing)}; a legacy checkpoint "
+            "loads only into the layout that saved it. Load it with that layout and convert it with "
+            "--ckpt-convert-format torch_dist (distributed checkpoints load into any layout)"
+        )
+
+
+def load_legacy_state_dict(checkpoint_dir: str, iteration: int, release: bool) -> dict:
+    """This rank's state dict of the legacy checkpoint in ``checkpoint_dir``, read with the allow-list."""
+    checkpoint_name = get_checkpoint_name(os.path.dirname(checkpoint_dir), iteration, release)
+    if not os.path.isfile(checkpoint_name):
+        present = sorted(n for n in os.listdir(checkpoint_dir) if n.startswith(LEGACY_RANK_DIR_PREFIX))
+        raise CheckpointingException(
+            f"legacy (torch) checkpoint {checkpoint_dir} has no {checkpoint_name} for this rank (it holds "
+            f"{', '.join(present)}): it was saved with another tensor / pipeline / expert layout; load it with the "
+            "layout that saved it"
+        )
+    state_dict = safe_torch_load(checkpoint_name, f"legacy checkpoint file {checkpoint_name}")
+    if not isinstance(state_dict, dict):
+        raise CheckpointingException(
+            f"legacy checkpoint file {checkpoint_name} holds a {type(state_dict).__name__}, not a state dict"
+        )
+    _check_layout(state_dict.get("args"), checkpoint_dir)
+    return state_dict
+
+
+def load_distributed_optimizer_state(optimizer, checkpoint_dir: str, iteration: int, release: bool, args) -> None:
+    """Load ``distrib_optim.pt`` (the distributed optimizer's parameter state) beside this rank's model file."""
+    require_parameter_state_io(optimizer)
+    model_file = get_checkpoint_name(os.path.dirname(checkpoint_dir), iteration, release)
+    optimizer.load_parameter_state(
+        get_distributed_optimizer_checkpoint_name(model_file),
+        update_legacy_format=args.ckpt_convert_update_legacy_dist_opt_format,
+    )
