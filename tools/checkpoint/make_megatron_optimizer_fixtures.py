@@ -8,6 +8,10 @@ sharding types. ``expected.json`` holds the batches and the losses Megatron comp
 loss of the fixed batch after a second step taken from the saved state, so a load that restores the Adam moments
 exactly reproduces it.
 
+``--verify DIR`` goes the other way: Megatron-Core loads every ``<layout>_tp<T>_dp<D>/`` checkpoint in DIR (written
+by this project, with a ``.json`` beside it giving ``bucket_size`` and our ``loss_after_step_2``), takes the second
+step and prints whether its loss matches ours.
+
 How to regenerate (a CPU-only torch is enough; Megatron's hard-coded CUDA devices are mapped to the CPU here)::
 
     git clone https://github.com/NVIDIA/Megatron-LM /tmp/mlm && git -C /tmp/mlm checkout core_v0.19.0
@@ -81,6 +85,17 @@ def _map_cuda_to_cpu() -> None:
     from megatron.core.tensor_parallel import random
 
     random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    # Without Apex/TE, torch's Adam keeps a per-parameter 'step' tensor, which Megatron's model-space and dp_zero
+    # loaders do not provide (the step comes from the param groups): keep the current one for them.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_keeping_step(self, model_param, tensors):
+        current = self._get_main_param_and_optimizer_states(model_param)
+        set_states(self, model_param, {"step": current.get("step"), **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
 
 
 class _NoStream:
@@ -193,7 +208,66 @@ def _run(rank, world, tp, bucket_size, sharding_types, out, port):
     dist.destroy_process_group()
 
 
+def _verify(rank, world, tp, bucket_size, checkpoint, expected_loss, port):
+    """Megatron-Core loads a checkpoint of ours, steps once more and compares the loss with ours."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _map_cuda_to_cpu()
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model, optimizer = _build(tp, bucket_size)
+    # Megatron-Core's DistributedOptimizer.state_dict() without Apex/TE reads the step from the Adam state, which
+    # exists only after a step: take one (the load below overwrites weights, moments and step).
+    _train_step(model, optimizer, 1)
+    metadata = dist_checkpointing.load_content_metadata(checkpoint)
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    gpt_model = model.module.module
+    model_state = gpt_model.sharded_state_dict(metadata=metadata)
+    request = {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict({"model": model_state}, is_loading=True, metadata=metadata),
+    }
+    loaded = dist_checkpointing.load(request, checkpoint)
+    gpt_model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    # Megatron's parameter state, gathered over the data-parallel ranks, against ours at the moment we saved.
+    mine = optimizer.chained_optimizers[0].get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
+    theirs = torch.load(f"{checkpoint}.world.pt", weights_only=False)[parallel_state.get_tensor_model_parallel_rank()]
+    worst = max(
+        (mine[index][dtype][name] - theirs[index][dtype][name]).abs().max().item()
+        for index in range(len(optimizer.chained_optimizers[0].buffers))
+        for dtype in mine[index]
+        for name in ("param", "exp_avg", "exp_avg_sq")
+    )
+    _train_step(model, optimizer, 2)
+    with torch.no_grad():
+        loss = _loss(model, 3).item()
+    verdict = "OK" if worst == 0.0 else "MISMATCH"
+    print(
+        f"{verdict} {os.path.basename(checkpoint)} rank {rank}: largest difference of the loaded fp32 params, exp_avg "
+        f"and exp_avg_sq {worst:.3g}; loss after one more step: Megatron {loss:.6f}, ours {expected_loss:.6f}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+def verify(directory: str) -> None:
+    names = sorted(name[: -len(".json")] for name in os.listdir(directory) if name.endswith(".json"))
+    for port, name in enumerate(names, start=29581):
+        with open(os.path.join(directory, f"{name}.json")) as file:
+            expected = json.load(file)
+        tp, dp = (int(part) for part in name.rsplit("_tp", 1)[1].split("_dp"))
+        args = (tp * dp, tp, expected["bucket_size"], os.path.join(directory, name), expected["loss_after_step_2"])
+        if not os.path.exists(os.path.join(directory, f"{name}.world.pt")):
+            continue
+        mp.spawn(_verify, args=(*args, port), nprocs=tp * dp)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--verify":
+        verify(sys.argv[2])
+        sys.exit(0)
     out_dir = sys.argv[1]
     for port, (tp, dp, bucket_size, types) in enumerate(RUNS, start=29561):
         mp.spawn(_run, args=(tp * dp, tp, bucket_size, types, out_dir, port), nprocs=tp * dp)
