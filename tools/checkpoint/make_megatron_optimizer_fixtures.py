@@ -233,7 +233,7 @@ def _verify(rank, world, tp, bucket_size, checkpoint, expected_loss, port):
     optimizer.load_state_dict(loaded["optimizer"])
     # Megatron's parameter state, gathered over the data-parallel ranks, against ours at the moment we saved.
     mine = optimizer.chained_optimizers[0].get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
-    theirs = torch.load(f"{checkpoint}.world.pt", weights_only=False)[parallel_state.get_tensor_model_parallel_rank()]
+    theirs = torch.load(f"{checkpoint}.world.pt", weights_only=True)[parallel_state.get_tensor_model_parallel_rank()]
     worst = max(
         (mine[index][dtype][name] - theirs[index][dtype][name]).abs().max().item()
         for index in range(len(optimizer.chained_optimizers[0].buffers))

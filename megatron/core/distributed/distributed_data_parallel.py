@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_layout import FullParamLayout
 from megatron.core.distributed.param_and_grad_buffer import (
     _ParamAndGradBuffer,
     group_params_for_buffers,
@@ -51,8 +52,8 @@ class DistributedDataParallel(MegatronModule):
         disable_bucketing: put all parameters of a dtype in one bucket, and all buckets in one group (no overlap
             with backward).
         pg_collection: explicit groups (``dp_cp`` and ``expt_dp`` are used); default the parallel_state groups.
-        full_param_layout: a layout of every parameter precomputed by the optimizer (not supported yet: must be
-            None; the buffers lay themselves out).
+        full_param_layout: every buffer's layout, precomputed (``DistributedOptimizer.compute_full_param_layout``,
+            a ``FullParamLayout``); None: the buffers compute the same layout themselves.
     """
 
     # megatron.core.utils.unwrap_model strips classes that carry this marker.
@@ -65,13 +66,8 @@ class DistributedDataParallel(MegatronModule):
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection: Optional[ProcessGroupCollection] = None,
-        full_param_layout=None,
+        full_param_layout: Optional[FullParamLayout] = None,
     ):
-        if full_param_layout is not None:
-            raise ValueError(
-                "not supported yet: a precomputed parameter layout "
-                f"(full_param_layout={type(full_param_layout).__name__}); pass None"
-            )
         super().__init__(config)
         self.module = module
         self.ddp_config = ddp_config
@@ -95,6 +91,7 @@ class DistributedDataParallel(MegatronModule):
             param.grad_added_to_main_grad = False
             (dense if getattr(param, "allreduce", True) else expert).append(param)
 
+        self.full_param_layout = full_param_layout
         self.buffers = self._allocate_buffers(dense, self.dp_cp_group, dense_factor)
         self.expert_parallel_buffers = self._allocate_buffers(expert, self.expt_dp_group, expert_factor)
         self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
@@ -148,20 +145,32 @@ class DistributedDataParallel(MegatronModule):
         return 1.0 / dp_cp_size, 1.0 / dp_cp_size
 
     def _allocate_buffers(self, params: List[torch.nn.Parameter], group, scaling_factor: float):
-        """One buffer per (param dtype, grad dtype), keeping the parameters' registration order."""
-        return [
-            _ParamAndGradBuffer(
-                self.ddp_config,
-                key.param_dtype,
-                key.grad_dtype,
-                dtype_params,
-                group,
-                self.bucket_size,
-                self.param_to_name,
-                scaling_factor,
+        """One buffer per (param dtype, grad dtype), keeping the parameters' registration order, laid out as
+        ``full_param_layout`` says when one was given."""
+        buffers = []
+        for key, (dtype_params, _) in group_params_for_buffers(params, self.ddp_config.grad_reduce_in_fp32).items():
+            layout = None
+            if self.full_param_layout is not None:
+                layout = self.full_param_layout.layouts.get(key)
+                if layout is None:
+                    raise ValueError(
+                        f"full_param_layout has no layout for the buffer {key}; compute it with "
+                        "DistributedOptimizer.compute_full_param_layout over this module's parameters"
+                    )
+            buffers.append(
+                _ParamAndGradBuffer(
+                    self.ddp_config,
+                    key.param_dtype,
+                    key.grad_dtype,
+                    dtype_params,
+                    group,
+                    self.bucket_size,
+                    self.param_to_name,
+                    scaling_factor,
+                    param_layout=layout,
+                )
             )
-            for key, (dtype_params, _) in group_params_for_buffers(params, self.ddp_config.grad_reduce_in_fp32).items()
-        ]
+        return buffers
 
     # ---- hooks -----------------------------------------------------------------------------------------------
 

@@ -10,27 +10,28 @@ A :class:`_ParamAndGradBucketGroup` is the unit of communication: when the last 
 asynchronously; ``finish_grad_sync`` waits. With the distributed optimizer it also all-gathers the updated
 parameters, optionally one bucket group ahead of the forward pass (``overlap_param_gather``).
 
-Bucket layout rules (the distributed optimizer relies on them): with ``use_distributed_optimizer`` each parameter
-starts at a multiple of 64 elements and each bucket is padded to a multiple of lcm(DP size, 128) elements, so every
-DP rank owns an equal contiguous shard of every bucket; a tied embedding weight gets a bucket of its own so that its
-shards line up on the first and last pipeline stage.
+The layout (where each parameter and bucket lives, with the distributed optimizer's padding rules) is computed in
+``param_layout.py``, or given precomputed (``DistributedOptimizer.compute_full_param_layout``).
 """
 
 import logging
-import math
 from enum import Enum
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 
-logger = logging.getLogger(__name__)
+# BufferKey and group_params_for_buffers are re-exported: Megatron-Core has them in this module.
+from megatron.core.distributed.param_layout import (  # noqa: F401
+    BufferKey,
+    PerBufferParamLayout,
+    compute_per_buffer_param_layout,
+    group_params_for_buffers,
+)
 
-PARAM_START_ALIGNMENT = 64
-BUCKET_ALIGNMENT = 128
-HIGH_BUSBW_BUCKET_ALIGNMENT = 2**16
+logger = logging.getLogger(__name__)
 
 # torch >= 2.11 names the single-tensor collectives *_single; older releases only have *_tensor.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,29 +43,6 @@ class BufferType(Enum):
 
     PARAM = 1
     GRAD = 2
-
-
-class BufferKey(NamedTuple):
-    """What separates buffers: parameters of one dtype whose gradients are kept in one dtype share a buffer."""
-
-    param_dtype: torch.dtype
-    grad_dtype: torch.dtype
-
-
-def group_params_for_buffers(
-    params: List[torch.nn.Parameter], grad_reduce_in_fp32: bool
-) -> Dict["BufferKey", Tuple[List[torch.nn.Parameter], List[int]]]:
-    """Split ``params`` by buffer: ``{BufferKey: (params, their indices in the input)}``, in input order.
-
-    A parameter's gradient dtype is fp32 with ``grad_reduce_in_fp32``, else the parameter's own dtype.
-    """
-    groups: Dict[BufferKey, Tuple[List[torch.nn.Parameter], List[int]]] = {}
-    for index, param in enumerate(params):
-        key = BufferKey(param.dtype, torch.float32 if grad_reduce_in_fp32 else param.dtype)
-        members, indices = groups.setdefault(key, ([], []))
-        members.append(param)
-        indices.append(index)
-    return groups
 
 
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
@@ -272,6 +250,7 @@ class _ParamAndGradBuffer:
         bucket_size: Optional[int],
         param_to_name: Dict[torch.nn.Parameter, str],
         gradient_scaling_factor: float,
+        param_layout: Optional[PerBufferParamLayout] = None,
     ):
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
@@ -282,7 +261,16 @@ class _ParamAndGradBuffer:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
 
-        bucket_ranges = self._lay_out(bucket_size)
+        if param_layout is None:
+            dp_size = self.data_parallel_world_size
+            param_layout = compute_per_buffer_param_layout(params, bucket_size, dp_size, ddp_config)
+        _check_layout(param_layout, params, self.data_parallel_world_size, ddp_config)
+        self.param_index_map = param_layout.param_index_map
+        self.bucket_indices = param_layout.bucket_indices
+        self.num_optimizer_shards = param_layout.num_optimizer_shards
+        self.numel = self.bucket_indices[-1][1]
+        # As in Megatron: up to each bucket's last parameter, alignment padding between parameters included.
+        self.numel_unpadded = sum(param_layout.per_bucket_numel_unpadded)
         device = params[0].device
         # Zeroed because main_grad views are accumulated into with add_ from the first micro-batch on.
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
@@ -290,57 +278,15 @@ class _ParamAndGradBuffer:
         if ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
         self._attach_params()
-        self.buckets = [self._make_bucket(i, *bucket_range) for i, bucket_range in enumerate(bucket_ranges)]
+        bucket_params = [[] for _ in self.bucket_indices]
+        for param, (_, _, bucket_id) in self.param_index_map.items():
+            bucket_params[bucket_id].append(param)
+        unpadded_sizes = param_layout.per_bucket_numel_unpadded
+        self.buckets = [
+            self._make_bucket(i, start, end, start + unpadded, bucket_params[i])
+            for i, ((start, end), unpadded) in enumerate(zip(self.bucket_indices, unpadded_sizes))
+        ]
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
-
-    def _pad_param_start(self, index: int) -> int:
-        if self.ddp_config.use_distributed_optimizer:
-            return _round_up(index, PARAM_START_ALIGNMENT)
-        return index
-
-    def _pad_bucket_end(self, index: int) -> int:
-        if not self.ddp_config.use_distributed_optimizer:
-            return index
-        # A multiple of the DP size lets shard_buffer cut the bucket into equal per-rank shards.
-        alignment = math.lcm(self.data_parallel_world_size, BUCKET_ALIGNMENT)
-        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
-            alignment = math.lcm(alignment, HIGH_BUSBW_BUCKET_ALIGNMENT)
-        return _round_up(index, alignment)
-
-    def _needs_own_bucket(self, param: torch.nn.Parameter) -> bool:
-        return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
-
-    def _lay_out(self, bucket_size: Optional[int]) -> List[tuple]:
-        """Give every parameter its [start, end) in the buffer; return (start, end, unpadded end, params) per
-        bucket."""
-        self.param_index_map: Dict[torch.nn.Parameter, tuple] = {}
-        buckets = []
-        bucket_start, index, bucket_params = 0, 0, []
-
-        def close_bucket():
-            nonlocal bucket_start, index, bucket_params
-            end = self._pad_bucket_end(index)
-            buckets.append((bucket_start, end, index, bucket_params))
-            bucket_start, index, bucket_params = end, end, []
-
-        # Reverse registration order approximates the order backward produces gradients, so the first
-        # buckets fill (and can launch their reduction) first.
-        for param in reversed(self.params):
-            # The tied embedding must start a fresh bucket so its shard boundaries match on both stages.
-            if self._needs_own_bucket(param) and bucket_params:
-                close_bucket()
-            start = self._pad_param_start(index)
-            index = start + param.numel()
-            self.param_index_map[param] = (start, index, len(buckets))
-            bucket_params.append(param)
-            if self._needs_own_bucket(param) or (bucket_size is not None and index - bucket_start >= bucket_size):
-                close_bucket()
-        if bucket_params:
-            close_bucket()
-        # close_bucket advanced bucket_start to the padded end, so this includes every bucket's padding.
-        self.numel = bucket_start
-        self.numel_unpadded = sum(p.numel() for p in self.params)
-        return buckets
 
     def _get(self, shape: torch.Size, start_index: int, buffer_type: BufferType) -> torch.Tensor:
         """A view of ``shape`` starting at ``start_index`` in the parameter or the gradient buffer."""
@@ -401,8 +347,18 @@ class _ParamAndGradBuffer:
         self.grad_data.zero_()
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+def _check_layout(layout: PerBufferParamLayout, params, data_parallel_world_size: int, ddp_config) -> None:
+    """A given layout must place exactly this buffer's parameters, padded for this data-parallel size."""
+    if set(layout.param_index_map) != set(params):
+        raise ValueError(
+            "the parameter layout does not place exactly this buffer's parameters; compute it with "
+            "DistributedOptimizer.compute_full_param_layout over the module's parameters"
+        )
+    if ddp_config.use_distributed_optimizer and layout.num_optimizer_shards != data_parallel_world_size:
+        raise ValueError(
+            f"the parameter layout was padded for {layout.num_optimizer_shards} optimizer shards but the buffer is "
+            f"reduced over {data_parallel_world_size} data-parallel ranks; compute it for this group's size"
+        )
 
 
 def partition_buckets(

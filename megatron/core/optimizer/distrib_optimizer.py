@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     saved_step_and_param_groups,
 )
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from megatron.core.distributed.param_layout import FullParamLayout, compute_full_param_layout
 from megatron.core.optimizer import distrib_optimizer_layouts as layouts
 from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS, SHARDING_TYPES, bucket_pieces
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -206,6 +207,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     load_parameter_state_from_dp_zero = layouts.load_parameter_state_from_dp_zero
     save_parameter_state = layouts.save_parameter_state
     load_parameter_state = layouts.load_parameter_state
+
+    @staticmethod
+    def compute_full_param_layout(
+        params: List[torch.nn.Parameter],
+        bucket_size: Optional[int],
+        data_parallel_world_size: int,
+        ddp_config,
+        expert_data_parallel_world_size: Optional[int] = None,
+    ) -> "FullParamLayout":
+        """Every DDP buffer's layout, with this optimizer's padding rules (see ``distributed/param_layout.py``):
+        pass it to DistributedDataParallel as ``full_param_layout``."""
+        return compute_full_param_layout(
+            params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
+        )
 
     def _entries(self):
         return (entry for entries in self.shard_groups for entry in entries)

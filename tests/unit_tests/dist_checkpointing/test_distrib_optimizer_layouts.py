@@ -153,3 +153,35 @@ def test_megatron_written_optimizer_state_loads_exactly(name, tp, bucket_size):
         assert result["worst"] <= (0.0 if bucket_size is None else 1e-8)
         assert result["step"] == 1
         assert result["loss"] == pytest.approx(expected["loss_after_step_2"], abs=2e-3)
+
+
+def _layouts():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _, model, optimizer, _ = build(1, 500)
+    prefix = "optimizer.distributed.dp_group_idx_0."
+    request = {
+        name: ShardedObject(prefix + name, None, (1,), (0,))
+        for name in ("per_bucket_numel", "per_bucket_numel_unpadded")
+    }
+    megatron = dist_checkpointing.load(request, FIXTURES / "dp_reshardable_tp1_dp2", validate_access_integrity=False)
+    params = [param for param in model.module.parameters()]
+    layout = DistributedOptimizer.compute_full_param_layout(params, 500, 2, model.ddp_config)
+    ((key, computed),) = layout.layouts.items()
+    buffer = model.buffers[0]
+    return {
+        "ours": (optimizer.per_bucket_numel, optimizer.per_bucket_numel_unpadded),
+        "megatron": (megatron["per_bucket_numel"], megatron["per_bucket_numel_unpadded"]),
+        "precomputed_equals_ddp": computed.param_index_map == buffer.param_index_map
+        and computed.bucket_indices == buffer.bucket_indices,
+        "key": key,
+    }
+
+
+def test_bucket_layout_agrees_with_megatron():
+    """Our DDP buckets, and compute_full_param_layout's, are the ones Megatron-Core 0.19 recorded in its checkpoint."""
+    for result in run_distributed(2, _layouts):
+        assert result["ours"] == result["megatron"]
+        assert result["precomputed_equals_ddp"]
+        assert result["key"] == (torch.bfloat16, torch.float32, False)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer.param_layout import FullParamLayout
 from megatron.core.distributed.param_and_grad_buffer import (
     BufferKey,
     BufferType,
@@ -170,6 +171,17 @@ def test_partition_buckets_refuses_fp32_accumulation():
         partition_buckets([], reduce_scatter_with_fp32_accumulation=True)
 
 
-def test_full_param_layout_is_refused_before_any_collective():
-    with pytest.raises(ValueError, match=r"not supported yet: a precomputed parameter layout \(full_param_layout="):
-        DistributedDataParallel(model_config(), DistributedDataParallelConfig(), TinyLM(), full_param_layout=object())
+def _layout_missing_a_buffer():
+    Utils.initialize_model_parallel()
+    try:
+        DistributedDataParallel(
+            model_config(), DistributedDataParallelConfig(), TinyLM(), full_param_layout=FullParamLayout()
+        )
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_full_param_layout_missing_a_buffer_is_refused_before_any_collective():
+    (message,) = run_distributed(1, _layout_missing_a_buffer)
+    assert "full_param_layout has no layout for the buffer BufferKey(param_dtype=" in message
+    assert "DistributedOptimizer.compute_full_param_layout" in message
