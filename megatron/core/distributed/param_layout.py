@@ -82,6 +82,7 @@ def pad_bucket_end(bucket_end_index: int, data_parallel_world_size: int, pad_for
     return pad_to_divisor(bucket_end_index, bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw))
 
 
+@public_api("megatron.core.distributed.param_and_grad_buffer")
 def group_params_for_buffers(
     params: List[torch.nn.Parameter], grad_reduce_in_fp32: bool
 ) -> Dict[BufferKey, Tuple[List[torch.nn.Parameter], List[int]]]:
