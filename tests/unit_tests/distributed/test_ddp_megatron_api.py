@@ -1,6 +1,9 @@
 """DDP API that Megatron-Core 0.19 adds: force_all_reduce, force_dispatch / reset of parameter gathers, gradient
 buffer offload, buffer grouping and bucket-group partitioning, refused options."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,3 +188,33 @@ def test_a_full_param_layout_missing_a_buffer_is_refused_before_any_collective()
     (message,) = run_distributed(1, _layout_missing_a_buffer)
     assert "full_param_layout has no layout for the buffer BufferKey(param_dtype=" in message
     assert "DistributedOptimizer.compute_full_param_layout" in message
+
+
+def _moe_param_order():
+    Utils.initialize_model_parallel()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    options = dict(normalization="RMSNorm", qk_layernorm=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        num_moe_experts=2,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        **options,
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2, **options), 16, 8)
+    return [name for name, _ in model.named_parameters()]
+
+
+def test_moe_parameters_register_in_megatrons_order():
+    """Registration order is DDP's buffer order, which the distributed optimizer's bucket-space checkpoints depend
+    on. The golden list is Megatron-Core 0.19's own GPTModel with the same config (one-off, by printing
+    named_parameters() of Megatron's model built like this one)."""
+    golden = json.loads((Path(__file__).parent / "megatron_0_19_moe_param_order.json").read_text())
+    assert run_distributed(1, _moe_param_order)[0] == golden
