@@ -3,8 +3,11 @@
 ``<save>/iter_0000100/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/model_optim_rng.pt`` holds that rank's plain state
 dict (the model chunks' ``state_dict_for_save_checkpoint()``, the optimizer's ``state_dict()``, the scheduler, the
 RNG state list, the arguments, ...). The first data-parallel replica writes it (data-parallel rank 0, and
-expert-data-parallel rank 0 for expert shards). With the distributed optimizer, ``distrib_optim.pt`` beside it
-holds the parameter state gathered over the data-parallel ranks (``optimizer.save_parameter_state``).
+expert-data-parallel rank 0 for expert shards). With the distributed optimizer, the optimizer's ``state_dict()``
+there holds only what every data-parallel rank shares (param groups with the step, the loss scaler), and
+``distrib_optim.pt`` beside it the parameter state (fp32 main parameters, Adam's moments) gathered over the
+data-parallel ranks into padding-free tensors (``optimizer.save_parameter_state``); so, as in Megatron-LM, such a
+checkpoint also loads at another data-parallel size.
 
 Each file is written to a temporary name and renamed into place, so a file that exists is whole. Files are read
 with the safe-globals allow-list (``safe_torch_load``), never by unrestricted unpickling. A legacy checkpoint loads
@@ -27,19 +30,6 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 
 
-def require_parameter_state_io(optimizer) -> None:
-    """The legacy format stores the distributed optimizer's parameter state through Megatron-LM's
-    ``save_parameter_state`` / ``load_parameter_state`` and keeps only data-parallel-independent optimizer state in
-    ``model_optim_rng.pt`` (which one rank writes for all). This project's ``DistributedOptimizer.state_dict()``
-    still returns the rank's own shard, which the other data-parallel ranks cannot load: refused here, the one
-    place to lift once that state dict is Megatron-LM's."""
-    raise CheckpointingException(
-        "not supported yet: --ckpt-format torch with --use-distributed-optimizer (the optimizer's distrib_optim.pt "
-        f"and data-parallel-independent state of {type(optimizer).__name__}); use --ckpt-format torch_dist, or save "
-        "without --use-distributed-optimizer"
-    )
-
-
 def _writes_model_file(dp_group) -> bool:
     """One rank per (tensor, pipeline, expert) shard writes: the first replica of the dense or the expert
     parameters (either alone misses shards when the dense and expert layouts differ)."""
@@ -58,10 +48,12 @@ def save_legacy_checkpoint(state_dict: dict, save_dir: str, iteration: int, rele
     collective over the data-parallel ranks). Every rank calls it; the caller marks the checkpoint latest."""
     checkpoint_name = get_checkpoint_name(save_dir, iteration, release)
     if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
-        require_parameter_state_io(optimizer)
         optimizer_file = get_distributed_optimizer_checkpoint_name(checkpoint_name)
         os.makedirs(os.path.dirname(optimizer_file), exist_ok=True)
-        optimizer.save_parameter_state(optimizer_file)
+        temporary = f"{optimizer_file}.tmp.{os.getpid()}"
+        optimizer.save_parameter_state(temporary)  # written by the data-parallel rank 0 ranks only
+        if os.path.exists(temporary):
+            os.replace(temporary, optimizer_file)
     if _writes_model_file(dp_group):
         os.makedirs(os.path.dirname(checkpoint_name), exist_ok=True)
         _save_atomically(state_dict, checkpoint_name)
@@ -109,8 +101,8 @@ def load_legacy_state_dict(checkpoint_dir: str, iteration: int, release: bool) -
 
 
 def load_distributed_optimizer_state(optimizer, checkpoint_dir: str, iteration: int, release: bool, args) -> None:
-    """Load ``distrib_optim.pt`` (the distributed optimizer's parameter state) beside this rank's model file."""
-    require_parameter_state_io(optimizer)
+    """Load ``distrib_optim.pt`` (the distributed optimizer's parameter state) beside this rank's model file, after
+    the optimizer's ``load_state_dict`` (a collective over the data-parallel ranks)."""
     model_file = get_checkpoint_name(os.path.dirname(checkpoint_dir), iteration, release)
     optimizer.load_parameter_state(
         get_distributed_optimizer_checkpoint_name(model_file),

@@ -26,7 +26,6 @@ from megatron.training.dcp_checkpointing import load_dcp_checkpoint, save_dcp_ch
 from megatron.training.legacy_checkpointing import (
     load_distributed_optimizer_state,
     load_legacy_state_dict,
-    require_parameter_state_io,
     save_legacy_checkpoint,
 )
 
@@ -183,8 +182,6 @@ def apply_plain_checkpoint(
     if _loads_optimizer(args, finetune, release) and "optimizer" in state_dict:
         legacy_distributed = ckpt_format == "torch" and args.use_distributed_optimizer
         if not skip_load_to_model_and_opt:
-            if legacy_distributed:
-                require_parameter_state_io(optimizer)
             optimizer.load_state_dict(state_dict["optimizer"])
             if legacy_distributed:
                 load_distributed_optimizer_state(optimizer, checkpoint_dir, iteration, release, args)

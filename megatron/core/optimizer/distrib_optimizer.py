@@ -9,7 +9,10 @@ model's parameter buffer, and DDP all-gathers the buffers so every rank has the 
 Bytes per parameter on each rank (bf16 params, fp32 gradient buffer, Adam): 2 (param) + 4 (grad) + 12/d (fp32
 main param, exp_avg, exp_avg_sq) = 6 + 12/d, against 18 without sharding.
 
-``state_dict()`` holds this rank's shard only: it reloads into the same data-parallel layout.
+As in Megatron, ``state_dict()`` holds only what every data-parallel rank shares (the param groups with the step,
+and the loss scaler); the parameter state (fp32 main shards, Adam's moments) is saved apart from it, gathered into
+data-parallel-independent tensors (``save_parameter_state`` / ``get_parameter_state_dp_zero``) or as sharded state
+(``sharded_state_dict``).
 """
 
 from collections import defaultdict
@@ -280,37 +283,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     main_param.copy_(model_param.detach().view(-1)[shard.param_start : shard.param_end])
 
     def state_dict(self):
-        """This rank's shard: the torch optimizer state, the fp32 main shards of bf16/fp16 parameters, the scaler."""
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "shard_fp32_from_float16_groups": [
-                [entry.main_param.detach() for entry in entries if entry.owns_main] for entries in self.shard_groups
-            ],
-        }
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        """Megatron's: the data-parallel-independent state only (see :meth:`_common_state`); the parameter state
+        goes through :meth:`save_parameter_state` or :meth:`get_parameter_state_dp_zero`."""
+        return self._common_state()
 
     def load_state_dict(self, state_dict):
+        """Load a loaded sharded state (parameter state included), or a :meth:`state_dict`: the param groups'
+        hyperparameters, the step and the loss scaler. The parameter state is left as it is, for
+        :meth:`load_parameter_state` (or :meth:`load_parameter_state_from_dp_zero`) to fill."""
         if is_sharded_state(state_dict):
             return self._load_sharded_state_dict(state_dict)
-        _require_keys(state_dict, ("optimizer", "shard_fp32_from_float16_groups"), type(self).__name__)
-        saved = state_dict["shard_fp32_from_float16_groups"]
-        mine = [[entry for entry in entries if entry.owns_main] for entries in self.shard_groups]
-        saved_shapes = [[tuple(t.shape) for t in group] for group in saved]
-        my_shapes = [[tuple(entry.main_param.shape) for entry in group] for group in mine]
-        if saved_shapes != my_shapes:
-            raise ValueError(
-                "DistributedOptimizer: the saved shards do not match this rank's shards; the checkpoint was "
-                "written with a different model, data-parallel size or bucket size"
-            )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.grad_scaler is not None and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        with torch.no_grad():
-            for group, saved_group in zip(mine, saved):
-                for entry, saved_param in zip(group, saved_group):
-                    entry.main_param.copy_(saved_param)
+        _require_keys(state_dict, ("optimizer",), type(self).__name__)
+        # The state tensors must exist for the torch optimizer to keep them and the parameter state to fill them
+        # (init_state_fn leaves existing state alone).
+        self.init_state_fn(self.optimizer, self.config)
+        self._load_common_state(state_dict)
 
     def sharded_state_dict(
         self,
@@ -411,7 +398,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.optimizer.state[entry.main_param].update(loaded)
 
     def _load_sharded_state_dict(self, state_dict: Dict) -> None:
-        step, saved_groups = saved_step_and_param_groups(state_dict)
         sharding_type = state_dict.get("param_state_sharding_type", _SHARDING_TYPE)
         load = {
             "dp_reshardable": self.load_parameter_state_from_dp_reshardable,
@@ -425,6 +411,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"known layouts: {SHARDING_TYPES}"
             )
         load(state_dict["param_state"])
+        self._load_common_state(state_dict)
+
+    def _load_common_state(self, state_dict: Dict) -> None:
+        """The saved param groups (matched by Megatron's group key), the step and the loss scaler, keeping the
+        current per-parameter state."""
+        step, saved_groups = saved_step_and_param_groups(state_dict)
         per_param_state = {
             index: dict(self.optimizer.state[entry.main_param]) for index, entry in enumerate(self._entries())
         }

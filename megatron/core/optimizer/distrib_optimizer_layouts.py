@@ -29,7 +29,9 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.exchange import gather_and_raise_errors
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
@@ -40,6 +42,7 @@ from megatron.core.distributed.param_and_grad_buffer import _all_gather_single
 MODEL_SPACE_LAYOUTS = ("fully_reshardable", "fully_sharded_model_space")
 BUCKET_SPACE_LAYOUTS = ("dp_reshardable", "dp_zero_gather_scatter")
 SHARDING_TYPES = BUCKET_SPACE_LAYOUTS + MODEL_SPACE_LAYOUTS
+_LOADING = "loading the distributed optimizer's parameter state"
 
 
 class Piece(NamedTuple):
@@ -287,8 +290,9 @@ def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=
         )
     dp_rank, dp_size = self._dp_rank_and_size()
     source = dist.get_global_rank(self.data_parallel_group, 0)
-    if dp_rank == 0:
-        _check_world_state(state_dict, self.buffers)
+    error = _world_state_error(state_dict, self.buffers) if dp_rank == 0 else None
+    # Only rank 0 sees the state: the others must stop with it rather than wait for its broadcasts.
+    gather_and_raise_errors(error, _LOADING, self.data_parallel_group)
     for index, buffer in enumerate(self.buffers):
         device = buffer.grad_data.device
         world = state_dict[index][_dtype_key(buffer)] if dp_rank == 0 else None
@@ -318,10 +322,64 @@ def save_parameter_state(self, filename: str) -> None:
 def load_parameter_state(self, filename: str, *, update_legacy_format=False) -> None:
     """Read a file written by :meth:`save_parameter_state` (data-parallel rank 0 reads it, with the safe
     loader) and give every rank its shards."""
-    state = None
+    state, error = None, None
     if self._dp_rank_and_size()[0] == 0:
-        state = safe_torch_load(filename, "distributed optimizer parameter state")
+        try:
+            state = safe_torch_load(filename, f"the distributed optimizer's parameter state {filename}")
+        except CheckpointingException as unreadable:
+            error = unreadable
+    gather_and_raise_errors(error, _LOADING, self.data_parallel_group)
     self.load_parameter_state_from_dp_zero(state, update_legacy_format=update_legacy_format)
+
+
+# ---- ChainedOptimizer's legacy parameter-state file --------------------------------------------------------------
+# ChainedOptimizer (optimizer.py) takes these two as its save_parameter_state / load_parameter_state.
+
+
+def save_chained_parameter_state(self, filename: str) -> None:
+    """One chained optimizer writes its own file (see :meth:`save_parameter_state`). Several (e.g. dense and
+    expert) write one list, as Megatron does: per distributed optimizer in chain order, its world tensors, or None
+    where this rank is not rank 0 of that optimizer's data-parallel group; a rank that is rank 0 of none writes
+    nothing."""
+    if len(self.chained_optimizers) == 1:
+        self.chained_optimizers[0].save_parameter_state(filename)
+        return
+    states = [member.get_parameter_state_dp_zero() for member in _distributed_members(self)]
+    if any(state is not None for state in states):
+        torch.save(states, filename)
+
+
+def load_chained_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+    """Read a file written by :func:`save_chained_parameter_state`: the ranks that are data-parallel rank 0 of
+    any chained distributed optimizer read it and hand each optimizer its entry to scatter. A collective over all
+    ranks."""
+    if len(self.chained_optimizers) == 1:
+        self.chained_optimizers[0].load_parameter_state(filename, update_legacy_format=update_legacy_format)
+        return
+    members = _distributed_members(self)
+    reads = [member._dp_rank_and_size()[0] == 0 for member in members]
+    states, error = [None] * len(members), None
+    if any(reads):
+        try:
+            states = safe_torch_load(filename, f"the chained optimizers' parameter state {filename}")
+        except CheckpointingException as unreadable:
+            error = unreadable
+        else:
+            if not isinstance(states, list) or len(states) != len(members):
+                held = f"a list of {len(states)}" if isinstance(states, list) else f"a {type(states).__name__}"
+                error = CheckpointingException(
+                    f"{filename} holds {held} parameter states, but this run chains {len(members)} distributed "
+                    "optimizers (e.g. dense and expert parameters); it was written for a different model"
+                )
+    # The reader may be rank 0 of one optimizer's group only: every rank stops with it.
+    gather_and_raise_errors(error, _LOADING)
+    for member, state, read in zip(members, states, reads):
+        member.load_parameter_state_from_dp_zero(state if read else None, update_legacy_format=update_legacy_format)
+
+
+def _distributed_members(chained) -> list:
+    """The chained optimizers whose parameter state is sharded over data-parallel ranks."""
+    return [member for member in chained.chained_optimizers if hasattr(member, "get_parameter_state_dp_zero")]
 
 
 def bucket_pieces(entries, buffer, dp_rank: int) -> List[List[Piece]]:
@@ -372,9 +430,10 @@ def _drop_bucket_padding(whole: torch.Tensor, buffer) -> torch.Tensor:
     return torch.cat([whole[bucket.offset : bucket.offset + bucket.numel_unpadded] for bucket in buffer.buckets])
 
 
-def _check_world_state(state_dict, buffers) -> None:
+def _world_state_error(state_dict, buffers) -> Optional[CheckpointingException]:
+    """Why ``state_dict`` (world tensors) cannot be loaded into ``buffers``, or None."""
     if not isinstance(state_dict, dict) or not state_dict.get("buckets_coalesced"):
-        raise ValueError(
+        return CheckpointingException(
             "DistributedOptimizer: the saved parameter state is not a dp_zero_gather_scatter state "
             "(no 'buckets_coalesced' world tensors); it was written by another optimizer or is corrupt"
         )
@@ -382,8 +441,9 @@ def _check_world_state(state_dict, buffers) -> None:
         numel_unpadded = sum(bucket.numel_unpadded for bucket in buffer.buckets)
         saved = state_dict.get(index, {}).get(_dtype_key(buffer), {}).get("numel_unpadded")
         if saved != numel_unpadded:
-            raise ValueError(
+            return CheckpointingException(
                 f"DistributedOptimizer: buffer {index} holds {numel_unpadded} unpadded elements in this run but "
                 f"{saved} in the checkpoint's parameter state; the dp_zero_gather_scatter layout reloads only with the "
                 "same model, tensor/pipeline layout and buckets; pass --no-load-optim to start the optimizer afresh"
             )
+    return None

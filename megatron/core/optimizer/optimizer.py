@@ -35,7 +35,11 @@ from megatron.core.optimizer.clip_grads import (
     counts_for_grad_stats,
     get_grad_norm_fp32,
 )
-from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS
+from megatron.core.optimizer.distrib_optimizer_layouts import (
+    BUCKET_SPACE_LAYOUTS,
+    load_chained_parameter_state,
+    save_chained_parameter_state,
+)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
@@ -720,6 +724,10 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def state_dict(self):
         return [opt.state_dict() for opt in self.chained_optimizers]
+
+    # The legacy distrib_optim.pt of the chained distributed optimizers (see distrib_optimizer_layouts).
+    save_parameter_state = save_chained_parameter_state
+    load_parameter_state = load_chained_parameter_state
 
     def load_state_dict(self, state_dict):
         if is_sharded_state(state_dict):  # a single chained optimizer's sharded state (see sharded_state_dict)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import (
     ChainedOptimizer,
@@ -96,18 +97,29 @@ def _state_round_trip():
         model, optimizer = build()
         train_data_parallel(model, optimizer, 2, 4, 1)
         saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+        # The distributed optimizer's state_dict() is only the data-parallel-independent part, as in Megatron: its
+        # parameter state (fp32 main shards, Adam's moments) is gathered on data-parallel rank 0 (None elsewhere).
+        saved_parameters = optimizer.get_parameter_state_dp_zero() if distributed else None
         train_data_parallel(model, optimizer, 1, 4, 1)
         model_b, optimizer_b = build()
         model_b.load_state_dict(saved_model)
         optimizer_b.load_state_dict(saved_optimizer)
+        if distributed:
+            optimizer_b.load_parameter_state_from_dp_zero(saved_parameters)
         train_data_parallel(model_b, optimizer_b, 1, 4, 1)
         pairs = zip(weights(model).values(), weights(model_b).values())
         results[name] = max((a - b).abs().max().item() for a, b in pairs)
         if distributed:
-            broken = copy.deepcopy(saved_optimizer)
-            broken["shard_fp32_from_float16_groups"][0] = broken["shard_fp32_from_float16_groups"][0][1:]
-            with pytest.raises(ValueError, match="saved shards do not match this rank's shards"):
-                optimizer_b.load_state_dict(broken)
+            assert set(saved_optimizer) == {"optimizer"} and set(saved_optimizer["optimizer"]) == {"param_groups"}
+            assert {group["step"] for group in saved_optimizer["optimizer"]["param_groups"]} == {2}
+            broken = copy.deepcopy(saved_parameters)
+            if broken is not None:  # data-parallel rank 0 holds the world tensors; the other ranks learn its error
+                broken[0][next(iter(broken[0]))]["numel_unpadded"] -= 1
+            mismatch = (
+                r"rank\(s\) 0: DistributedOptimizer: buffer 0 holds (\d+) unpadded elements in this run but (?!\1)\d+ "
+            )
+            with pytest.raises(CheckpointingException, match=mismatch + "in the checkpoint's parameter state"):
+                optimizer_b.load_parameter_state_from_dp_zero(broken)
         elif precision:
             with pytest.raises(KeyError, match=r"lacks \['fp32_from_fp16_params'\]"):
                 optimizer_b.load_state_dict({"optimizer": saved_optimizer["optimizer"]})
@@ -117,6 +129,58 @@ def _state_round_trip():
 def test_state_dict_round_trip_resumes_exactly():
     for results in run_distributed(2, _state_round_trip):
         assert results == {"fp32": 0.0, "bf16": 0.0, "bf16-distopt": 0.0}
+
+
+def _parameter_state_files(root):
+    """save_parameter_state / load_parameter_state (Megatron's legacy distrib_optim.pt) of one distributed optimizer
+    and of a chain of two (dense and expert parameters): with state_dict(), a fresh job resumes exactly."""
+    Utils.initialize_model_parallel()
+    results, errors = {}, []
+    for name, with_experts in (("single", False), ("chained", True)):
+
+        def build(seed):
+            module = TinyLM(seed=seed)
+            for param in module.layers[0].parameters() if with_experts else []:
+                param.allreduce = False  # expert parameters: a second DistributedOptimizer over the expert DP group
+            model = wrap(module, DistributedDataParallelConfig(use_distributed_optimizer=True))
+            return model, get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [model])
+
+        path = f"{root}/{name}.pt"
+        model, optimizer = build(seed=1)
+        train_data_parallel(model, optimizer, 2, 4, 1)
+        saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+        optimizer.save_parameter_state(path)
+        train_data_parallel(model, optimizer, 1, 4, 1)
+        model_b, optimizer_b = build(seed=2)
+        model_b.load_state_dict(saved_model)
+        optimizer_b.load_state_dict(saved_optimizer)
+        optimizer_b.load_parameter_state(path)
+        train_data_parallel(model_b, optimizer_b, 1, 4, 1)
+        pairs = zip(weights(model).values(), weights(model_b).values())
+        results[name] = (type(optimizer).__name__, max((a - b).abs().max().item() for a, b in pairs))
+        if dist.get_rank() == 0:
+            stored = torch.load(path, weights_only=True)
+            results[name] += (len(stored) if isinstance(stored, list) else type(stored).__name__,)
+            if with_experts:
+                torch.save(stored[:1], f"{root}/one_of_two.pt")
+        dist.barrier()
+        for bad_file in ([f"{root}/one_of_two.pt"] if with_experts else []) + [f"{root}/missing.pt"]:
+            with pytest.raises(CheckpointingException) as info:
+                optimizer_b.load_parameter_state(bad_file)
+            errors.append(str(info.value))
+    return results, errors
+
+
+def test_parameter_state_files_resume_exactly_for_one_and_chained_optimizers(tmp_path):
+    for rank, (results, errors) in enumerate(run_distributed(2, _parameter_state_files, str(tmp_path))):
+        # One file per checkpoint: a single optimizer's world tensors, or a list of them per chained optimizer.
+        expected = {"single": ("DistributedOptimizer", 0.0, "dict"), "chained": ("ChainedOptimizer", 0.0, 2)}
+        assert results == ({k: v[:2] for k, v in expected.items()} if rank else expected)
+        # Data-parallel rank 0 reads the file; every rank stops with its error instead of waiting for its broadcast.
+        assert "parameter state failed on rank(s) 0: the distributed optimizer's parameter state " in errors[0]
+        assert f"{tmp_path}/missing.pt is corrupt or truncated (FileNotFoundError" in errors[0]
+        assert f"{tmp_path}/one_of_two.pt holds a list of 1 parameter states, but this run chains 2 " in errors[1]
+        assert "the chained optimizers' parameter state " in errors[2] and "missing.pt" in errors[2]
 
 
 def _chained_and_counted():

@@ -13,7 +13,7 @@ from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.dist_checkpointing.checkpoint_dir import checkpoint_format
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.training import checkpointing, global_vars
-from megatron.training.legacy_checkpointing import load_legacy_state_dict, require_parameter_state_io
+from megatron.training.legacy_checkpointing import load_legacy_state_dict
 from megatron.training.plain_checkpointing import format_to_load
 from tests.unit_tests.test_utilities import REPO_ROOT, run_distributed
 from tests.unit_tests.training.test_arguments import parse, validated
@@ -92,6 +92,7 @@ def _resume(root, ckpt_format, layout):
     [
         ("torch", ("--tensor-model-parallel-size", 2), ["mp_rank_00", "mp_rank_01"]),
         ("torch", ("--pipeline-model-parallel-size", 2), ["mp_rank_00_000", "mp_rank_00_001"]),
+        ("torch", ("--use-distributed-optimizer",), ["mp_rank_00"]),  # data-parallel 2: one file of each kind
         ("torch_dcp", (), [".metadata", "__0_0.distcp", "__1_0.distcp"]),
     ],
 )
@@ -106,6 +107,67 @@ def test_save_and_resume_gives_the_same_next_step(tmp_path, ckpt_format, layout,
         assert state["iteration"] == 7 and state["checkpoint_version"] == 3.0
         assert {"model", "optimizer", "opt_param_scheduler", "rng_state", "args"} <= set(state)
         assert isinstance(state["rng_state"], list) and "num_floating_point_operations_so_far" in state
+    if "--use-distributed-optimizer" in layout:
+        # As in Megatron-LM: beside the model file only the data-parallel-independent optimizer state, the parameter
+        # state (fp32 main parameters, Adam's moments) in distrib_optim.pt.
+        assert sorted(os.listdir(tmp_path / "iter_0000007" / "mp_rank_00")) == [
+            "distrib_optim.pt",
+            "model_optim_rng.pt",
+        ]
+        assert set(state["optimizer"]) == {"optimizer"} and set(state["optimizer"]["optimizer"]) == {"param_groups"}
+        assert {group["step"] for group in state["optimizer"]["optimizer"]["param_groups"]} == {1}
+
+
+def _save_and_step(root, *layout):
+    """Train a step, save a legacy checkpoint at iteration 7, train another: (weights saved, the second step's loss,
+    the weights after it)."""
+    try:
+        model, optimizer, scheduler = _setup(
+            1, "--save", root, "--save-interval", 10, "--ckpt-format", "torch", *layout
+        )
+        _step(model, optimizer, scheduler)
+        checkpointing.save_checkpoint(7, model, optimizer, scheduler, 99.0)
+        saved = _weights(model)
+        return saved, _step(model, optimizer, scheduler), _weights(model)
+    finally:
+        global_vars.unset_global_variables()
+
+
+def _load_and_step(root, *layout):
+    """Resume from ``root`` in a job with another seed: (iteration, weights loaded, the distributed optimizer's
+    parameter state gathered on data-parallel rank 0, the next step's loss, the weights after it)."""
+    try:
+        model, optimizer, scheduler = _setup(2, "--load", root, *layout, world_size=torch.distributed.get_world_size())
+        loaded, parameter_state = _weights(model), optimizer.get_parameter_state_dp_zero()
+        loss = _step(model, optimizer, scheduler)
+        return global_vars.get_args().iteration, loaded, parameter_state, loss, _weights(model)
+    finally:
+        global_vars.unset_global_variables()
+
+
+def _same(first, second) -> bool:
+    return first.keys() == second.keys() and all(
+        torch.equal(torch.as_tensor(first[name]), torch.as_tensor(second[name])) for name in first
+    )
+
+
+def test_a_legacy_distributed_optimizer_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    # distrib_optim.pt holds padding-free world tensors, independent of the data-parallel size (as in Megatron-LM).
+    # The same global batch: one micro-batch per rank at size 2, two of the same batch at size 1 (without dropout,
+    # whose masks differ between those micro-batches).
+    distopt = ("--use-distributed-optimizer", "--global-batch-size", 4, "--hidden-dropout", 0, "--attention-dropout", 0)
+    (saved, expected_loss, stepped), _ = run_distributed(2, _save_and_step, str(tmp_path), *distopt)
+    iteration, loaded, parameter_state, loss, after = run_distributed(1, _load_and_step, str(tmp_path), *distopt)[0]
+    assert iteration == 7 and _same(loaded, saved)
+    # The fp32 main parameters and Adam's moments, scattered at data-parallel size 1, are those saved at size 2.
+    stored = safe_torch_load(str(tmp_path / "iter_0000007" / "mp_rank_00" / "distrib_optim.pt"), "test")
+    assert parameter_state.keys() == stored.keys() and all(
+        _same(parameter_state[index][dtypes], stored[index][dtypes])
+        for index in range(len(stored) - 1)  # the buffers, beside the 'buckets_coalesced' flag
+        for dtypes in stored[index]
+    )
+    assert sorted(stored[0][next(iter(stored[0]))]) == ["exp_avg", "exp_avg_sq", "numel_unpadded", "param"]
+    assert loss == expected_loss and _same(after, stepped)
 
 
 # ---- a legacy checkpoint written by Megatron-LM ------------------------------------------------------------------
@@ -253,11 +315,6 @@ def test_ckpt_convert_format_round_trip(tmp_path):
 def test_refused_settings(flags, world_size, match):
     with pytest.raises(ValueError, match=match):
         validated(*flags, world_size=world_size)
-
-
-def test_the_legacy_distributed_optimizer_file_needs_parameter_state_io():
-    with pytest.raises(CheckpointingException, match="not supported yet: --ckpt-format torch with --use-distrib"):
-        require_parameter_state_io(types.SimpleNamespace())
 
 
 def test_use_checkpoint_args_reads_a_legacy_checkpoint(tmp_path):
