@@ -336,7 +336,7 @@ def load_parameter_state(self, filename: str, *, update_legacy_format=False) -> 
 # ChainedOptimizer (optimizer.py) takes these two as its save_parameter_state / load_parameter_state.
 
 
-def save_chained_parameter_state(self, filename: str) -> None:
+def save_chained_parameter_state(self, filename: str):
     """One chained optimizer writes its own file (see :meth:`save_parameter_state`). Several (e.g. dense and
     expert) write one list, as Megatron does: per distributed optimizer in chain order, its world tensors, or None
     where this rank is not rank 0 of that optimizer's data-parallel group; a rank that is rank 0 of none writes
@@ -349,7 +349,7 @@ def save_chained_parameter_state(self, filename: str) -> None:
         torch.save(states, filename)
 
 
-def load_chained_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+def load_chained_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
     """Read a file written by :func:`save_chained_parameter_state`: the ranks that are data-parallel rank 0 of
     any chained distributed optimizer read it and hand each optimizer its entry to scatter. A collective over all
     ranks."""
