@@ -190,7 +190,7 @@ def _load(directory, tp, ep, etp, grouped):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sequential", "grouped"])
 def saved(request, tmp_path_factory):
-    """A checkpoint written at EP=4 (SequentialMLP or grouped-GEMM experts: their keys differ, as in Megatron)."""
+    """A checkpoint written at EP=4 (SequentialMLP or grouped-GEMM experts: the same keys, as in Megatron)."""
     directory = tmp_path_factory.mktemp("moe_ep4")
     weights, loss = run_distributed(4, _save_at_ep4, directory, request.param)[0]
     return directory, weights, loss, request.param
@@ -204,6 +204,13 @@ def test_saved_at_ep4_loads_at_other_layouts(saved, world, tp, ep, etp):
         assert any(relative_error(before[k], expected[k]) > 1e-3 for k in expected)  # built from another seed
         for name, weight in expected.items():
             assert torch.equal(after[name], weight), name
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("world,tp,ep,etp", [(2, 1, 2, 1), (2, 1, 1, 2)])
+def test_saved_at_ep4_loads_into_the_other_expert_layout(saved, world, tp, ep, etp):
+    directory, _, expected_loss, grouped = saved
+    for _, _, loss in run_distributed(world, _load, directory, tp, ep, etp, not grouped):
         assert loss == pytest.approx(expected_loss, rel=1e-5)
 
 

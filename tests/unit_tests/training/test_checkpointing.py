@@ -285,3 +285,49 @@ def test_dataloader_state_one_file_per_data_parallel_rank(tmp_path):
     assert sorted(os.listdir(directory)) == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
     state = torch.load(directory / "train_dataloader_dprank001.pt", weights_only=True)
     assert state == {"dataloader_state_dict": {"position": 1}}
+
+
+def _local_names(weights):
+    """Weights by the local spec's parameter names (the Transformer Engine layout keeps the norms in the linears)."""
+    renames = {
+        "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+        "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+    }
+    renamed = {}
+    for name, value in weights.items():
+        for fused, separate in renames.items():
+            name = name.replace(fused, separate)
+        renamed[name] = value
+    return renamed
+
+
+def _resume_in_the_other_layout(root, save_impl, load_impl):
+    from megatron.core.transformer.te_layout import TELayoutLayerNormColumnParallelLinear
+    from megatron.training.utils import unwrap_model
+
+    def te_layout(model):
+        layer = unwrap_model(model[0]).decoder.layers[0]
+        return isinstance(layer.self_attention.linear_qkv, TELayoutLayerNormColumnParallelLinear)
+
+    try:
+        model, optimizer, scheduler = _setup(root, 1, "--transformer-impl", save_impl)
+        saved_layout = te_layout(model)
+        _train_one_step(model, optimizer, scheduler)
+        saved = _local_names(_weights(model))
+        checkpointing.save_checkpoint(5, model, optimizer, scheduler, 0)
+        global_vars.unset_global_variables()
+        model, optimizer, scheduler = _setup(root, 2, "--transformer-impl", load_impl)
+        loaded_layout = te_layout(model)
+        iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")
+        weights = _local_names(_weights(model))
+        same = weights.keys() == saved.keys() and all(torch.equal(saved[n], weights[n]) for n in saved)
+        return saved_layout, loaded_layout, iteration, same
+    finally:
+        global_vars.unset_global_variables()
+
+
+@pytest.mark.parametrize("save_impl,load_impl", [("transformer_engine", "local"), ("local", "transformer_engine")])
+def test_a_training_checkpoint_resumes_in_the_other_transformer_impl(tmp_path, save_impl, load_impl):
+    results = run_distributed(2, _resume_in_the_other_layout, str(tmp_path), save_impl, load_impl)
+    te = {"transformer_engine": True, "local": False}
+    assert results == [(te[save_impl], te[load_impl], 5, True)] * 2
