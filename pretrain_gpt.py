@@ -15,7 +15,11 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.context_parallel.batch import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
@@ -31,19 +35,21 @@ from megatron.training.utils import get_batch_on_this_tp_rank
 def model_provider(
     pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None, pg_collection=None
 ) -> GPTModel:
-    """A GPTModel for this pipeline stage from the local (pure PyTorch) layer spec, or with ``--num-experts`` the
-    decoder block spec of dense and MoE layers; ``config`` (a TransformerConfig) defaults to the flags',
-    ``pg_collection`` to parallel_state's groups."""
+    """A GPTModel for this pipeline stage from the layer spec ``--transformer-impl`` names: the local (pure
+    PyTorch) spec, or ``transformer_engine``'s, built here from the same PyTorch modules in Transformer Engine's
+    checkpoint layout; with ``--num-experts`` the decoder block spec of dense and MoE layers. ``config`` (a
+    TransformerConfig) defaults to the flags', ``pg_collection`` to parallel_state's groups."""
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    if args.transformer_impl == "transformer_engine":
-        print_rank_0("WARNING: Transformer Engine specs are not available; using the local spec")
+    use_te = args.transformer_impl == "transformer_engine"
     if args.num_experts:
         # MoE: one spec per layer, dense or MoE as --moe-layer-freq says (Megatron-LM's model_provider does this).
         layer_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=args.normalization, vp_stage=vp_stage
+            config, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
         )
+    elif use_te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     return GPTModel(

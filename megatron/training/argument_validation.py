@@ -5,10 +5,10 @@ check is a small function over the argument namespace; each failure is a ``Value
 values and the fix. First come Megatron-LM's flags for what this project does not do (the tables of
 ``arguments_*_flags``): a feature not built yet is refused ("not supported yet: <feature> (--flag)"), a GPU-kernel or
 vendor-service knob is reset with one warning. Settings that cannot apply on this machine (fused kernels, the nccl
-backend without a GPU, Transformer Engine when it is not installed) are turned off with one warning too.
+backend without a GPU) are turned off with one warning too; ``--transformer-impl transformer_engine`` stays (the
+model builds Transformer Engine's checkpoint layout from PyTorch modules, and says so).
 """
 
-import importlib.util
 import math
 import os
 import re
@@ -710,9 +710,6 @@ def _turn_off_what_cannot_run_here(args) -> None:
     if args.distributed_backend == "nccl" and not cuda_available():
         args.distributed_backend = "gloo"
         notes.append("--distributed-backend nccl needs CUDA GPUs: using gloo")
-    if args.transformer_impl == "transformer_engine" and not _transformer_engine_installed():
-        args.transformer_impl = "local"
-        notes.append("--transformer-impl transformer_engine: Transformer Engine is not installed, using local")
     switched_off = []
     for dest, flag in _FUSION_SWITCHES.items():
         if getattr(args, dest):
@@ -730,10 +727,6 @@ def _turn_off_what_cannot_run_here(args) -> None:
         )
     if notes:
         warn_once("; ".join(notes))
-
-
-def _transformer_engine_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _set_run_state(args) -> None:

@@ -12,9 +12,9 @@ one ``ValueError`` that names the flags and the fix, before any process group ex
 2) with one line naming the closest known flag.
 
 Where this project differs from Megatron-LM, the flag's help says so: ``--transformer-impl`` defaults to ``local``
-(Transformer Engine is optional here), and GPU-only switches (fused kernels, ``--distributed-backend nccl`` without
-a GPU, Transformer Engine when it is not installed) are accepted and turned off with one warning when they cannot
-apply on this machine.
+(``transformer_engine`` builds the same PyTorch modules in Transformer Engine's checkpoint layout), and GPU-only
+switches (fused kernels, ``--distributed-backend nccl`` without a GPU) are accepted and turned off with one warning
+when they cannot apply on this machine.
 """
 
 import argparse

@@ -283,9 +283,10 @@ def add_transformer_engine_args(parser):
         type=str,
         default="local",
         choices=["local", "transformer_engine", "inference_optimized"],
-        help="Transformer implementation: local (pure PyTorch) or transformer_engine (NVIDIA "
-        "Transformer Engine, optional here; without it, local runs with a warning). Megatron-LM's "
-        "default is transformer_engine; this project's is local.",
+        help="Transformer implementation: local (pure PyTorch) or transformer_engine (the same PyTorch "
+        "modules in NVIDIA Transformer Engine's checkpoint layout, so Megatron-LM's Transformer Engine "
+        "checkpoints load as they are; said once). Megatron-LM's default is transformer_engine; this "
+        "project's is local.",
     )
     return parser
 

@@ -28,6 +28,10 @@ class WrappedTorchNorm:
     all-reduce them across the tensor-parallel group.
     """
 
+    # The classes built; a subclass may build subclasses of them (e.g. with extra checkpoint state).
+    _layer_norm_class = torch.nn.LayerNorm
+    _rms_norm_class = torch.nn.RMSNorm
+
     def __new__(
         cls,
         config: TransformerConfig,
@@ -41,9 +45,9 @@ class WrappedTorchNorm:
             raise ValueError("layernorm_zero_centered_gamma is not supported by the PyTorch norms; set it to False")
         normalization = normalization or config.normalization
         if normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = cls._layer_norm_class(hidden_size, eps=eps, dtype=config.params_dtype)
         elif normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = cls._rms_norm_class(hidden_size, eps=eps, dtype=config.params_dtype)
         else:
             raise ValueError(f"normalization={normalization!r} is not supported; use 'LayerNorm' or 'RMSNorm'")
         norm.to(get_current_device())

@@ -48,7 +48,9 @@ def _block_submodules(config: TransformerConfig, spec) -> TransformerBlockSubmod
         if issubclass(spec.module, TransformerBlock):
             return spec.submodules
         if issubclass(spec.module, TransformerLayer):
-            return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
+            # A layer spec may name the final norm that matches its own norms (e.g. Transformer Engine's layout).
+            final_norm = spec.metainfo.get("final_layernorm", WrappedTorchNorm)
+            return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=final_norm)
     raise TypeError(f"cannot build a TransformerBlock from {type(spec).__name__} {spec!r}")
 
 

@@ -14,7 +14,10 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories, is_main_replica
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -41,10 +44,12 @@ def build_chunks(
     bf16: bool = False,
     variant_config: Optional[dict] = None,
     model_kwargs: Optional[dict] = None,
+    transformer_engine_layout: bool = False,
 ):
     """This rank's DDP-wrapped model chunks and their optimizer (Adam) at TP=tp, PP=pp (VPP=vp), DP=the rest.
 
-    ``variant_config`` / ``model_kwargs`` replace CHECKPOINT_VARIANT / CHECKPOINT_MODEL_KWARGS.
+    ``variant_config`` / ``model_kwargs`` replace CHECKPOINT_VARIANT / CHECKPOINT_MODEL_KWARGS;
+    ``transformer_engine_layout`` builds the Transformer Engine layer spec instead of the local one.
     """
     Utils.initialize_model_parallel(tp, pp, vp)
     model_parallel_cuda_manual_seed(seed)
@@ -58,7 +63,10 @@ def build_chunks(
         "bf16": bf16,
     }
     config = build_config(tp, False, overrides)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+    if transformer_engine_layout:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed_optimizer,

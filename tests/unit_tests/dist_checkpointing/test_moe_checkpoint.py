@@ -139,10 +139,9 @@ def test_sequential_mlp_checkpoint_keys_are_megatrons():
     assert dict_keys == [k for k in state_keys if k != "output_layer._extra_state"]
 
 
-def test_grouped_gemm_checkpoint_keys_are_transformer_engines():
+def test_grouped_gemm_checkpoint_keys_are_the_sequential_ones_as_in_megatron():
     listing, _, _ = run_distributed(1, _keys, True)[0]
-    expected = [line.replace("experts.experts.", "experts.") for line in EXPECTED_SEQUENTIAL]
-    assert listing == sorted(expected), "\n".join(listing)
+    assert listing == EXPECTED_SEQUENTIAL, "\n".join(listing)
 
 
 def _tiling(tp, ep, etp):
@@ -193,7 +192,7 @@ def _load(directory, tp, ep, etp, grouped, sequence_parallel=None):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sequential", "grouped"])
 def saved(request, tmp_path_factory):
-    """A checkpoint written at EP=4 (SequentialMLP or grouped-GEMM experts: their keys differ, as in Megatron)."""
+    """A checkpoint written at EP=4 (SequentialMLP or grouped-GEMM experts: the same keys, as in Megatron)."""
     directory = tmp_path_factory.mktemp("moe_ep4")
     weights, loss = run_distributed(4, _save_at_ep4, directory, request.param)[0]
     return directory, weights, loss, request.param
@@ -217,6 +216,13 @@ def test_saved_at_ep4_loads_at_tp2_without_sequence_parallel(saved):
     for _, after, loss in run_distributed(2, _load, directory, 2, 1, 2, grouped, False):
         for name, weight in expected.items():
             assert torch.equal(after[name], weight), name
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("world,tp,ep,etp", [(2, 1, 2, 1), (2, 1, 1, 2)])
+def test_saved_at_ep4_loads_into_the_other_expert_layout(saved, world, tp, ep, etp):
+    directory, _, expected_loss, grouped = saved
+    for _, _, loss in run_distributed(world, _load, directory, tp, ep, etp, not grouped):
         assert loss == pytest.approx(expected_loss, rel=1e-5)
 
 

@@ -13,7 +13,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_inference_spec,
     get_gpt_layer_with_transformer_engine_spec,
-    get_mlp_module_spec,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -81,26 +80,21 @@ def test_model_errors():
 def test_spec_errors():
     from megatron.core.models.gpt.moe_module_specs import (
         get_inference_optimized_moe_spec,
-        get_moe_module_spec,
         get_moe_module_spec_for_backend,
     )
 
     with pytest.raises(ValueError, match=r"get_moe_module_spec_for_backend needs num_experts"):
         get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=None)
-    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine MoE specs \(use_te=True\)"):
-        get_moe_module_spec(num_experts=8)
-    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine MLP specs \(use_te=True\)"):
-        get_mlp_module_spec()
     with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):
         get_gpt_layer_local_spec(multi_latent_attention=True)
     with pytest.raises(ValueError, match=r"not supported yet: FP8 .*fp8='e4m3'"):
         get_gpt_layer_local_spec(fp8="e4m3")
     with pytest.raises(ValueError, match=r"not supported yet: Kitchen quantised layers .*use_kitchen=True"):
         get_gpt_layer_local_spec(use_kitchen=True)
-    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine layer specs"):
-        get_gpt_decoder_block_spec(build_config(1, False, {}), use_transformer_engine=True)
-    with pytest.raises(ValueError, match=r"not supported yet: Transformer Engine layer specs"):
-        get_gpt_layer_with_transformer_engine_spec()
+    with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):
+        get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)
+    with pytest.raises(ValueError, match=r"not supported yet: Kitchen quantised layers .*use_kitchen=True"):
+        get_gpt_layer_with_transformer_engine_spec(use_kitchen=True)
     with pytest.raises(ValueError, match=r"not supported yet: inference-optimized layer specs"):
         get_gpt_layer_with_inference_spec()
     with pytest.raises(ValueError, match=r"not supported yet: the inference-optimized MoE spec"):

@@ -308,6 +308,45 @@ def _load_errors(root):
         global_vars.unset_global_variables()
 
 
+def _local_names(weights):
+    """Weights by the local spec's parameter names (the Transformer Engine layout keeps the norms in the linears)."""
+    renames = {
+        "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+        "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+    }
+    renamed = {}
+    for name, value in weights.items():
+        for fused, separate in renames.items():
+            name = name.replace(fused, separate)
+        renamed[name] = value
+    return renamed
+
+
+def _resume_in_the_other_layout(root, save_impl, load_impl):
+    from megatron.core.transformer.te_layout import TELayoutLayerNormColumnParallelLinear
+    from megatron.training.utils import unwrap_model
+
+    def te_layout(model):
+        layer = unwrap_model(model[0]).decoder.layers[0]
+        return isinstance(layer.self_attention.linear_qkv, TELayoutLayerNormColumnParallelLinear)
+
+    try:
+        model, optimizer, scheduler = _setup(root, 1, "--transformer-impl", save_impl)
+        saved_layout = te_layout(model)
+        _train_one_step(model, optimizer, scheduler)
+        saved = _local_names(_weights(model))
+        checkpointing.save_checkpoint(5, model, optimizer, scheduler, 0)
+        global_vars.unset_global_variables()
+        model, optimizer, scheduler = _setup(root, 2, "--transformer-impl", load_impl)
+        loaded_layout = te_layout(model)
+        iteration, _ = checkpointing.load_checkpoint(model, optimizer, scheduler, load_arg="save")
+        weights = _local_names(_weights(model))
+        same = weights.keys() == saved.keys() and all(torch.equal(saved[n], weights[n]) for n in saved)
+        return saved_layout, loaded_layout, iteration, same
+    finally:
+        global_vars.unset_global_variables()
+
+
 def test_a_checkpoint_without_optimizer_state_needs_no_load_optim(tmp_path):
     for missing_optimizer, iteration in run_distributed(2, _load_errors, str(tmp_path)):
         assert "holds no optimizer state (it was saved with --no-save-optim); pass --no-load-optim" in (
@@ -329,3 +368,10 @@ def test_a_bucket_space_optimizer_layout_is_refused_at_another_model_parallel_la
         assert "--dist-ckpt-optim-fully-reshardable" in str(error.value) and "--no-load-optim" in str(error.value)
     for layout in ("fully_reshardable", "fully_sharded_model_space"):
         checkpointing._check_optimizer_layout(args, {"distrib_optim_sharding_type": layout}, False, "ckpt")
+
+
+@pytest.mark.parametrize("save_impl,load_impl", [("transformer_engine", "local"), ("local", "transformer_engine")])
+def test_a_training_checkpoint_resumes_in_the_other_transformer_impl(tmp_path, save_impl, load_impl):
+    results = run_distributed(2, _resume_in_the_other_layout, str(tmp_path), save_impl, load_impl)
+    te = {"transformer_engine": True, "local": False}
+    assert results == [(te[save_impl], te[load_impl], 5, True)] * 2

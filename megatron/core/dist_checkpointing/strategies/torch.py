@@ -511,6 +511,10 @@ def _whole_tensor(key: str, entry: TensorStorageMetadata) -> ShardedTensor:
 def _plan_object_read(shard: ShardedObject, metadata: Metadata, checkpoint_dir: Path, read_items: List[ReadItem]):
     name = shard.unique_key
     if not isinstance(metadata.state_dict_metadata.get(name), BytesStorageMetadata):
+        if shard.key.endswith("_extra_state"):
+            # A module's extra state (Transformer Engine's FP8 metadata, empty without FP8) that the saving model
+            # did not have, e.g. a local-spec checkpoint read by Transformer Engine's layout: nothing to restore.
+            return None
         raise CheckpointingException(
             f"ShardedObject {shard.key!r} shard {tuple(shard.global_offset)} of {tuple(shard.global_shape)} "
             f"({name!r}) is not in the checkpoint {checkpoint_dir}"

@@ -1,25 +1,32 @@
-"""Layer specs for GPT/Llama-style models built from Megatron-Core's local (pure PyTorch) modules.
+"""Layer specs for GPT/Llama-style models: the local spec (pure PyTorch modules) and the Transformer Engine spec.
 
-Mixture-of-experts layers (``num_experts``) take their MLP from :mod:`megatron.core.models.gpt.moe_module_specs`;
-``get_gpt_decoder_block_spec`` mixes dense and MoE layers by ``config.moe_layer_freq``.
+The Transformer Engine spec builds this project's PyTorch modules in Transformer Engine's checkpoint layout
+(:mod:`megatron.core.transformer.te_layout`: the norm in front of QKV / fc1 fused into the linear, ``_extra_state``
+entries), so checkpoints of Megatron's default ``--transformer-impl transformer_engine`` load as they are; it says
+so once per process. Mixture-of-experts layers (``num_experts``) take their MLP from
+:mod:`megatron.core.models.gpt.moe_module_specs`; ``get_gpt_decoder_block_spec`` mixes dense and MoE layers by
+``config.moe_layer_freq``.
 
-Megatron's spec functions for features not built here (Transformer Engine and inference-optimised layers,
-multi-latent attention, multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
+Megatron's spec functions for features not built here (inference-optimised layers, multi-latent attention,
+multi-token prediction, Kitchen / FP8 quantisation) keep Megatron's
 names and parameters and refuse those features with a "not supported yet" ``ValueError``. Parameters that only
 pick a Transformer Engine kernel for the same computation (``use_te_op_fuser``, ``use_te_activation_func``,
 ``use_grouped_gemm_for_dense_mlp``) have no effect with the local modules, as the config treats the fields of the
 same names.
 """
 
+import warnings
 from typing import List, Optional, Union
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider, TELayoutSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.te_layout import TELayoutNorm, announce_te_layout
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -29,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import MlpBuilder, TransformerLayer, TransformerLayerSubmodules
 
 _LOCAL = LocalSpecProvider()
+_TE_LAYOUT = TELayoutSpecProvider()
 LNImpl = _LOCAL.layer_norm()
 
 
@@ -48,6 +56,12 @@ def _refuse_unbuilt(multi_latent_attention=False, fp8=None, use_kitchen=False, u
         )
 
 
+def _warn_deprecated_fp8(fp8: Optional[str], function: str) -> None:
+    # Megatron's Transformer Engine specs accept and ignore `fp8` (FP8 is the config's business).
+    if fp8 is not None:
+        warnings.warn(f"The fp8 argument of {function} is deprecated and ignored; set FP8 in the config")
+
+
 def _norm_spec(normalization: Optional[str]):
     if normalization is None:
         return LNImpl
@@ -63,14 +77,16 @@ def get_mlp_module_spec_for_backend(
     use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> MlpBuilder:
     """The MLP spec with ``backend``'s linears (and activation module, if it has one): the MoE layer spec when
-    ``num_experts`` is set (grouped-GEMM experts with ``moe_grouped_gemm``), else the dense MLP. The other
-    kernel-choice parameters make no difference to the local backend's modules."""
+    ``num_experts`` is set (grouped-GEMM experts with ``moe_grouped_gemm``), else the dense MLP, whose fc1 includes
+    the pre-MLP norm when the backend fuses norms into linears. The other kernel-choice parameters make no
+    difference to this project's modules."""
     if num_experts is not None:
         return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, use_te_activation_func)
+    fused = backend.fuse_layernorm_and_linear()
     return ModuleSpec(
         module=MLP,
         submodules=MLPSubmodules(
-            linear_fc1=backend.column_parallel_linear(),
+            linear_fc1=backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear(),
             linear_fc2=backend.row_parallel_linear(),
             activation_func=backend.activation_func(),
         ),
@@ -84,10 +100,12 @@ def get_mlp_module_spec(
     fp8: Optional[str] = None,
     use_te_op_fuser: Optional[bool] = False,
 ) -> MlpBuilder:
-    """The dense (or, with ``num_experts``, MoE) MLP spec; ``use_te=False`` for the local modules (Megatron's
-    default, Transformer Engine, is not supported yet)."""
+    """The dense (or, with ``num_experts``, MoE) MLP spec: in Transformer Engine's checkpoint layout with
+    ``use_te`` (Megatron's default; the dense fc1 then holds the pre-MLP norm), else from the local modules."""
     if use_te:
-        raise _not_supported("Transformer Engine MLP specs", use_te=use_te)
+        _warn_deprecated_fp8(fp8, "get_mlp_module_spec")
+        announce_te_layout()
+        return get_mlp_module_spec_for_backend(_TE_LAYOUT, num_experts, moe_grouped_gemm, use_te_op_fuser)
     _refuse_unbuilt(fp8=fp8)
     return get_mlp_module_spec_for_backend(_LOCAL, num_experts, moe_grouped_gemm, use_te_op_fuser)
 
@@ -193,8 +211,46 @@ def get_gpt_layer_with_transformer_engine_submodules(
     mla_down_proj_fusion: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> TransformerLayerSubmodules:
-    """Transformer Engine layers are not supported yet: always a ``ValueError`` pointing at the local spec."""
-    raise _not_supported("Transformer Engine layer specs", transformer_impl="transformer_engine")
+    """The submodules of a GPT layer in Transformer Engine's checkpoint layout, from this project's modules (see
+    :mod:`megatron.core.transformer.te_layout`; said once per process): the input norm inside ``linear_qkv``, the
+    pre-MLP norm inside a dense MLP's ``linear_fc1`` or, with ``num_experts``, a separate norm in front of the MoE
+    layer (grouped-GEMM experts with ``moe_grouped_gemm``).
+
+    ``qk_layernorm`` normalises each query / key head with ``config.normalization``, ``qk_l2_norm`` with a
+    parameter-free L2 norm (it takes precedence). ``fp8`` is deprecated and ignored, as in Megatron; the
+    Transformer Engine kernel choices (``use_te_op_fuser``, ``use_te_activation_func``,
+    ``use_grouped_gemm_for_dense_mlp``) compute the same and change nothing here; multi-latent attention and
+    Kitchen layers are not supported yet.
+    """
+    _refuse_unbuilt(
+        multi_latent_attention=multi_latent_attention,
+        use_kitchen=use_kitchen,
+        use_kitchen_attention=use_kitchen_attention,
+    )
+    _warn_deprecated_fp8(fp8, "get_gpt_layer_with_transformer_engine_spec")
+    announce_te_layout()
+    if qk_l2_norm:
+        qk_norm = _TE_LAYOUT.l2_norm()
+    else:
+        qk_norm = _TE_LAYOUT.layer_norm(for_qk=True) if qk_layernorm else None
+    return TransformerLayerSubmodules(
+        self_attention=ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=_TE_LAYOUT.column_parallel_layer_norm_linear(),
+                core_attention=_TE_LAYOUT.core_attention(),
+                linear_proj=_TE_LAYOUT.row_parallel_linear(),
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+            metainfo={"fuse_input_layernorm": _TE_LAYOUT.fuse_layernorm_and_linear()},
+        ),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=_TE_LAYOUT.layer_norm() if num_experts else IdentityOp,
+        mlp=get_mlp_module_spec_for_backend(_TE_LAYOUT, num_experts, moe_grouped_gemm),
+        mlp_bda=get_bias_dropout_add,
+    )
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -212,8 +268,27 @@ def get_gpt_layer_with_transformer_engine_spec(
     mla_down_proj_fusion: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
 ) -> ModuleSpec:
-    """Transformer Engine layers are not supported yet: always a ``ValueError`` pointing at the local spec."""
-    raise _not_supported("Transformer Engine layer specs", transformer_impl="transformer_engine")
+    """A :class:`TransformerLayer` spec with :func:`get_gpt_layer_with_transformer_engine_submodules` (same
+    parameters). A block built from it alone gets the final norm in the same layout."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=get_gpt_layer_with_transformer_engine_submodules(
+            num_experts,
+            moe_grouped_gemm,
+            qk_layernorm,
+            multi_latent_attention,
+            fp8,
+            qk_l2_norm,
+            use_te_op_fuser,
+            use_kitchen,
+            use_te_activation_func,
+            use_kitchen_attention,
+            kitchen_attention_backend,
+            mla_down_proj_fusion,
+            use_grouped_gemm_for_dense_mlp,
+        ),
+        metainfo={"final_layernorm": TELayoutNorm},
+    )
 
 
 def get_gpt_layer_with_inference_submodules(
@@ -253,14 +328,16 @@ def get_gpt_decoder_layer_specs(
     ones elsewhere, all dense without ``config.num_moe_experts``. ``vp_stage`` / ``pp_rank`` do not change the
     full list."""
     if use_transformer_engine:
-        raise _not_supported("Transformer Engine layer specs", use_transformer_engine=use_transformer_engine)
-    common = dict(qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm)
-    dense_spec = get_gpt_layer_local_spec(**common)
+        # Transformer Engine's norms read config.normalization, so Megatron passes `normalization` to local specs only.
+        layer_spec = get_gpt_layer_with_transformer_engine_spec
+        common = dict(qk_layernorm=config.qk_layernorm, qk_l2_norm=qk_l2_norm)
+    else:
+        layer_spec = get_gpt_layer_local_spec
+        common = dict(qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm)
+    dense_spec = layer_spec(**common)
     if config.num_moe_experts is None:
         return [dense_spec] * config.num_layers
-    moe_spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **common
-    )
+    moe_spec = layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **common)
     return [moe_spec if is_moe else dense_spec for is_moe in moe_layer_pattern(config)]
 
 
@@ -281,13 +358,12 @@ def get_gpt_decoder_block_spec(
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
     """Block spec listing the layer specs of pipeline rank ``pp_rank``'s (this rank's when None) chunk
-    ``vp_stage``, and the final norm."""
+    ``vp_stage``, and the final norm (in Transformer Engine's layout with ``use_transformer_engine``)."""
     layer_specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=layer_specs[offset : offset + num_layers], layer_norm=_norm_spec(normalization)
-    )
+    final_norm = TELayoutNorm if use_transformer_engine else _norm_spec(normalization)
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset : offset + num_layers], layer_norm=final_norm)
 
 
 def get_gpt_mtp_block_spec_for_backend(
@@ -311,7 +387,7 @@ def get_gpt_mtp_block_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> None:
-    """:func:`get_gpt_mtp_block_spec_for_backend` with the local backend (None without MTP layers)."""
-    if use_transformer_engine and config.mtp_num_layers is not None:
-        raise _not_supported("Transformer Engine layer specs", use_transformer_engine=use_transformer_engine)
-    return get_gpt_mtp_block_spec_for_backend(config, spec, _LOCAL, vp_stage, pp_rank)
+    """:func:`get_gpt_mtp_block_spec_for_backend` with the Transformer Engine layout or local backend (None
+    without MTP layers)."""
+    backend = _TE_LAYOUT if use_transformer_engine else _LOCAL
+    return get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage, pp_rank)

@@ -1,21 +1,21 @@
 """Layer-spec pieces for mixture-of-experts MLPs: :class:`MoELayer` with its router, experts and shared experts.
 
-``moe_grouped_gemm=True`` picks :class:`TEGroupedMLP` (one grouped GEMM per projection, checkpoint keys
-``mlp.experts.linear_fc1.weight``), otherwise :class:`SequentialMLP` (one MLP per expert, keys
-``mlp.experts.experts.linear_fc1.weight``). Both are built from this project's pure-PyTorch layers; Transformer
-Engine (``use_te=True``) is not supported yet.
+``moe_grouped_gemm=True`` picks :class:`TEGroupedMLP` (one grouped GEMM per projection, parameters
+``mlp.experts.linear_fc1.weight<i>``), otherwise :class:`SequentialMLP` (one MLP per expert); both store the
+checkpoint keys ``mlp.experts.experts.linear_fc1.weight``, as Megatron does, and are built from the backend's modules
+(:meth:`BackendSpecProvider.grouped_mlp_modules`). ``use_te=True`` builds them in Transformer Engine's checkpoint
+layout (:class:`TELayoutSpecProvider`).
 """
 
 from typing import Optional
 
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider, TELayoutSpecProvider
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
-from megatron.core.transformer.moe.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.te_layout import announce_te_layout
 from megatron.core.transformer.transformer_layer import MlpBuilder
 
 
@@ -24,11 +24,11 @@ def get_moe_module_spec(
     num_experts: Optional[int] = None,
     moe_grouped_gemm: Optional[bool] = False,
 ) -> MlpBuilder:
-    """The MoE MLP spec with the local modules (``use_te=False``; Transformer Engine is not supported yet)."""
+    """The MoE MLP spec: Transformer Engine's checkpoint layout with ``use_te`` (this project's modules, see
+    :mod:`megatron.core.transformer.te_layout`), else the local modules."""
     if use_te:
-        raise ValueError(
-            "not supported yet: Transformer Engine MoE specs (use_te=True); call get_moe_module_spec(use_te=False)"
-        )
+        announce_te_layout()
+        return get_moe_module_spec_for_backend(TELayoutSpecProvider(), num_experts, moe_grouped_gemm)
     return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
@@ -48,15 +48,7 @@ def get_moe_module_spec_for_backend(
         linear_fc2=backend.row_parallel_linear(),
         activation_func=backend.activation_func(),
     )
-    if moe_grouped_gemm:
-        experts = ModuleSpec(
-            module=TEGroupedMLP,
-            submodules=GroupedMLPSubmodules(
-                linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear
-            ),
-        )
-    else:
-        experts = ModuleSpec(module=SequentialMLP, submodules=dense_linears)
+    experts = backend.grouped_mlp_modules(bool(moe_grouped_gemm))
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(

@@ -332,12 +332,8 @@ def _moe_settings_from_args(args, ffn_hidden_size: int) -> dict:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
-    if getattr(args, "moe_grouped_gemm", False):
-        raise UnsupportedHFModelError(
-            "the checkpoint's model uses moe_grouped_gemm=True, whose experts are stored as grouped linears "
-            "(mlp.experts.linear_fc1.weight); export reads the per-expert layout of --moe-grouped-gemm off "
-            "(mlp.experts.experts.linear_fc1.weight): convert the checkpoint without grouped GEMM first"
-        )
+    # Grouped-GEMM experts are stored under the per-expert keys (mlp.experts.experts.linear_fc1.weight), as in
+    # Megatron, so export reads them like those of --moe-grouped-gemm off.
     return dict(
         num_moe_experts=experts,
         moe_router_topk=getattr(args, "moe_router_topk", 2),

@@ -8,8 +8,9 @@ layer's name, so checkpoints match Megatron's:
 - attention layer: ``decoder.layers.i.self_attention.linear_qkv.layer_norm_weight``;
 - MLP layer: ``decoder.layers.i.mlp.linear_fc1.layer_norm_weight``;
 - MoE layer: ``decoder.layers.i.pre_mlp_layernorm.weight`` (Megatron's hybrid MoE layer keeps a separate norm in
-  front of the router, so the key is the module's own), experts as grouped linears (``mlp.experts.linear_fc1.weight``,
-  Megatron's hybrid spec uses grouped-GEMM experts), ``mlp.router.weight``, ``mlp.shared_experts.*``.
+  front of the router, so the key is the module's own), experts as grouped linears (Megatron's hybrid spec uses
+  grouped-GEMM experts) stored under ``mlp.experts.experts.linear_fc1.weight``, ``mlp.router.weight``,
+  ``mlp.shared_experts.*``.
 """
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add

@@ -4,7 +4,8 @@
 * :class:`SequentialMLP` keeps one :class:`MLP` per local expert (``local_experts.<i>.linear_fc1/fc2``) and runs
   them one after another.
 * :class:`TEGroupedMLP` keeps the experts' weights in two grouped linears (``linear_fc1.weight<i>``, the names of
-  Transformer Engine's grouped layers) and runs each projection as one grouped GEMM. Same weights, same results.
+  Transformer Engine's grouped layers) and runs each projection as one grouped GEMM. Same weights, same results,
+  same checkpoint keys (``mlp.experts.experts.linear_fc1.weight``).
 
 Both take the dispatcher's ``(tokens grouped by local expert, tokens_per_expert, per-token probs)`` and weigh each
 token's output by its probability. Weights are drawn per global expert index (see :func:`expert_init_stream`), so
@@ -286,8 +287,10 @@ class TEGroupedMLP(MegatronModule):
         self.linear_fc1.backward_dw()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """``{prefix}linear_fc1.weight`` / ``linear_fc2.weight`` with an expert axis at each expert's global
-        index (Transformer Engine's grouped layout), saved by expert-DP rank 0."""
+        """``{prefix}experts.linear_fc1.weight`` / ``experts.linear_fc2.weight`` with an expert axis at each
+        expert's global index, saved by expert-DP rank 0: the keys and shapes of :class:`SequentialMLP`, as Megatron's
+        TEGroupedMLP writes them, so grouped and per-expert checkpoints load into each other. Dict keys stay the
+        grouped linears' parameter names (``linear_fc1.weight0``, ...)."""
         num_global_experts = self.ep_size * self.num_local_experts
         sharded_state_dict = {}
         for name, linear in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
@@ -299,6 +302,7 @@ class TEGroupedMLP(MegatronModule):
                 num_global_experts=num_global_experts,
                 gated=self.gated and name == "linear_fc1",
             )
+            replace_prefix_for_sharding(pieces, f"{prefix}{name}.", f"{prefix}experts.{name}.")
             _set_expert_data_parallel_replica(pieces, self.expt_dp_group)
             sharded_state_dict.update(pieces)
         return sharded_state_dict

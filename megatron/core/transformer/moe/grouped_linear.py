@@ -167,7 +167,7 @@ class _GroupedLinear(torch.nn.Module):
         result = {}
         for i in range(self.num_gemms):
             offsets = (*sharded_offsets, (len(sharded_offsets), expert_offset + i, num_global_experts))
-            local = {"weight": getattr(self, f"weight{i}"), "_extra_state": None}
+            local = {"weight": getattr(self, f"weight{i}"), "_extra_state": self.get_extra_state()}
             if self.use_bias:
                 local["bias"] = getattr(self, f"bias{i}")
             pieces = make_sharded_tensors_for_checkpoint(local, prefix, axis_map, offsets, tp_group=self.tp_group)

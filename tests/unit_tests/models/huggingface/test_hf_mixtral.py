@@ -285,13 +285,9 @@ def test_moe_checkpoint_args_without_a_mixtral_equivalent_refused(changes, match
         settings_from_checkpoint_args(_moe_args(**changes))
 
 
-def test_grouped_gemm_checkpoint_refused():
-    from megatron.core.models.huggingface import UnsupportedHFModelError
+def test_a_grouped_gemm_checkpoint_exports_like_a_per_expert_one():
     from megatron.core.models.huggingface.config import settings_from_checkpoint_args
 
-    with pytest.raises(
-        UnsupportedHFModelError,
-        match=r"moe_grouped_gemm=True, whose experts are stored as grouped "
-        r"linears .* convert the checkpoint without grouped GEMM",
-    ):
-        settings_from_checkpoint_args(_moe_args(moe_grouped_gemm=True))
+    # Both expert layouts store the same checkpoint keys, so export reads either the same way.
+    grouped = settings_from_checkpoint_args(_moe_args(moe_grouped_gemm=True))
+    assert grouped == settings_from_checkpoint_args(_moe_args(moe_grouped_gemm=False))

@@ -167,8 +167,8 @@ def test_moe_layer_checkpoint_keys_and_expert_parameters():
     assert shapes == {
         "decoder.layers.2.pre_mlp_layernorm.weight": (hidden,),
         "decoder.layers.2.mlp.router.weight": (experts, hidden),
-        "decoder.layers.2.mlp.experts.linear_fc1.weight": (experts, 32, hidden),
-        "decoder.layers.2.mlp.experts.linear_fc2.weight": (experts, hidden, 32),
+        "decoder.layers.2.mlp.experts.experts.linear_fc1.weight": (experts, 32, hidden),
+        "decoder.layers.2.mlp.experts.experts.linear_fc2.weight": (experts, hidden, 32),
         "decoder.layers.2.mlp.shared_experts.linear_fc1.weight": (32, hidden),
         "decoder.layers.2.mlp.shared_experts.linear_fc2.weight": (hidden, 32),
     }, shapes
