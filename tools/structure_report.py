@@ -35,6 +35,10 @@ FLOORS = [
         "megatron.core.fusions",
         "megatron.core.extensions",
         "megatron.core.transformer.enums",
+        "megatron.core.typed_torch",
+        "megatron.core.msc_utils",
+        "megatron.core._slurm_utils",
+        "megatron.core._rank_utils",
     ],
     # 2: the leaf helpers
     ["megatron.core.utils", "megatron.core.straggler_detector"],

@@ -36,7 +36,8 @@ class ParamGroupOverride(TypedDict, total=False):
     """Values a parameter group sets for itself instead of the scheduler's (or the optimizer's) defaults.
 
     The scheduler reads ``max_lr``, ``min_lr``, ``start_wd``, ``end_wd`` and ``wd_mult`` from each group; any other
-    key (e.g. ``eps``, ``lr_mult``) becomes a key of the torch optimizer's param group.
+    key (e.g. ``eps``, ``lr_mult``) becomes a key of the torch optimizer's param group. ``optimizer`` (Megatron's
+    per-group optimizer choice) is declared so that it takes part in matching saved groups on load.
     Example: ``ParamGroupOverride(min_lr=1e-4, wd_mult=0.0)``.
     """
 
@@ -45,6 +46,7 @@ class ParamGroupOverride(TypedDict, total=False):
     start_wd: float
     end_wd: float
     wd_mult: float
+    optimizer: str
 
 
 def param_group_override_to_tuple(

@@ -163,9 +163,11 @@ def _group_rank(group, fallback) -> int:
 
 
 def _set_random_seed(
-    seed: int,
+    seed_: int,
     data_parallel_random_init: bool = False,
-    *,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
     pp_group=None,
     dp_group=None,
     tp_group=None,
@@ -173,7 +175,9 @@ def _set_random_seed(
     etp_group=None,
 ) -> None:
     """Megatron's seeding: a different stream per pipeline stage, optionally per DP rank, then the TP tracker."""
-    seed = seed + 100 * _group_rank(pp_group, parallel_state.get_pipeline_model_parallel_rank)
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"Seed ({seed_}) should be a positive integer: set --seed to a positive integer")
+    seed = seed_ + 100 * _group_rank(pp_group, parallel_state.get_pipeline_model_parallel_rank)
     if data_parallel_random_init:
         seed = seed + 10 * _group_rank(dp_group, parallel_state.get_data_parallel_rank)
     random.seed(seed)
@@ -181,6 +185,9 @@ def _set_random_seed(
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(
         seed,
+        te_rng_tracker,
+        inference_rng_tracker,
+        use_cudagraphable_rng,
         tp_rank=_group_rank(tp_group, parallel_state.get_tensor_model_parallel_rank),
         ep_rank=_group_rank(ep_group, parallel_state.get_expert_model_parallel_rank),
         etp_rank=_group_rank(etp_group, parallel_state.get_expert_tensor_parallel_rank),

@@ -142,8 +142,9 @@ def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point
     )
     tokens_so_far = args.consumed_train_samples * args.seq_length
     append_to_progress_log(
+        args.save,
         f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
         f"Cumulative throughput: {run_throughput:.1f} TFLOP/s/GPU\t"
         f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\t"
-        f"Tokens (in billions): {tokens_so_far / 10**9:.2f}"
+        f"Tokens (in billions): {tokens_so_far / 10**9:.2f}",
     )

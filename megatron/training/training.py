@@ -147,7 +147,7 @@ def pretrain(
     args = get_args()
     print_rank_0(f"time to initialize megatron (seconds): {progress_log.seconds_since_start():.3f}")
     if getattr(args, "log_progress", False):
-        append_to_progress_log("Starting job")
+        append_to_progress_log(args.save, "Starting job")
     if getattr(args, "dry_run", False):
         _print_dry_run_report(args)
         return

@@ -11,6 +11,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
 from .dict_utils import nested_values
 from .mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from .utils import extract_sharded_tensors_and_factories
@@ -163,18 +165,57 @@ def _group_key(group: dict) -> Tuple:
     return tuple(group.get(field) for field in _GROUP_KEY_FIELDS)
 
 
+def _param_group_override_keys() -> Tuple[str, ...]:
+    """Every key a ParamGroupOverride declares (its annotations, whatever the TypedDict's totality)."""
+    return tuple(sorted(ParamGroupOverride.__annotations__))
+
+
+# What tells saved param groups apart when they are matched to the current ones on load: every per-group override
+# and the flags each group gets when it is built. Keys rewritten every step (lr, weight_decay, step) stay out, or a
+# group saved at step N would never match its freshly built self.
+param_group_identifier_keys = (*_param_group_override_keys(), "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def param_group_identifier(group: dict) -> Tuple:
+    """A group's values of param_group_identifier_keys: a missing key counts as None, and NeMo's ``pre_<key>``
+    spelling stands in for an absent ``<key>``."""
+    return tuple(group[key] if key in group else group.get(f"pre_{key}") for key in param_group_identifier_keys)
+
+
+def filter_and_reorder_param_groups(current_groups: List[dict], state_dict_groups: List[dict]) -> List[dict]:
+    """The saved groups in the order of ``current_groups``, each found by its identifier; the i-th result keeps the
+    ``params`` of the i-th saved group (the state dict's parameter order)."""
+    saved_by_identifier = {param_group_identifier(group): group for group in state_dict_groups}
+    reordered = []
+    for group, saved_params in zip(current_groups, [group["params"] for group in state_dict_groups]):
+        identifier = param_group_identifier(group)
+        if identifier not in saved_by_identifier:
+            available = "\n".join(str(key) for key in saved_by_identifier)
+            raise ValueError(
+                f"Could not find parameter group with key {identifier} in loaded checkpoint.\n"
+                f"Available keys:\n{available}\nParameter group key definition: {param_group_identifier_keys}"
+            )
+        saved = saved_by_identifier[identifier]
+        saved["params"] = saved_params
+        reordered.append(saved)
+    return reordered
+
+
 def load_torch_optimizer_state(
     optimizer: torch.optim.Optimizer, per_param_state: Dict[int, Dict[str, torch.Tensor]], step, saved_groups
 ) -> None:
     """Load ``per_param_state`` (by the optimizer's parameter index), the shared ``step`` and the saved groups'
     hyperparameters into ``optimizer``; this rank keeps its own parameters in every group."""
     current_groups = optimizer.param_groups
+    saved_by_identifier = {param_group_identifier(group): group for group in saved_groups}
     saved_by_key = {_group_key(group): group for group in saved_groups}
     torch_groups, first_index = [], 0
     for position, group in enumerate(current_groups):
         key = _group_key(group)
         if any(field is not None for field in key):
-            saved = saved_by_key.get(key, {})
+            # The full identifier tells apart groups that differ only by an override (say max_lr); a run resumed
+            # with a changed override finds its group by the structural key alone.
+            saved = saved_by_identifier.get(param_group_identifier(group)) or saved_by_key.get(key, {})
         else:  # groups built without Megatron's keys can only be matched by position
             saved = saved_groups[position] if len(saved_groups) == len(current_groups) else {}
         hyperparameters = {name: saved.get(name, value) for name, value in group.items() if name != "params"}

@@ -25,6 +25,7 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
+    param_group_identifier_keys,
 )
 from megatron.core.optimizer.optimizer_config import (
     AdamOptimizerConfig,
@@ -77,6 +78,7 @@ __all__ = [
     "get_pg_size",
     "get_standard_config_overrides",
     "is_te_min_version",
+    "param_group_identifier_keys",
     "init_optimizer_state",
     "param_group_override_to_tuple",
 ]

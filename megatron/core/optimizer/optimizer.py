@@ -20,11 +20,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.optimizer import (
+    _param_group_override_keys,  # noqa: F401  (Megatron-Core 0.19 home of these two names)
+    filter_and_reorder_param_groups,
     get_param_id_to_sharded_param_map,
     is_sharded_state,
     load_torch_optimizer_state,
     make_sharded_optimizer_tensor,
     mark_sharded_state,
+    param_group_identifier_keys,  # noqa: F401
     saved_step_and_param_groups,
     shard_torch_optimizer_state,
 )
@@ -91,6 +94,9 @@ class MegatronOptimizer(ABC):
     gradient norms and zero counts are summed over (the model-parallel group; None means every rank), and
     ``tp_group``, the tensor-parallel group, to count replicated parameters once.
     """
+
+    # Pairs saved param groups with the current ones by their identifier (param_group_identifier_keys).
+    _filter_and_reorder_param_groups = staticmethod(filter_and_reorder_param_groups)
 
     def __init__(
         self,

@@ -24,7 +24,13 @@ class MegatronModule(torch.nn.Module):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def set_is_first_microbatch(self):
-        """Tell every submodule that caches weights (FP8 / TE) that a new micro-batch sequence starts."""
+        """Tell every submodule that caches weights (FP8 / TE) that a new micro-batch sequence starts; without a
+        quantized mode (fp8, fp4, kitchen or a quant_recipe) there is no cache and nothing is touched."""
+        config = self.config
+        quantized = getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None
+        quantized = quantized or getattr(config, "quant_recipe", None) is not None
+        if not (quantized or getattr(config, "use_kitchen", False)):
+            return
         for module in self.modules():
             if hasattr(module, "is_first_microbatch"):
                 module.is_first_microbatch = True

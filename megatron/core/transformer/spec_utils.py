@@ -46,11 +46,13 @@ def get_module(spec_or_module: Union[ModuleSpec, type], **additional_kwargs):
 
 def get_submodules(spec: collections.abc.Callable[..., typing.Any]) -> object:
     """The ``submodules`` a spec will pass: a ModuleSpec's field (or any object's ``submodules`` attribute), or the
-    ``submodules`` keyword bound in a ``functools.partial``. A spec without submodules is a ``ValueError``."""
+    ``submodules`` keyword bound in a ``functools.partial``. As in Megatron, a partial that binds no ``submodules``
+    is a ``KeyError`` and any other spec without them a ``ValueError``."""
     if isinstance(spec, functools.partial):
-        if "submodules" in spec.keywords:
-            return spec.keywords["submodules"]
-    elif hasattr(spec, "submodules"):
+        if "submodules" not in spec.keywords:
+            raise KeyError(f"the partial spec {spec!r} binds no submodules= keyword")
+        return spec.keywords["submodules"]
+    if hasattr(spec, "submodules"):
         return spec.submodules
     raise ValueError(f"the spec {spec!r} has no submodules")
 

@@ -105,18 +105,16 @@ def test_nvtx_range_names_a_region_in_the_profiler_trace():
 
 
 def test_progress_log_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(save=str(tmp_path)))
     monkeypatch.setenv("SLURM_JOB_ID", "4711")
-    append_to_progress_log("Starting job")
-    append_to_progress_log("Saved checkpoint\tIteration: 5")
+    append_to_progress_log(str(tmp_path), "Starting job")
+    append_to_progress_log(str(tmp_path), "Saved checkpoint\tIteration: 5")
     lines = (tmp_path / "progress.txt").read_text().splitlines()
     fields = [line.split("\t") for line in lines]
     assert [f[1:] for f in fields] == [
         ["Job ID: 4711", "# GPUs: 1", "Starting job"],
         ["Job ID: 4711", "# GPUs: 1", "Saved checkpoint", "Iteration: 5"],
     ]
-    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(save=None))
-    append_to_progress_log("ignored")  # nothing to write to without --save
+    append_to_progress_log(None, "ignored")  # nothing to write to without --save
 
 
 def test_start_memory_history_recording_on_cpu_warns_and_says_so():
@@ -220,7 +218,6 @@ class _FakeAutoResume:
 
 
 def _autoresume(requested):
-    from megatron.training import global_vars
     from megatron.training.utils import check_adlr_autoresume_termination
 
     autoresume = _FakeAutoResume(requested)

@@ -62,8 +62,10 @@ def test_module_spec_metainfo_and_get_submodules():
     assert ModuleSpec(module=torch.nn.Linear).metainfo == {}
     assert get_submodules(spec) == "subs"
     assert get_submodules(functools.partial(MLP.as_mlp_submodule, submodules="from partial")) == "from partial"
-    with pytest.raises(ValueError, match="has no submodules"):
+    with pytest.raises(KeyError, match="binds no submodules= keyword"):
         get_submodules(functools.partial(MLP))
+    with pytest.raises(ValueError, match="has no submodules"):
+        get_submodules(MLP)
     # metainfo describes the spec; it is never passed to the module.
     assert isinstance(build_module(ModuleSpec(module=torch.nn.Identity, metainfo={"x": 1})), torch.nn.Identity)
     # A spec is itself a builder; any other callable that is not a class or a function is called.
@@ -419,3 +421,20 @@ def test_set_symmetric_ar():
     assert module.inner.symmetric_ar_type == "two_shot"
     with pytest.raises(ValueError, match="set_to='three_shot' is not one of"):
         module.set_symmetric_ar("three_shot")
+
+
+class _CachesWeights(torch.nn.Module):
+    is_first_microbatch = False
+
+
+@pytest.mark.parametrize("quantization", [{}, {"quant_recipe": object()}, {"fp8": "hybrid"}])
+def test_set_is_first_microbatch_only_with_a_quantized_mode(quantization):
+    from megatron.core.transformer.module import MegatronModule
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+    for name, value in quantization.items():
+        setattr(config, name, value)
+    module = MegatronModule(config)
+    module.child = _CachesWeights()
+    module.set_is_first_microbatch()
+    assert module.child.is_first_microbatch is bool(quantization)
