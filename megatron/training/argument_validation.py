@@ -192,6 +192,7 @@ def _check_flag_support(args) -> None:
     unsupported_values = {
         "optimizer": {name: f"the {name} optimizer" for name in _UNSUPPORTED_OPTIMIZERS},
         "position_embedding_type": _UNSUPPORTED_POSITION_EMBEDDINGS,
+        "rope_type": {"yarn": "multi-latent attention (MLA) and YaRN rotary scaling"},
         "transformer_impl": {"inference_optimized": "inference-optimized layers"},
         "moe_token_dispatcher_type": {"flex": "the flex token dispatcher (DeepEP / HybridEP kernels)"},
         "tokenizer_type": {name: f"the {name}" for name in TOKENIZER_TYPES if name not in BUILT_TOKENIZER_TYPES},

@@ -87,7 +87,6 @@ MLA = FlagTable(
         value("--q-lora-rank", int, None),
         value("--qk-head-dim", int, 128),
         value("--qk-pos-emb-head-dim", int, 64),
-        value("--rope-type", str, None, choices=["rope", "yarn"]),
         value("--rotary-scaling-factor", float, 1.0),
         value("--v-head-dim", int, 128),
         value("--yarn-beta-fast", float, None),
@@ -95,6 +94,23 @@ MLA = FlagTable(
         value("--yarn-original-max-position-embeddings", int, None),
     ),
     not_supported="multi-latent attention (MLA) and YaRN rotary scaling",
+)
+
+
+# "rope" is the rotary embedding every non-MLA model uses (Megatron-LM's launch scripts often spell it out); "yarn"
+# needs MLA and is refused in argument_validation.
+ROPE_TYPE = FlagTable(
+    "mla",
+    (
+        value(
+            "--rope-type",
+            str,
+            None,
+            choices=["rope", "yarn"],
+            help="Rotary embedding type: rope (what attention without MLA uses; the default) or yarn (MLA only, "
+            "not supported yet here).",
+        ),
+    ),
 )
 
 
@@ -431,6 +447,7 @@ TABLES = (
     MOE,
     MOE_KERNELS,
     MLA,
+    ROPE_TYPE,
     EXPERIMENTAL_ATTENTION,
     ATTENTION_VARIANTS,
     MAMBA,

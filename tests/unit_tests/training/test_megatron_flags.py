@@ -182,6 +182,7 @@ def test_every_refused_setting_is_named_in_one_error():
         (["--optimizer", "muon"], "the muon optimizer"),
         (["--tokenizer-type", "BertWordPieceCase"], "the BertWordPieceCase"),
         (["--transformer-impl", "inference_optimized"], "inference-optimized layers"),
+        (["--rope-type", "yarn"], "multi-latent attention (MLA) and YaRN rotary scaling"),
     ],
 )
 def test_choices_not_built_yet_are_refused(argv, feature):
@@ -225,6 +226,13 @@ def test_deprecated_position_embedding_flags():
     assert validated("--no-position-embedding", "--position-embedding-type", "rope").add_position_embedding is False
     with pytest.raises(ValueError, match="--no-position-embedding is deprecated: use --position-embedding-type"):
         validated("--no-position-embedding")
+
+
+def test_rope_type_rope_is_the_rotary_embedding_that_runs():
+    # Megatron-LM's launch scripts (examples/gptoss) spell out the default rotary type of attention without MLA.
+    args = validated("--position-embedding-type", "rope", "--rope-type", "rope")
+    assert args.rope_type == "rope" and args.position_embedding_type == "rope"
+    assert not hasattr(core_transformer_config_from_args(args), "rope_type")  # MLA-only config field
 
 
 def test_openai_gelu_and_no_initialization_reach_the_config():
