@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple, Union
 
 from megatron.core.public_api import public_api
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.safe_load import CorruptCheckpointError
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME, read_dcp_metadata
 
 TRACKER_FNAME = "latest_checkpointed_iteration.txt"
@@ -146,10 +147,14 @@ def legacy_rank_0_file(checkpoint_dir: Union[str, Path]) -> Optional[str]:
 
 def _is_plain_dcp(checkpoint_dir: Union[str, Path]) -> bool:
     """A ``.metadata`` without ``metadata.json`` is a ``torch_dcp`` checkpoint, or a ``torch_dist`` save that was
-    interrupted before its last file; the plain state dict of the former stores ``checkpoint_version`` as a key."""
+    interrupted before its last file; the plain state dict of the former stores ``checkpoint_version`` as a key.
+    An unreadable ``.metadata`` is the torn last write of such an interrupted save."""
     if not os.path.exists(os.path.join(checkpoint_dir, DCP_METADATA_FNAME)):
         return False
-    return "checkpoint_version" in read_dcp_metadata(Path(checkpoint_dir)).state_dict_metadata
+    try:
+        return "checkpoint_version" in read_dcp_metadata(Path(checkpoint_dir)).state_dict_metadata
+    except CorruptCheckpointError:
+        return False
 
 
 def checkpoint_format(checkpoint_dir: Union[str, Path]) -> Optional[str]:
