@@ -285,9 +285,7 @@ CHECKPOINT_OPTIONS = FlagTable(
     "checkpointing",
     (
         switch("--ckpt-convert-update-legacy-dist-opt-format"),
-        switch("--dist-ckpt-optim-fully-reshardable"),
         switch("--dist-ckpt-save-pre-mcore-014"),
-        switch("--distrib-optim-fully-reshardable-mem-efficient"),
         switch("--load-main-params-from-ckpt"),
         value("--non-persistent-ckpt-type", str, None, choices=["global", "local", "in_memory"]),
         value("--non-persistent-global-ckpt-dir", str, None),

@@ -354,6 +354,18 @@ def add_checkpointing_args(parser):
         help="Where --ckpt-convert-format saves the converted checkpoint.",
     )
     group.add_argument(
+        "--dist-ckpt-optim-fully-reshardable",
+        action="store_true",
+        help="Save the distributed optimizer's state in the fully_reshardable layout (shaped like the parameters, "
+        "reloads at any TP/PP/DP layout) instead of the default dp_reshardable one (reloads at another DP size only).",
+    )
+    group.add_argument(
+        "--distrib-optim-fully-reshardable-mem-efficient",
+        action="store_true",
+        help="Recorded in the checkpoint's metadata as Megatron-Core does; the saved content is the same either way "
+        "(in Megatron-Core it lowers the peak memory of the fully_reshardable gather at some speed).",
+    )
+    group.add_argument(
         "--async-save", action="store_true", help="Write checkpoints in the background (torch_dist only)."
     )
     group.add_argument(

@@ -106,6 +106,7 @@ def test_ep2_pp2_then_resumed_at_tp2_ep2_sp_trains_like_ep1(moe_reference, cpu_d
             "--expert-model-parallel-size",
             "2",
             "--use-distributed-optimizer",
+            "--dist-ckpt-optim-fully-reshardable",  # the default dp_reshardable layout keeps TP/PP fixed
             "--save",
             tmp_path,
             "--save-interval",
