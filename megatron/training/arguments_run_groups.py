@@ -325,6 +325,12 @@ def add_checkpointing_args(parser):
         default=None,
         help="Load the checkpoint of this iteration instead of the one the tracker file names.",
     )
+    _add_checkpoint_format_args(group)
+    return parser
+
+
+def _add_checkpoint_format_args(group):
+    """How checkpoints are written: format, conversion, optimizer layout, parallel and asynchronous saves."""
     group.add_argument(
         "--ckpt-format",
         type=str,
@@ -385,7 +391,6 @@ def add_checkpointing_args(parser):
         action="store_true",
         help="Spread the checkpoint reads over the data-parallel ranks.",
     )
-    return parser
 
 
 def add_distributed_args(parser):

@@ -303,18 +303,53 @@ def _checkpoint_content_metadata(common: dict, args) -> dict:
     return metadata
 
 
-def _check_optimizer_layout(args, content_metadata: dict, same_layout: bool, checkpoint_dir) -> None:
-    """Refuse, before anything is read, a distributed-optimizer layout that cannot follow this run's model-parallel
-    layout (every rank decides alike, so no rank is left waiting)."""
+# What orders the distributed optimizer's buckets besides the tensor/pipeline sizes: the bucket-space layouts
+# store flat bucket slices, so a change here would hand each parameter another parameter's state.
+_BUCKET_ORDER_FLAGS = (
+    ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
+    ("transformer_impl", "--transformer-impl"),
+)
+
+
+def _bucket_layout_changes(saved_args, args, tp_size: int, pp_size: int) -> List[str]:
+    """How this run's model layout differs from the saving run's, one ``--flag saved -> now`` per difference."""
+    if saved_args is None:
+        return ["the checkpoint does not record the layout it was saved with"]
+    found = {
+        "--tensor-model-parallel-size": (saved_args.tensor_model_parallel_size, tp_size),
+        "--pipeline-model-parallel-size": (saved_args.pipeline_model_parallel_size, pp_size),
+    }
+    for field, flag in _BUCKET_ORDER_FLAGS:
+        if hasattr(saved_args, field):  # older checkpoints may lack a field: nothing to compare then
+            found[flag] = (getattr(saved_args, field), getattr(args, field, None))
+    return [f"{flag} {saved} -> {now}" for flag, (saved, now) in found.items() if saved != now]
+
+
+def _check_optimizer_loadable(args, common: dict, content_metadata: dict, changes: List[str], checkpoint_dir):
+    """The checkpoint holds optimizer state, in a layout this run can read."""
+    if "opt_param_scheduler" not in common:
+        raise CheckpointingException(
+            f"{checkpoint_dir} holds no optimizer state (it was saved with --no-save-optim); pass "
+            "--no-load-optim to start the optimizer and learning-rate schedule afresh from its weights"
+        )
+    _check_optimizer_layout(args, content_metadata, changes, checkpoint_dir)
+
+
+def _check_optimizer_layout(args, content_metadata: dict, changes: List[str], checkpoint_dir) -> None:
+    """Refuse, before anything is read, a distributed-optimizer layout that cannot follow this run's model layout
+    (``changes``, from :func:`_bucket_layout_changes`; every rank decides alike, so no rank is left waiting)."""
     from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS
 
     sharding_type = content_metadata.get("distrib_optim_sharding_type")
-    if args.use_distributed_optimizer and not same_layout and sharding_type in BUCKET_SPACE_LAYOUTS:
+    if args.use_distributed_optimizer and changes and sharding_type in BUCKET_SPACE_LAYOUTS:
         raise CheckpointingException(
             f"{checkpoint_dir}: its distributed-optimizer state is in the {sharding_type} layout, which reloads only "
-            "at the tensor/pipeline-parallel sizes it was saved with, and this run's differ. Load it at its own "
-            "layout and save with --dist-ckpt-optim-fully-reshardable (the fully_reshardable layout reloads at any "
-            "layout), or pass --no-load-optim to start the optimizer afresh"
+            f"with the model layout it was saved with (at any data-parallel size), and this run's differs "
+            f"({'; '.join(changes)}). Run with the checkpoint's settings, or load it at its own layout and save with "
+            "--dist-ckpt-optim-fully-reshardable (the fully_reshardable layout reloads at any layout), or pass "
+            "--no-load-optim to start the optimizer afresh"
         )
 
 
@@ -572,12 +607,9 @@ def load_checkpoint(
     )
     load_optimizer = not (args.no_load_optim or finetune or release)
     if load_optimizer and optimizer is not None:
-        if "opt_param_scheduler" not in common:
-            raise CheckpointingException(
-                f"{checkpoint_dir} holds no optimizer state (it was saved with --no-save-optim); pass "
-                "--no-load-optim to start the optimizer and learning-rate schedule afresh from its weights"
-            )
-        _check_optimizer_layout(args, content_metadata, same_layout, checkpoint_dir)
+        sizes = dist.get_world_size(tp_group), dist.get_world_size(pp_group)
+        changes = _bucket_layout_changes(saved_args, args, *sizes)
+        _check_optimizer_loadable(args, common, content_metadata, changes, checkpoint_dir)
     load_rng = not (args.no_load_rng or finetune or release) and same_layout
     if not (args.no_load_rng or finetune or release) and not same_layout:
         print_rank_0("  the checkpoint's tensor/pipeline layout differs from this run's: RNG state not restored")

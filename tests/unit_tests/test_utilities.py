@@ -79,6 +79,9 @@ def _worker_main(conn) -> None:
             parallel_state.destroy_model_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # initialize_megatron sizes the thread pool per rank; the next job must find the worker as it started
+            # (one thread), or its floating-point results would depend on which tests ran before it.
+            torch.set_num_threads(1)
 
 
 class _Pool:
