@@ -48,6 +48,7 @@ MEGATRON_SCRIPTS = {
     "gpt3/train_gpt3_175b_distributed.sh": "gpt2",
     "mixtral/train_mixtral_8x7b_distributed.sh": ["ckpt", "tokenizer.model", "data"],
     "mamba/train.sh": ["data", "tokenizer.model"],
+    "llama/train_llama3_8b_h100_fp8.sh": [],  # mock data by default
 }
 
 

@@ -17,12 +17,11 @@ without conversion:
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.torch_norm import LayerNorm, RMSNorm, WrappedTorchNorm, normalize
 from megatron.core.utils import get_te_version
 
 logger = logging.getLogger(__name__)
@@ -87,23 +86,22 @@ class TELayoutLayerNormColumnParallelLinear(TELayoutColumnParallelLinear):
         norm = WrappedTorchNorm(config=config, hidden_size=input_size, eps=config.layernorm_epsilon)
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = norm.zero_centered_gamma
         self.layer_norm_weight = norm.weight
         self.layer_norm_bias = getattr(norm, "bias", None)
 
     def forward(self, input_: torch.Tensor, weight=None, runtime_gather_output=None):
-        shape = (self.input_size,)
-        if self.normalization == "LayerNorm":
-            normed = F.layer_norm(input_, shape, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        else:
-            normed = F.rms_norm(input_, shape, self.layer_norm_weight, self.eps)
+        normed = normalize(
+            input_, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
+        )
         return super().forward(normed, weight, runtime_gather_output)
 
 
-class _TELayoutLayerNorm(_TEExtraState, torch.nn.LayerNorm):
+class _TELayoutLayerNorm(_TEExtraState, LayerNorm):
     pass
 
 
-class _TELayoutRMSNorm(_TEExtraState, torch.nn.RMSNorm):
+class _TELayoutRMSNorm(_TEExtraState, RMSNorm):
     pass
 
 

@@ -3,6 +3,7 @@
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
@@ -20,8 +21,56 @@ class LayerNormBuilder(Protocol):
     def __call__(self, *, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> LayerNormInterface: ...
 
 
+def normalize(x, normalization: str, weight, bias, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
+    """LayerNorm or RMSNorm of ``x`` over its last axis. With ``zero_centered_gamma`` (Megatron's
+    ``--apply-layernorm-1p``) the stored ``weight`` is gamma - 1: it starts at zero, and weight decay pulls gamma
+    towards one rather than zero."""
+    if zero_centered_gamma:
+        weight = weight + 1
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, shape, weight, bias, eps)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+class _ZeroCenteredGamma:
+    """Mixin for torch's LayerNorm / RMSNorm: the weight holds gamma - 1 when ``zero_centered_gamma`` is set."""
+
+    _normalization = None
+
+    def __init__(self, *args, zero_centered_gamma: bool = False, **kwargs):
+        self.zero_centered_gamma = False  # what torch's __init__ (through reset_parameters) sees
+        super().__init__(*args, **kwargs)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.zero_centered_gamma and self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered_gamma:
+            return super().forward(x)
+        return normalize(x, self._normalization, self.weight, getattr(self, "bias", None), self.eps, True)
+
+
+class LayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` that can keep its gamma zero-centred."""
+
+    _normalization = "LayerNorm"
+
+
+class RMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` that can keep its gamma zero-centred."""
+
+    _normalization = "RMSNorm"
+
+
 class WrappedTorchNorm:
-    """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` for ``config.normalization``.
+    """Builds a PyTorch LayerNorm or RMSNorm for ``config.normalization``, zero-centred with
+    ``config.layernorm_zero_centered_gamma`` (which Megatron-Core's own PyTorch norms refuse; its Transformer
+    Engine norms have it).
 
     Under sequence parallelism each rank normalises a different slice of the sequence, so the norm's parameter
     gradients are partial: the parameters are marked ``sequence_parallel=True`` for gradient finalisation to
@@ -29,8 +78,8 @@ class WrappedTorchNorm:
     """
 
     # The classes built; a subclass may build subclasses of them (e.g. with extra checkpoint state).
-    _layer_norm_class = torch.nn.LayerNorm
-    _rms_norm_class = torch.nn.RMSNorm
+    _layer_norm_class = LayerNorm
+    _rms_norm_class = RMSNorm
 
     def __new__(
         cls,
@@ -41,15 +90,15 @@ class WrappedTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = None,
     ):
-        if zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma is not supported by the PyTorch norms; set it to False")
         normalization = normalization or config.normalization
         if normalization == "LayerNorm":
-            norm = cls._layer_norm_class(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm_class = cls._layer_norm_class
         elif normalization == "RMSNorm":
-            norm = cls._rms_norm_class(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm_class = cls._rms_norm_class
         else:
             raise ValueError(f"normalization={normalization!r} is not supported; use 'LayerNorm' or 'RMSNorm'")
+        zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
+        norm = norm_class(hidden_size, eps=eps, dtype=config.params_dtype, zero_centered_gamma=zero_centered_gamma)
         norm.to(get_current_device())
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel

@@ -49,7 +49,6 @@ def _model_errors():
             lambda: GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=8, position_embedding_type="yarn")
         ),
         _capture(lambda: model(tokens, None, None, output_processor=print)),
-        _capture(lambda: WrappedTorchNorm(config, 8, zero_centered_gamma=True)),
         _capture(lambda: WrappedTorchNorm(config, 8, normalization="BatchNorm")),
     ]
 
@@ -68,7 +67,6 @@ def test_model_errors():
         r"TypeError: cannot build a TransformerBlock from str",
         r"ValueError: not supported yet: YaRN rotary embeddings \(position_embedding_type='yarn'\)",
         r"ValueError: not supported yet: GPTModel.forward\(output_processor=...\)",
-        r"ValueError: layernorm_zero_centered_gamma is not supported by the PyTorch norms",
         r"ValueError: normalization='BatchNorm' is not supported",
     ]
     assert len(messages) == len(expected)

@@ -284,7 +284,8 @@ def settings_from_checkpoint_args(args, true_vocab_size: Optional[int] = None) -
         "squared_relu": bool(hybrid.get("squared_relu", False)),
         "qk_layernorm": False,
         "rotary_interleaved": False,
-        "apply_layernorm_1p": False,
+        "apply_layernorm_1p": False,  # the dest of --apply-layernorm-1p in older Megatron-LM
+        "layernorm_zero_centered_gamma": False,  # and since
         "moe_router_pre_softmax": False,
         "moe_router_score_function": "softmax",
         "moe_router_topk_scaling_factor": None,

@@ -219,6 +219,8 @@ def _megatron_args(**changes):
     "changes, match",
     [
         ({"qk_layernorm": True}, "uses qk_layernorm=True, which no supported Hugging Face family has"),
+        ({"layernorm_zero_centered_gamma": True}, "uses layernorm_zero_centered_gamma=True, which no supported"),
+        ({"apply_layernorm_1p": True}, "uses apply_layernorm_1p=True, which no supported"),
         ({"num_experts": 8, "moe_router_enable_expert_bias": True}, "uses moe_router_enable_expert_bias=True"),
         ({"rotary_percent": 0.5}, "rotary_percent=0.5 has no mapping"),
         ({"hidden_size": None}, r"the checkpoint's arguments lack \['hidden_size'\]"),
