@@ -87,8 +87,13 @@ class TELayoutLayerNormColumnParallelLinear(TELayoutColumnParallelLinear):
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = norm.zero_centered_gamma
+        # Transformer Engine registers the norm's parameters before the linear's: that order is the order of the
+        # distributed optimizer's buckets, which its dp_reshardable checkpoints depend on.
+        linear_parameters = dict(self._parameters)
+        self._parameters.clear()
         self.layer_norm_weight = norm.weight
         self.layer_norm_bias = getattr(norm, "bias", None)
+        self._parameters.update(linear_parameters)
 
     def forward(self, input_: torch.Tensor, weight=None, runtime_gather_output=None):
         normed = normalize(

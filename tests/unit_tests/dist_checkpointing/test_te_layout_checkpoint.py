@@ -166,6 +166,24 @@ def test_extra_state_is_stored_as_transformer_engines_empty_byte_tensor(tmp_path
     assert stored == [(torch.uint8, (0,))] * 3
 
 
+def _fused_norm_linear_parameter_order():
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    config = build_config(1, False, {"add_bias_linear": True})
+    layer = te_layout.TELayoutLayerNormColumnParallelLinear(
+        64, 96, config=config, init_method=config.init_method, bias=True, gather_output=False
+    )
+    return [name for name, _ in layer.named_parameters()]
+
+
+def test_the_fused_norm_registers_before_the_linear_as_in_transformer_engine():
+    """Registration order is the distributed optimizer's bucket order (Transformer Engine's LayerNormLinear
+    registers layer_norm_weight and layer_norm_bias, then weight and bias), so dp_reshardable checkpoints of
+    Megatron's Transformer Engine models line up with ours."""
+    order = run_distributed(1, _fused_norm_linear_parameter_order)[0]
+    assert order == ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
+
+
 # ---- said once ----------------------------------------------------------------------------------------------------
 
 
