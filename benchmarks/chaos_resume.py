@@ -4,14 +4,15 @@ Each trial starts a TP2 x PP2 job (4 CPU ranks, 2 DataLoader workers each, a che
 iterations) through benchmarks/chaos_entry.py, which SIGKILLs at a random moment one of: a random rank, the
 launcher (torchrun), or the whole job (torchrun, every rank and worker at once, as a scheduler does). The moment is
 the start of the forward pass, the backward pass or the optimizer step of a random iteration, or a random delay into
-a checkpoint save. Then it checks:
+a checkpoint save. Half the jobs (chosen at random) save with --async-save, so a kill during a save then hits the
+rank's background saver in the middle of its write. Then it checks:
 
 - gone: every process of the job (ranks and workers) exited within --bound-s seconds of the kill;
 - intact: the tracker names a complete checkpoint (or none was written yet), and resuming from it works;
 - bitwise: resumed to the end, every iteration's loss has the same float32 bits as an uninterrupted run's
   (read from TensorBoard event files, so the comparison is of the values, not of printed digits).
 
-    python benchmarks/chaos_resume.py [--trials 12 --train-iters 8 --save-interval 2 --seed 0 --bound-s 10]
+    python benchmarks/chaos_resume.py [--trials 20 --train-iters 8 --save-interval 2 --seed 0 --bound-s 10]
 
 Prints a table (one row per trial, then the totals) and writes it as JSON next to --json.
 """
@@ -60,10 +61,11 @@ def loss_bits(tensorboard_dir: Path) -> Dict[int, str]:
     return {event.step: struct.pack("<f", event.value).hex() for event in accumulator.Scalars("lm loss")}
 
 
-def job_flags(args, work: Path, tensorboard_dir: Path) -> list:
-    """The job of every run: same model, data and schedule; checkpoints and events under `work`."""
+def job_flags(args, work: Path, tensorboard_dir: Path, async_save: bool = False) -> list:
+    """The job of every run: same model, data and schedule; checkpoints and events under `work`. With
+    ``async_save`` the checkpoints are written by each rank's background saver while training goes on."""
     flags = with_flag(GOLDEN_FLAGS, "--train-iters", str(args.train_iters))
-    return (
+    return (["--async-save"] if async_save else []) + (
         flags
         + CPU_FLAGS
         + builtin_data_flags(work.parent / "cache")
@@ -93,6 +95,7 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
     work = root / f"trial_{trial}"
     work.mkdir()
     target, phase = rng.choice(TARGETS), rng.choice(PHASES)
+    async_save = rng.random() < 0.5  # half the jobs save in the background: a kill then hits the saver mid-write
     saves = list(range(args.save_interval, args.train_iters, args.save_interval))
     iteration = rng.choice(saves) if phase == "save" else rng.randint(2, args.train_iters - 1)
     env = {
@@ -107,9 +110,11 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
         "trial": trial,
         "target": f"{target} (rank {env['CHAOS_RANK']})" if target == "rank" else target,
         "moment": f"{phase} @ {iteration}" + (f" +{env['CHAOS_DELAY_S']}s" if phase == "save" else ""),
+        "saves": "async" if async_save else "sync",
     }
 
-    job = PretrainProcess(job_flags(args, work, work / "tb_killed"), NPROC, entry_point=CHAOS_ENTRY, env=env)
+    killed_flags = job_flags(args, work, work / "tb_killed", async_save)
+    job = PretrainProcess(killed_flags, NPROC, entry_point=CHAOS_ENTRY, env=env)
     seen: Set[int] = set()
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_tree, args=(job, seen, stop), daemon=True)
@@ -138,7 +143,7 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
         resumed_from, intact = None, False
         row["error"] = str(error)
     resumed = run_pretrain(
-        job_flags(args, work, work / "tb_resumed"), NPROC, expect_success=False, timeout=args.timeout_s
+        job_flags(args, work, work / "tb_resumed", async_save), NPROC, expect_success=False, timeout=args.timeout_s
     )
     intact = intact and resumed.returncode == 0
     row["intact"] = "yes" if intact else "NO"
@@ -151,7 +156,7 @@ def run_trial(args, trial: int, rng: random.Random, reference: Dict[int, str], r
 
 
 def print_table(rows) -> None:
-    columns = ["trial", "target", "moment", "gone", "intact", "resumed_from", "bitwise"]
+    columns = ["trial", "target", "moment", "saves", "gone", "intact", "resumed_from", "bitwise"]
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
     print(" | ".join(c.ljust(widths[c]) for c in columns))
     print("-|-".join("-" * widths[c] for c in columns))
@@ -161,7 +166,7 @@ def print_table(rows) -> None:
 
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=12)
+    parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--train-iters", type=int, default=8)
     parser.add_argument("--save-interval", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
