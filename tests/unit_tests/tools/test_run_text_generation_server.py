@@ -54,6 +54,9 @@ def test_serving_flags_parse_without_data_or_training_length(parse, tmp_path):
     )
     assert args.micro_batch_size == 1 and args.inference_max_requests == 4
     assert max_sequence_length(args) == 48
+    assert (args.max_request_body_bytes, args.ignore_unknown_request_fields) == (4 * 1024 * 1024, False)
+    limits = parse("--max-request-body-bytes", "0", "--ignore-unknown-request-fields")
+    assert (limits.max_request_body_bytes, limits.ignore_unknown_request_fields) == (0, True)
     assert max_sequence_length(parse()) == 64  # the default 2560 is capped by --max-position-embeddings
 
 
@@ -65,6 +68,7 @@ def test_serving_flags_parse_without_data_or_training_length(parse, tmp_path):
         (("--temperature", "-1"), True, "need temperature >= 0"),
         (("--top_p", "1.5"), True, "0 <= top_p <= 1"),
         (("--inference-max-requests", "0"), True, "need at least 1 request"),
+        (("--max-request-body-bytes", "-1"), True, "--max-request-body-bytes -1: need >= 0"),
         (("--chat-template", "/no/such/template.jinja"), True, "--chat-template /no/such/template.jinja: no such file"),
     ],
 )

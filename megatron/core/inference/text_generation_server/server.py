@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core.inference.text_generation_server.app import create_app
 from megatron.core.inference.text_generation_server.chat_template import build_chat_renderer
 from megatron.core.inference.text_generation_server.serving_loop import ServingLoop
-from megatron.core.inference.text_generation_server.validation import ServingDefaults
+from megatron.core.inference.text_generation_server.validation import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class TextGenerationServer:
         group: Optional[dist.ProcessGroup] = None,
         vocab_size: Optional[int] = None,
         termination_id: Optional[int] = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        ignore_unknown_fields: bool = False,
     ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.serving_loop = ServingLoop(engine, group=group)
@@ -99,6 +101,8 @@ class TextGenerationServer:
                 build_chat_renderer(tokenizer, chat_template_file),
                 termination_id,
                 vocab_size,
+                max_request_body_bytes=max_request_body_bytes,
+                ignore_unknown_fields=ignore_unknown_fields,
             )
         self._uvicorn = None
         self._thread: Optional[threading.Thread] = None

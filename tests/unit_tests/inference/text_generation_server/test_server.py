@@ -95,7 +95,7 @@ def test_any_model_name_is_served_by_the_one_model_and_named_in_the_reply(client
 
 def test_health_and_models(base_url, client):
     for path in ("/health", "/v1/health"):
-        assert httpx.get(base_url + path).json() == {"status": "ok"}
+        assert httpx.get(base_url + path).json() == {"status": "ok", "requests": {"in_engine": 0, "cancelled": 0}}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
