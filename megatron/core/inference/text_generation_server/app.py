@@ -84,7 +84,9 @@ class RequestBodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = JSONResponse(self._too_large(f"is {int(declared)} bytes").body(), status_code=413)
+            response = JSONResponse(
+                self._too_large(f"The request body is {int(declared)} bytes, over").body(), status_code=413
+            )
             return await response(scope, receive, send)
         received = 0
 
@@ -95,14 +97,14 @@ class RequestBodyLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     # Raised inside the handler's body read: the app's OpenAIError handler answers it.
-                    raise self._too_large(f"passed {self.max_bytes} bytes before its end")
+                    raise self._too_large("The request body (sent without a Content-Length) is longer than")
             return message
 
         await self.app(scope, bounded_receive, send)
 
-    def _too_large(self, size: str) -> OpenAIError:
+    def _too_large(self, what: str) -> OpenAIError:
         return OpenAIError(
-            f"The request body {size}, over this server's limit of {self.max_bytes} bytes. Send a smaller request "
+            f"{what} this server's limit of {self.max_bytes} bytes. Send a smaller request "
             "(fewer or shorter prompts), or start the server with a larger --max-request-body-bytes.",
             status=413,
             code="request_too_large",

@@ -9,7 +9,10 @@ test to act while it runs (disconnect, ask for /health). Stops on SIGTERM / SIGI
 """
 
 import argparse
+import contextlib
 import os
+import signal
+import subprocess
 import time
 import socket
 import sys
@@ -47,6 +50,47 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(*options: str):
+    """A tiny server in a subprocess with these command-line ``options``; yields its base URL once /health answers,
+    and stops it (SIGINT, then SIGKILL after 30 s) on exit."""
+    import httpx
+
+    from tests.functional_tests.harness import free_port
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, __file__, str(port), *options],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{process.stdout.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy within 120 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def main(argv) -> None:
