@@ -84,9 +84,8 @@ class RequestBodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = JSONResponse(
-                self._too_large(f"The request body is {int(declared)} bytes, over").body(), status_code=413
-            )
+            error = self._too_large(f"The request body is {int(declared)} bytes, over")
+            response = JSONResponse(error.body(), status_code=413, headers=_CLOSE)
             return await response(scope, receive, send)
         received = 0
 
@@ -111,8 +110,12 @@ class RequestBodyLimit:
         )
 
 
+# After a 413 the rest of the body is unread: the connection cannot carry another request, so it is closed.
+_CLOSE = {"Connection": "close"}
+
+
 async def _openai_error(_request: Request, error: OpenAIError):
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=_CLOSE if error.status == 413 else None)
 
 
 async def _http_error(request: Request, error: StarletteHTTPException):
