@@ -51,8 +51,7 @@ def _raw_request(url, head: bytes) -> socket.socket:
 
 
 def _read_response(sock: socket.socket):
-    """Status code, lower-cased header lines and JSON body of the response on ``sock`` (its body is short and has a
-    Content-Length)."""
+    """Status code and JSON body of the response on ``sock`` (its body is short and has a Content-Length)."""
     data = b""
     while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
         chunk = sock.recv(65536)
@@ -60,7 +59,7 @@ def _read_response(sock: socket.socket):
             break
         data += chunk
     head, body = data.split(b"\r\n\r\n", 1)
-    return int(head.split(b" ", 2)[1]), head.lower().split(b"\r\n")[1:], json.loads(body)
+    return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
 def _content_length(data: bytes) -> int:
@@ -73,9 +72,8 @@ def _content_length(data: bytes) -> int:
 def test_a_declared_body_over_the_limit_is_refused_before_a_byte_of_it_is_sent(slow_server):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
     with _raw_request(slow_server, head + b"Content-Length: 10000000\r\n\r\n") as sock:
-        status, headers, body = _read_response(sock)  # the body is never sent: the answer did not wait for it
-        assert sock.recv(1) == b"", "the server closed the connection (the unread body cannot be skipped)"
-    assert status == 413 and b"connection: close" in headers
+        status, body = _read_response(sock)  # the body is never sent: the answer did not wait for it
+    assert status == 413
     assert body["error"]["code"] == "request_too_large"
     assert body["error"]["message"].startswith(
         f"The request body is 10000000 bytes, over this server's limit of {BODY_LIMIT} bytes."
@@ -95,8 +93,8 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit_without_being_read_t
             assert writable, "the server neither read more of the body nor answered"
             sock.sendall(chunk)
             sent += 0x4000
-        status, headers, body = _read_response(sock)
-    assert status == 413 and b"connection: close" in headers
+        status, body = _read_response(sock)
+    assert status == 413
     assert body["error"]["message"].startswith(
         f"The request body (sent without a Content-Length) is longer than this server's limit of {BODY_LIMIT} bytes."
     )
