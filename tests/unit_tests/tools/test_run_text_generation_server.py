@@ -131,3 +131,14 @@ def test_a_port_in_use_stops_the_server_before_it_loads_anything(tmp_path):
     assert result.returncode != 0
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in result.stderr + result.stdout
     assert "checkpoint" not in (result.stderr + result.stdout).lower()
+
+
+def test_the_listening_socket_says_tcp_so_asyncio_turns_nagle_off():
+    """asyncio sets TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP; without it every response's body
+    waited for the client's delayed ACK of its headers (~40 ms a response, /health included)."""
+    import socket
+
+    from megatron.core.inference.text_generation_server.server import listen_socket
+
+    with listen_socket("127.0.0.1", 0) as listener:
+        assert listener.proto == socket.IPPROTO_TCP

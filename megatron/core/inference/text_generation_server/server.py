@@ -61,9 +61,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
     loading, and no port is released between choosing it and serving on it (where another socket, say one of gloo's,
     could take it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # Protocol IPPROTO_TCP, not create_server's 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+    # that say TCP, and with it on, every response's body waits for the client's delayed ACK of its headers (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
     except OSError as exc:
+        sock.close()
         raise OSError(
             f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); pick another --port "
             "(0: any free port), or stop what is using it"
