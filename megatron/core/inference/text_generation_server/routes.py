@@ -273,15 +273,18 @@ def _event_stream(
                 make_chunk(response_id, when, state.model_name, choices, usage_counts, request.include_usage)
             )
 
+        complete = False
         try:
             async for choices in chunks(state, generation):
                 yield chunk(choices)
             if request.include_usage:
                 yield chunk([], responses.usage(generation.prompt_tokens, generation.completion_tokens))
+            complete = True
         except OpenAIError as error:
             yield responses.sse(error.body())
         finally:
-            generation.cancel()  # a no-op for the choices that ended; the rest lost their client
+            if not complete:  # the client went away, or a choice failed: the other choices have no one to go to
+                generation.cancel()
         yield responses.SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -308,12 +311,15 @@ async def _collect(generation: Generation, http_request: Request) -> Optional[Li
         await asyncio.wait((collecting, disconnected), return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnected.cancel()
-        if not collecting.done():
+        if not collecting.done():  # the client went away first (or this handler is being cancelled)
             collecting.cancel()
             generation.cancel()
-    if collecting.cancelled():
+    if not collecting.done():
         return None
-    collecting.result()  # an engine error: raise it
+    error = collecting.exception()
+    if error is not None:
+        generation.cancel()  # a choice failed: the others' text can no longer be sent
+        raise error
     return choices
 
 
