@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.inference.text_generation_server.validation import DEFAULT_MAX_REQUEST_BODY_BYTES  # noqa: E402
 from megatron.training import get_args, get_model, get_tokenizer, print_rank_0  # noqa: E402
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.training.checkpoint_args import load_args_from_checkpoint  # noqa: E402
@@ -57,6 +58,19 @@ def add_text_generate_args(parser):
     )
     group.add_argument(
         "--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling of requests that do not give one (0: off)."
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Largest request body the server reads, in bytes; a larger one is answered 413 with an OpenAI error "
+        "body, before it is read when it declares its length (0: no bound). Ours: Megatron's server has no bound.",
+    )
+    group.add_argument(
+        "--ignore-unknown-request-fields",
+        action="store_true",
+        help="Ignore request fields an endpoint does not know, instead of answering 400 naming the field as "
+        "OpenAI's API does (for clients that send extras of their own). Ours, not Megatron's.",
     )
     group.add_argument(
         "--served-model-name",
@@ -107,6 +121,8 @@ def _check_serving_args(args) -> None:
         )
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port {args.port}: not a TCP port (1-65535, or 0 for any free one)")
+    if args.max_request_body_bytes < 0:
+        raise ValueError(f"--max-request-body-bytes {args.max_request_body_bytes}: need >= 0 (0: no bound)")
     if args.temperature < 0 or args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
         raise ValueError(
             f"--temperature {args.temperature} / --top_k {args.top_k} / --top_p {args.top_p}: need "
@@ -202,6 +218,8 @@ def main() -> None:
         chat_template_file=args.chat_template,
         group=control_group(),
         vocab_size=tokenizer.vocab_size,
+        max_request_body_bytes=args.max_request_body_bytes,
+        ignore_unknown_fields=args.ignore_unknown_request_fields,
     )
     port = listener.getsockname()[1] if listener is not None else args.port  # the real one for --port 0
     print_rank_0(

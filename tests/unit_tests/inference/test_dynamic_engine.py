@@ -266,3 +266,32 @@ def _equal_lengths():
 def test_a_batch_decoding_at_equal_lengths_matches_the_no_cache_reference():
     together, expected = run_distributed(1, _equal_lengths)[0]
     assert together == expected
+
+
+def _cancel():
+    from megatron.core.inference.sampling_params import SamplingParams
+    from tests.unit_tests.inference.inference_test_helpers import build_model
+
+    engine, context = _engine(build_model("gpt2"), block_size_tokens=4, num_blocks=6, max_requests=4)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=8, termination_id=-1)
+    engine.add_request(0, [3, 1, 4], params)  # 11 tokens: 3 blocks
+    engine.add_request(1, [1, 5, 9], params)  # 3 more blocks: the cache is full
+    engine.add_request(2, [2, 6, 5], params)  # waits for room
+    engine.step_modern()
+    before = (list(engine.active), list(engine.waiting), context.block_allocator.total_avail)
+    cancelled = (engine.cancel_request(0), engine.cancel_request(2))
+    after_cancel = (list(engine.active), list(engine.waiting), context.block_allocator.total_avail)
+    again = (engine.cancel_request(0), engine.cancel_request(99))  # gone / never was: nothing to do
+    while engine.has_unfinished_requests():
+        engine.step_modern()
+    finished = engine.cancel_request(1)  # finished: left alone
+    return before, cancelled, after_cancel, again, finished, sorted(engine.requests), engine.get_request(1).status.name
+
+
+def test_cancelling_a_request_frees_its_blocks_and_slot_at_once_and_leaves_finished_ones_alone():
+    before, cancelled, after_cancel, again, finished, left, status = run_distributed(1, _cancel)[0]
+    assert before == ([0, 1], [2], 0)
+    assert cancelled == (True, True)
+    assert after_cancel == ([1], [], 3), "request 0's three blocks are free and request 2 no longer waits"
+    assert again == (False, False) and finished is False
+    assert left == [1] and status == "COMPLETED"

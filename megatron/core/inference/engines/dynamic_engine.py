@@ -361,6 +361,27 @@ class DynamicInferenceEngine(AbstractEngine):
             self.step_modern()
         return [self.pop_request(request_id) for request_id in ids]
 
+    def cancel_request(self, request_id) -> bool:
+        """Ours (not in Megatron-Core): stop an unfinished request between steps and drop it from the engine, so
+        its KV-cache blocks and its batch slot go to others at once (a server calls it when the client went away).
+        The request ends FAILED with a FAIL event "cancelled". Returns False when there is nothing to cancel (no
+        such request, or it already finished). Model parallelism: every rank cancels the same ids at the same
+        point between steps, as with :meth:`add_request`."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry.record.merge().finished:
+            return False
+        request = entry.record.merge()
+        if request_id in self.active:
+            self.context.release_request(request_id)
+            self.active.remove(request_id)
+        else:
+            self.waiting.remove(request_id)
+        request.status = Status.FAILED
+        request.add_event(DynamicInferenceEventType.FAIL, "cancelled")
+        self._notify(request, finished=True)
+        del self.requests[request_id]
+        return True
+
     def pop_request(self, request_id) -> DynamicInferenceRequest:
         """Remove a finished request from the engine and return it."""
         request = self.get_request(request_id)

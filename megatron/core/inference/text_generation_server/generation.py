@@ -57,6 +57,8 @@ class Generation:
         self.prompt_log_probs: Dict[int, List[float]] = {}  # per prompt index, when echo asks for them
         self._streams: List[TextStream] = []
         self._handles = []
+        self._serving_loop = serving_loop
+        self._ended = set()  # choices whose engine request ended (finished or failed): nothing to cancel
         try:
             params = [sampling_params_for(request, sample, termination_id) for sample in range(request.n)]
         except ValueError as error:  # a combination SamplingParams refuses
@@ -65,6 +67,13 @@ class Generation:
             for sample in range(request.n):
                 self._handles.append((prompt_index, serving_loop.submit(prompt, params[sample])))
                 self._streams.append(TextStream(tokenizer, request.stop, [termination_id]))
+
+    def cancel(self) -> None:
+        """The client went away: cancel every choice still running, so the engine frees their slots now."""
+        for index, (_, handle) in enumerate(self._handles):
+            if index not in self._ended:
+                self._ended.add(index)
+                self._serving_loop.cancel(handle.request_id)
 
     @property
     def num_choices(self) -> int:
@@ -99,6 +108,8 @@ class Generation:
         prompt_index = self.prompt_index(index)
         try:
             async for progress in handle:
+                if progress.finished or progress.error is not None:
+                    self._ended.add(index)
                 if progress.error is not None:
                     status = 400 if progress.error_is_client_error else 500
                     merged.put_nowait(

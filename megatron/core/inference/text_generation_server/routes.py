@@ -6,12 +6,19 @@ the engine sees it), hands the request to the :class:`~.serving_loop.ServingLoop
 :class:`~.generation.Generation`, and answers with :mod:`.responses`' shapes, either whole or as server-sent events
 ending in ``data: [DONE]``. What a handler needs of its app (engine, tokenizer, model name, request parser) is the
 :class:`ServerState` that :func:`~.app.create_app` puts in ``app.state.server``.
+
+One event loop serves every client, so nothing slow runs on it: JSON parsing, chat-template rendering and
+tokenization run on worker threads (at most ``PARSE_THREADS`` at once, so a burst of big requests cannot take every
+thread), and the handlers and their dependencies are ``async``, so ``/health`` never waits for a thread. A client
+that disconnects before its answer is complete has its generation cancelled, which frees its engine slot.
 """
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Dict, List, Optional
 
-from fastapi import APIRouter, Depends, Request
+import anyio
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from megatron.core.inference.text_generation_server import responses
@@ -25,6 +32,9 @@ from megatron.core.inference.text_generation_server.validation import (
 )
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PARSE_THREADS = 4
+# nginx's "client closed request": what a handler returns when no one is left to read its answer.
+_CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
@@ -38,6 +48,14 @@ class ServerState:
     parser: RequestParser
     termination_id: Optional[int]
     created: int  # when the app was built: the model card's "created"
+    parse_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(PARSE_THREADS))
+
+    async def read(self, http_request: Request, kind: str) -> GenerationRequest:
+        """The body of ``http_request`` read as a request of ``kind`` ("completion", "chat_completion" or
+        "legacy"): received on the event loop (bounded by the app's body limit), parsed on a worker thread."""
+        raw = await http_request.body()
+        read = getattr(self.parser, kind)
+        return await anyio.to_thread.run_sync(lambda: read(parse_json_body(raw)), limiter=self.parse_threads)
 
     def generation(self, request: GenerationRequest) -> Generation:
         """A generation on the engine, or a 503 when the engine has stopped."""
@@ -60,7 +78,8 @@ class ServerState:
         }
 
 
-def _server(request: Request) -> ServerState:
+async def _server(request: Request) -> ServerState:
+    # async: FastAPI would run a plain function on a worker thread, which a burst of big requests may all hold.
     return request.app.state.server
 
 
@@ -71,10 +90,11 @@ router = APIRouter()
 
 @router.get("/health")
 @router.get("/v1/health")
-def health(state: ServerState = Depends(_server)):
-    if not state.serving_loop.running:
-        return JSONResponse({"status": "unavailable", "error": str(state.serving_loop.fatal_error)}, status_code=503)
-    return {"status": "ok"}
+async def health(state: ServerState = Depends(_server)):
+    loop = state.serving_loop
+    if not loop.running:
+        return JSONResponse({"status": "unavailable", "error": str(loop.fatal_error)}, status_code=503)
+    return {"status": "ok", "requests": {"in_engine": loop.requests_in_engine, "cancelled": loop.cancelled}}
 
 
 @router.get("/v1/models")
@@ -101,11 +121,13 @@ async def model_by_id(model: str, state: ServerState = Depends(_server)):
 @router.post("/v1/completions")
 @router.post("/completions")
 async def completions(http_request: Request, state: ServerState = Depends(_server)):
-    request = state.parser.completion(parse_json_body(await http_request.body()))
+    request = await state.read(http_request, "completion")
     generation = state.generation(request)
     if request.stream:
         return _event_stream(state, generation, "cmpl", responses.completion_chunk, _completion_chunks)
-    choices = await _collect(generation)
+    choices = await _collect(generation, http_request)
+    if choices is None:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
     body = [
         responses.completion_choice(
             c.index, _echoed(generation, c.index) + c.text, c.finish_reason, _completion_logprobs(state, generation, c)
@@ -158,11 +180,13 @@ async def _completion_chunks(state: ServerState, generation: Generation) -> Asyn
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat_completions(http_request: Request, state: ServerState = Depends(_server)):
-    request = state.parser.chat_completion(parse_json_body(await http_request.body()))
+    request = await state.read(http_request, "chat_completion")
     generation = state.generation(request)
     if request.stream:
         return _event_stream(state, generation, "chatcmpl", responses.chat_chunk, _chat_chunks)
-    choices = await _collect(generation)
+    choices = await _collect(generation, http_request)
+    if choices is None:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
     body = [
         responses.chat_choice(
             c.index, c.text, c.finish_reason, _chat_logprobs(state, request, c.tokens, c.log_probs, c.top_logprobs)
@@ -200,9 +224,11 @@ async def _chat_chunks(state: ServerState, generation: Generation) -> AsyncItera
 async def legacy(http_request: Request, state: ServerState = Depends(_server)):
     """Megatron's text generation server API: ``{"prompts": [...], "tokens_to_generate": N, ...}`` ->
     ``{"text": [prompt + generation, ...], "segments": [[token, ...], ...], "logprobs": [[...], ...]}``."""
-    request = state.parser.legacy(parse_json_body(await http_request.body()))
+    request = await state.read(http_request, "legacy")
     generation = state.generation(request)
-    choices = await _collect(generation)
+    choices = await _collect(generation, http_request)
+    if choices is None:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
     texts, segments, logprobs = [], [], []
     for choice in choices:
         prompt = request.prompts[choice.index]
@@ -234,7 +260,8 @@ def _event_stream(
     state: ServerState, generation: Generation, id_prefix: str, make_chunk: Callable, chunks: Callable
 ) -> StreamingResponse:
     """Server-sent events: one chunk per list of choices ``chunks(state, generation)`` yields, then the usage when
-    asked for, then ``[DONE]``. Headers are already sent, so a failure mid-stream becomes an error event."""
+    asked for, then ``[DONE]``. Headers are already sent, so a failure mid-stream becomes an error event. When the
+    client disconnects, Starlette cancels this generator and the generation is cancelled with it."""
 
     async def events():
         request = generation.request
@@ -246,13 +273,18 @@ def _event_stream(
                 make_chunk(response_id, when, state.model_name, choices, usage_counts, request.include_usage)
             )
 
+        complete = False
         try:
             async for choices in chunks(state, generation):
                 yield chunk(choices)
             if request.include_usage:
                 yield chunk([], responses.usage(generation.prompt_tokens, generation.completion_tokens))
+            complete = True
         except OpenAIError as error:
             yield responses.sse(error.body())
+        finally:
+            if not complete:  # the client went away, or a choice failed: the other choices have no one to go to
+                generation.cancel()
         yield responses.SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -265,8 +297,33 @@ def _prompt_log_probs(generation: Generation, prompt_index: int) -> List[Optiona
     return values + [None] * (count - len(values))
 
 
-async def _collect(generation: Generation) -> List[responses.ChoiceAccumulator]:
+async def _collect(generation: Generation, http_request: Request) -> Optional[List[responses.ChoiceAccumulator]]:
+    """Every choice, whole; None (and the generation cancelled) when the client disconnects first."""
     choices = [responses.ChoiceAccumulator(index) for index in range(generation.num_choices)]
-    async for update in generation.updates():
-        choices[update.index].add(update)
+
+    async def gather():
+        async for update in generation.updates():
+            choices[update.index].add(update)
+
+    collecting = asyncio.ensure_future(gather())
+    disconnected = asyncio.ensure_future(_disconnect(http_request))
+    try:
+        await asyncio.wait((collecting, disconnected), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not collecting.done():  # the client went away first (or this handler is being cancelled)
+            collecting.cancel()
+            generation.cancel()
+    if not collecting.done():
+        return None
+    error = collecting.exception()
+    if error is not None:
+        generation.cancel()  # a choice failed: the others' text can no longer be sent
+        raise error
     return choices
+
+
+async def _disconnect(http_request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so the next ASGI message is the disconnect)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core.inference.text_generation_server.app import create_app
 from megatron.core.inference.text_generation_server.chat_template import build_chat_renderer
 from megatron.core.inference.text_generation_server.serving_loop import ServingLoop
-from megatron.core.inference.text_generation_server.validation import ServingDefaults
+from megatron.core.inference.text_generation_server.validation import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
     loading, and no port is released between choosing it and serving on it (where another socket, say one of gloo's,
     could take it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # Protocol IPPROTO_TCP, not create_server's 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+    # that say TCP, and with it on, every response's body waits for the client's delayed ACK of its headers (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
     except OSError as exc:
+        sock.close()
         raise OSError(
             f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); pick another --port "
             "(0: any free port), or stop what is using it"
@@ -85,6 +92,8 @@ class TextGenerationServer:
         group: Optional[dist.ProcessGroup] = None,
         vocab_size: Optional[int] = None,
         termination_id: Optional[int] = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        ignore_unknown_fields: bool = False,
     ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.serving_loop = ServingLoop(engine, group=group)
@@ -99,6 +108,8 @@ class TextGenerationServer:
                 build_chat_renderer(tokenizer, chat_template_file),
                 termination_id,
                 vocab_size,
+                max_request_body_bytes=max_request_body_bytes,
+                ignore_unknown_fields=ignore_unknown_fields,
             )
         self._uvicorn = None
         self._thread: Optional[threading.Thread] = None

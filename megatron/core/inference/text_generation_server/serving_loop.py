@@ -5,7 +5,9 @@ loop takes the requests submitted since the last turn, broadcasts them to the ot
 to the :class:`DynamicInferenceEngine` and runs one engine step, which batches every running request (continuous
 batching: requests join and leave between steps). After the step it reports each request's new tokens to the
 handler waiting on it. The other ranks run :meth:`ServingLoop.follow`: receive the turn's requests, add them, step,
-so every rank issues the same collectives in the same order.
+so every rank issues the same collectives in the same order. A request whose client went away is cancelled the
+same way: :meth:`ServingLoop.cancel` queues it, the next turn names it, and every rank drops it from its engine
+between steps, so its KV-cache blocks and batch slot are free for the next request.
 
 The broadcast is JSON bytes in a uint8 tensor over a gloo group (request text from the network is never pickled).
 While idle, rank 0 still broadcasts an empty turn every ``heartbeat_s`` seconds, so the waiting ranks are never
@@ -19,7 +21,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,19 @@ def _sampling_params_to_json(params: SamplingParams) -> dict:
     return dataclasses.asdict(params)
 
 
+@dataclass
+class _Submission:
+    request_id: int
+    tokens: List[int]
+    params: SamplingParams
+    handle: RequestHandle
+
+
+@dataclass
+class _Cancellation:
+    request_id: int
+
+
 class ServingLoop:
     """Owns the engine: :meth:`submit` (rank 0, from the event loop), :meth:`run` (rank 0's engine thread, started
     by :meth:`start`), :meth:`follow` (every other rank), :meth:`shutdown` (rank 0: stops every rank)."""
@@ -81,7 +96,8 @@ class ServingLoop:
         self.src_rank = src_rank
         self.heartbeat_s = heartbeat_s
         self._distributed = group is not None and dist.get_world_size(group) > 1
-        self._submitted: "queue.Queue[Tuple[int, List[int], SamplingParams, RequestHandle]]" = queue.Queue()
+        # What handlers hand the engine thread: submissions, cancellations, and None (shutdown's wake-up call).
+        self._submitted: "queue.Queue[Union[_Submission, _Cancellation, None]]" = queue.Queue()
         self._handles: Dict[int, RequestHandle] = {}
         self._reported: Dict[int, int] = {}
         self._next_id = 0
@@ -89,6 +105,7 @@ class ServingLoop:
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.fatal_error: Optional[BaseException] = None
+        self.cancelled = 0  # requests cancelled so far (clients that went away), for /health
 
     # ---------------------------------------------------------------- rank 0, event-loop side
 
@@ -100,8 +117,18 @@ class ServingLoop:
             request_id = self._next_id
             self._next_id += 1
         handle = RequestHandle(request_id, asyncio.get_running_loop())
-        self._submitted.put((request_id, list(prompt_tokens), sampling_params, handle))
+        self._submitted.put(_Submission(request_id, list(prompt_tokens), sampling_params, handle))
         return handle
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a submitted request (its client went away): the engine thread removes it from the engine on every
+        rank before its next step. A request that already finished is left alone. Thread-safe."""
+        self._submitted.put(_Cancellation(request_id))
+
+    @property
+    def requests_in_engine(self) -> int:
+        """Requests the engine holds for clients (generating or waiting for room), for /health."""
+        return len(self._handles)
 
     def start(self) -> None:
         device = get_current_device()  # the CUDA device is per thread: the engine thread takes this rank's
@@ -135,41 +162,56 @@ class ServingLoop:
             self._handles.clear()
 
     def run(self) -> None:
-        """Rank 0's loop until :meth:`shutdown`: gather new requests, broadcast, add, step, report."""
+        """Rank 0's loop until :meth:`shutdown`: gather new requests and cancellations, broadcast, apply, step,
+        report."""
         while True:
-            new = self._take_submitted(block=not self.engine.has_unfinished_requests())
+            new, cancels = self._take_submitted(block=not self.engine.has_unfinished_requests())
             stop = self._stopping.is_set()
-            turn = {"add": [[rid, tokens, _sampling_params_to_json(sp)] for rid, tokens, sp, _ in new], "stop": stop}
+            known = set(self._handles) | {item.request_id for item in new}
+            cancels = [request_id for request_id in cancels if request_id in known]  # finished ones: nothing to do
+            turn = {
+                "add": [[s.request_id, s.tokens, _sampling_params_to_json(s.params)] for s in new],
+                "cancel": cancels,
+                "stop": stop,
+            }
             if self._distributed:
                 self._broadcast(turn)
             if stop:
-                for _, _, _, handle in new:
-                    handle._push(Progress(error="the server is shutting down"))
+                for item in new:
+                    item.handle._push(Progress(error="the server is shutting down"))
                 return
-            for request_id, tokens, params, handle in new:
-                self._handles[request_id] = handle
-                self._reported[request_id] = 0
-                error = self._add(request_id, tokens, params)
+            for item in new:
+                self._handles[item.request_id] = item.handle
+                self._reported[item.request_id] = 0
+                error = self._add(item.request_id, item.tokens, item.params)
                 if error is not None:
-                    self._forget(request_id)._push(Progress(error=error, error_is_client_error=True))
+                    self._forget(item.request_id)._push(Progress(error=error, error_is_client_error=True))
+            for request_id in cancels:
+                if self.engine.cancel_request(request_id):
+                    self.cancelled += 1
+                if request_id in self._handles:
+                    self._forget(request_id)._push(Progress(error="the request was cancelled"))
             if self.engine.has_unfinished_requests():
                 finished = self._step()
                 self._report()
                 self._release(finished)
 
-    def _take_submitted(self, block: bool):
-        """The requests submitted since the last turn (waiting up to ``heartbeat_s`` for one when ``block``)."""
-        new = []
+    def _take_submitted(self, block: bool) -> Tuple[List[_Submission], List[int]]:
+        """The requests submitted and the request ids cancelled since the last turn (waiting up to
+        ``heartbeat_s`` for something when ``block``)."""
+        items = []
         if block:
             try:
-                new.append(self._submitted.get(timeout=self.heartbeat_s))
+                items.append(self._submitted.get(timeout=self.heartbeat_s))
             except queue.Empty:
-                return new
+                return [], []
         while True:
             try:
-                new.append(self._submitted.get_nowait())
+                items.append(self._submitted.get_nowait())
             except queue.Empty:
-                return [item for item in new if item is not None]  # None: shutdown's wake-up call
+                break
+        new = [item for item in items if isinstance(item, _Submission)]
+        return new, [item.request_id for item in items if isinstance(item, _Cancellation)]
 
     def _report(self) -> None:
         for request_id in list(self._handles):
@@ -231,6 +273,8 @@ class ServingLoop:
                 return
             for request_id, tokens, params in turn["add"]:
                 self._add(request_id, tokens, SamplingParams(**params))
+            for request_id in turn["cancel"]:
+                self.engine.cancel_request(request_id)
             if self.engine.has_unfinished_requests():
                 self._release(self._step())
 

@@ -4,11 +4,18 @@ The three request kinds (``/v1/completions``, ``/v1/chat/completions`` and Megat
 read here into one shape that the endpoints hand to the serving loop. Each check raises an
 :class:`~.errors.OpenAIError` naming the parameter, the value and what is accepted, before anything reaches the
 engine, so a bad request costs the running batch nothing. An explicit ``null`` means "the default", as in
-OpenAI's API; unknown fields are ignored (clients send extras such as ``user``), but known OpenAI parameters this
-server does not implement are refused when set to anything but their no-op value.
+OpenAI's API. A field the endpoint does not know is refused as OpenAI refuses it ("Unknown parameter: 'x'."),
+unless the server was started to ignore unknown fields (``--ignore-unknown-request-fields``); OpenAI parameters that
+only describe the caller (``user``, ``metadata``, ...) are accepted and ignored, and those this server does not
+implement are refused when set to anything but their no-op value.
+
+The parser runs on a worker thread (see :mod:`.routes`): tokenizing a long prompt takes seconds of CPU. A prompt
+that cannot fit the context whatever its tokens (more non-space characters than the longest vocabulary entry times
+the context length) is refused before it is tokenized.
 """
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -25,8 +32,11 @@ MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
 MAX_LEGACY_PROMPTS = 128
 MAX_SEED = 2**63 - 1
+# The server's default --max-request-body-bytes: 4 MiB holds a 128k-token prompt as text or as token ids.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 _MISSING = object()
+_WHITESPACE_RUNS = re.compile(r"\s+")
 
 # OpenAI parameters this server does not implement, and the values that ask for nothing (so are accepted).
 _NO_OP_VALUES = {
@@ -35,8 +45,51 @@ _NO_OP_VALUES = {
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
 }
+_CHAT_UNSUPPORTED = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+)
+
+# The fields each endpoint knows: what it reads, the unsupported ones it refuses by name, and OpenAI's fields that
+# only describe the caller or the storage of the reply (accepted, no effect here). Anything else is unknown.
+_CALLER_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+_SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream")
+_COMMON_FIELDS = _SAMPLING_FIELDS + ("stream_options", "frequency_penalty", "presence_penalty", "logit_bias")
+COMPLETION_FIELDS = frozenset(_COMMON_FIELDS + _CALLER_FIELDS + ("prompt", "suffix", "best_of", "logprobs", "echo"))
+CHAT_FIELDS = frozenset(
+    _COMMON_FIELDS
+    + _CALLER_FIELDS
+    + _CHAT_UNSUPPORTED
+    + ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "parallel_tool_calls")
+)
+_LEGACY_UNSUPPORTED = ("beam_width", "prevent_newline_after_colon", "stop_token", "length_penalty")
+LEGACY_FIELDS = frozenset(
+    ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "top_p_decay", "top_p_bound")
+    + ("add_BOS", "random_seed", "stop_on_eol", "stop_on_double_eol", "no_log")
+    + _LEGACY_UNSUPPORTED
+)
+_STREAM_OPTIONS_FIELDS = frozenset(("include_usage", "include_obfuscation"))
+_MESSAGE_FIELDS = frozenset(
+    ("role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call")
+)
 
 
 @dataclass
@@ -96,16 +149,20 @@ class RequestParser:
         defaults: Optional[ServingDefaults] = None,
         render_chat: Optional[Callable] = None,
         vocab_size: Optional[int] = None,
+        ignore_unknown_fields: bool = False,
     ):
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
         self.defaults = defaults or ServingDefaults()
         self.render_chat = render_chat
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.vocab_size
+        self.ignore_unknown_fields = ignore_unknown_fields
+        self.max_prompt_characters = _max_prompt_characters(tokenizer, max_sequence_length)
 
     # ---------------------------------------------------------------- the three request kinds
 
     def completion(self, body: Dict[str, Any]) -> GenerationRequest:
+        self._check_fields(body, COMPLETION_FIELDS)
         self._check_model(body)
         self._refuse_unsupported(body, ("suffix", "best_of"))
         prompts, texts = self._completion_prompts(body)
@@ -116,9 +173,13 @@ class RequestParser:
         return request
 
     def chat_completion(self, body: Dict[str, Any]) -> GenerationRequest:
+        self._check_fields(body, CHAT_FIELDS)
         self._check_model(body)
-        self._refuse_unsupported(body, ("tools", "functions", "tool_choice", "response_format"))
+        self._refuse_unsupported(body, _CHAT_UNSUPPORTED)
         messages = _chat_messages(body)
+        for index, message in enumerate(body["messages"]):
+            self._check_fields(message, _MESSAGE_FIELDS, f"messages[{index}].")
+        self._check_prompt_characters(sum(_non_space_length(m["content"]) for m in messages), "messages")
         text = self.render_chat(messages)
         prompt = self.tokenizer.tokenize(text)
         self._check_prompt_tokens(prompt, "messages")
@@ -136,7 +197,8 @@ class RequestParser:
 
     def legacy(self, body: Dict[str, Any]) -> GenerationRequest:
         """Megatron's ``PUT /api`` fields: prompts, tokens_to_generate, logprobs, temperature, top_k, top_p,
-        add_BOS, random_seed, stop_on_eol, stop_on_double_eol."""
+        add_BOS, random_seed, stop_on_eol, stop_on_double_eol (and no_log, which changes nothing here)."""
+        self._check_fields(body, LEGACY_FIELDS)
         prompts = body.get("prompts", _MISSING)
         if prompts is _MISSING or prompts is None:
             raise missing_parameter("prompts")
@@ -152,6 +214,8 @@ class RequestParser:
             raise OpenAIError(
                 "'add_BOS' is true but this tokenizer has no BOS token.", param="add_BOS", code="invalid_value"
             )
+        for prompt in prompts:
+            self._check_prompt_characters(_non_space_length(prompt), "prompts")
         token_lists = []
         for prompt in prompts:
             tokens = ([bos] if add_bos else []) + self.tokenizer.tokenize(prompt)
@@ -161,7 +225,7 @@ class RequestParser:
         temperature = _number(body, "temperature", self.defaults.temperature, minimum=0.0, maximum=100.0)
         top_k = _integer(body, "top_k", self.defaults.top_k, minimum=0, maximum=1000)
         top_p = _number(body, "top_p", self.defaults.top_p, minimum=0.0, maximum=1.0)
-        for name in ("beam_width", "prevent_newline_after_colon", "stop_token", "length_penalty"):
+        for name in _LEGACY_UNSUPPORTED + ("top_p_decay", "top_p_bound"):
             if body.get(name) not in (None, False, 0):
                 raise OpenAIError(
                     f"'{name}' is not supported by this server; remove it.", param=name, code="unsupported_parameter"
@@ -229,6 +293,7 @@ class RequestParser:
                     param="stream_options",
                     code="invalid_value",
                 )
+            self._check_fields(stream_options, _STREAM_OPTIONS_FIELDS, "stream_options.")
             include_usage = _boolean(stream_options, "include_usage", False, name="stream_options.include_usage")
         request = GenerationRequest(
             prompts=prompts,
@@ -254,6 +319,30 @@ class RequestParser:
         # agents send names of their own. The response's "model" field names what actually answered.
         if not isinstance(model, str):
             raise invalid_type("model", "a string", model)
+
+    def _check_fields(self, body: Dict[str, Any], known, prefix: str = "") -> None:
+        """A 400 naming the first field the endpoint does not know (OpenAI's answer), unless told to ignore them."""
+        if self.ignore_unknown_fields:
+            return
+        for name in body:
+            if name not in known:
+                raise OpenAIError(
+                    f"Unknown parameter: '{prefix}{name}'. Remove it, or start the server with "
+                    "--ignore-unknown-request-fields to have fields it does not know ignored.",
+                    param=f"{prefix}{name}",
+                    code="unknown_parameter",
+                )
+
+    def _check_prompt_characters(self, characters: int, param: str) -> None:
+        """Refuse, before tokenizing, text too long to fit whatever its tokens (see the module docstring)."""
+        if self.max_prompt_characters is not None and characters > self.max_prompt_characters:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_sequence_length} tokens, and the {param} has "
+                f"{characters} non-space characters, more than {self.max_sequence_length} tokens can hold with "
+                f"this tokenizer (at most {self.max_prompt_characters}). Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     @staticmethod
     def _refuse_unsupported(body, names) -> None:
@@ -293,6 +382,11 @@ class RequestParser:
                 "a string, an array of strings, an array of token ids or an array of arrays of token ids",
                 prompt,
             )
+        for item in items:
+            if isinstance(item, str):
+                self._check_prompt_characters(_non_space_length(item), "prompt")
+            elif item:
+                self._check_prompt_tokens(item, "prompt")  # the length first: a long list is not scanned twice
         tokens, texts = [], []
         for item in items:
             if isinstance(item, str):
@@ -336,6 +430,22 @@ class RequestParser:
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
+
+
+def _max_prompt_characters(tokenizer, max_sequence_length: int) -> Optional[int]:
+    """The most non-space characters a prompt of fewer than ``max_sequence_length`` tokens can have: each token
+    covers at most as many characters as its vocabulary entry is long (in characters, or bytes for byte-level
+    vocabularies, which is no fewer). None when the tokenizer does not show its vocabulary."""
+    try:
+        longest = max((len(entry) for entry in tokenizer.vocab), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return longest * max_sequence_length if longest > 0 else None
+
+
+def _non_space_length(text: str) -> int:
+    """Characters that are not whitespace (tokenizers may drop whitespace runs: only these bound the tokens)."""
+    return len(text) - sum(len(run) for run in _WHITESPACE_RUNS.findall(text))
 
 
 # -------------------------------------------------------------------- field readers

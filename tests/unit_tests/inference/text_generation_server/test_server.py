@@ -2,12 +2,6 @@
 called with the official ``openai`` client, and with raw bad requests through ``httpx``."""
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -16,10 +10,9 @@ import pytest
 from megatron.core.inference.text_generation_server.chat_template import default_chat_prompt
 from megatron.core.tokenizers import GPT2BPETokenizer
 from megatron.training import builtin_data
+from tests.unit_tests.inference.text_generation_server import tiny_server
 from tests.unit_tests.inference.text_generation_server.tiny_server import MAX_REQUESTS, MAX_SEQUENCE_LENGTH, MODEL_NAME
-from tests.functional_tests.harness import free_port
 
-SERVER_SCRIPT = Path(__file__).with_name("tiny_server.py")
 PROMPTS = [
     "To be, or not to be",
     "Friends, Romans, countrymen",
@@ -39,37 +32,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def base_url():
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [sys.executable, str(SERVER_SCRIPT), str(port)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{process.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy within 120 s")
-            time.sleep(0.2)
+    with tiny_server.running() as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +59,7 @@ def test_any_model_name_is_served_by_the_one_model_and_named_in_the_reply(client
 
 def test_health_and_models(base_url, client):
     for path in ("/health", "/v1/health"):
-        assert httpx.get(base_url + path).json() == {"status": "ok"}
+        assert httpx.get(base_url + path).json() == {"status": "ok", "requests": {"in_engine": 0, "cancelled": 0}}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
@@ -320,6 +284,53 @@ BAD_REQUESTS = [
     ("PUT", "/api", {"tokens_to_generate": 3}, 400, "prompts", "missing_required_parameter", "'prompts'"),
     ("PUT", "/api", {"prompts": "x"}, 400, "prompts", "invalid_type", "array of strings"),
     ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": -3}, 400, "tokens_to_generate", "below_min_value", "-3"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 1, "frobnicate": 1},
+        400,
+        "frobnicate",
+        "unknown_parameter",
+        "Unknown parameter: 'frobnicate'. Remove it, or start the server with --ignore-unknown-request-fields",
+    ),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "chunk_size": 4}},
+        400,
+        "stream_options.chunk_size",
+        "unknown_parameter",
+        "Unknown parameter: 'stream_options.chunk_size'",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temprature": 0.5},
+        400,
+        "temprature",
+        "unknown_parameter",
+        "Unknown parameter: 'temprature'",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
+        400,
+        "messages[0].colour",
+        "unknown_parameter",
+        "Unknown parameter: 'messages[0].colour'",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
+        400,
+        "reasoning_effort",
+        "unsupported_parameter",
+        "'reasoning_effort' is not supported by this server",
+    ),
+    ("PUT", "/api", {"prompts": ["x"], "temperatur": 1}, 400, "temperatur", "unknown_parameter", "'temperatur'"),
+    ("PUT", "/api", {"prompts": ["x"], "top_p_decay": 0.5}, 400, "top_p_decay", "unsupported_parameter", "remove it"),
     ("GET", "/v1/nothing-here", None, 404, None, "unknown_url", "/v1/nothing-here"),
     ("GET", "/v1/completions", None, 405, None, "method_not_allowed", "GET"),
     ("GET", "/v1/models/gpt-9", None, 404, "model", "model_not_found", "'gpt-9'"),
@@ -338,7 +349,7 @@ def test_bad_request_gets_openai_error_body(base_url, method, path, body, status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["param"], error["code"]) == (param, code)
-    assert error["type"] == ("invalid_request_error" if status in (400, 405) else "not_found_error")
+    assert error["type"] == ("invalid_request_error" if status in (400, 405, 413) else "not_found_error")
     assert words in error["message"]
 
 
@@ -347,3 +358,38 @@ def test_openai_client_raises_with_the_message_and_server_keeps_serving(client):
         client.completions.create(model=MODEL_NAME, prompt=_LONG_PROMPT, max_tokens=1)
     assert raised.value.code == "context_length_exceeded"
     assert _greedy(client, PROMPTS[0], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_callers_own_openai_fields_are_accepted(client):
+    """OpenAI's fields that only describe the caller are known fields: accepted, with no effect here."""
+    reply = _greedy(client, PROMPTS[0], max_tokens=1, user="u-1", extra_body={"metadata": {"k": "v"}, "store": False})
+    assert reply.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "method,path,field",
+    [("POST", "/v1/completions", "prompt"), ("POST", "/v1/chat/completions", "messages"), ("PUT", "/api", "prompts")],
+)
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(base_url, tokenizer, method, path, field):
+    """More non-space characters than the context can hold with this vocabulary's longest entry: refused by its
+    length (the message counts characters, not tokens: nothing was tokenized)."""
+    limit = max(len(entry) for entry in tokenizer.vocab) * MAX_SEQUENCE_LENGTH
+    text = "x" * (limit + 1) + " " * 1000  # the spaces do not count
+    value = {"prompt": text, "messages": [{"role": "user", "content": text}], "prompts": [text]}[field]
+    response = httpx.request(method, base_url + path, json={field: value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+    assert f"has {limit + 1} non-space characters, more than {MAX_SEQUENCE_LENGTH} tokens can hold" in error["message"]
+
+
+def test_a_body_over_the_default_limit_is_413_json_and_the_server_keeps_serving(base_url, client):
+    """The issue's case: a 10 MB chat message (the default limit is 4 MiB), refused from its Content-Length."""
+    body = b'{"messages": [{"role": "user", "content": "' + b"x" * 10_000_000 + b'"}]}'
+    response = httpx.post(base_url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, "request_too_large")
+    assert error["message"].startswith(f"The request body is {len(body)} bytes, over this server's limit of 4194304")
+    assert "--max-request-body-bytes" in error["message"]
+    assert _greedy(client, PROMPTS[0], max_tokens=1).usage.completion_tokens == 1

@@ -1,6 +1,6 @@
 """The serving loop's lockstep at TP2 and PP2: rank 0 takes requests (arriving while others run), broadcasts each
-turn, every rank steps; every request gets the no-cache greedy tokens, and every rank ends with its KV cache free
-and no requests left in its engine."""
+turn, every rank steps; every request gets the no-cache greedy tokens, a request cancelled mid-generation leaves
+every rank's engine at the same point, and every rank ends with its KV cache free and no requests left."""
 
 import pytest
 
@@ -46,7 +46,16 @@ def _serve(tp: int, pp: int):
                     tokens += progress.tokens
                 return tokens
 
-            return await asyncio.gather(*[one(p, 0.03 * i) for i, p in enumerate(PROMPTS)])
+            async def cancelled():
+                handle = loop.submit(
+                    PROMPTS[0], SamplingParams(top_k=1, num_tokens_to_generate=4 * NEW_TOKENS, termination_id=-1)
+                )
+                async for _ in handle:  # its first tokens: it is in the batch, then its client goes away
+                    loop.cancel(handle.request_id)
+                    break
+
+            *got, _ = await asyncio.gather(*[one(p, 0.03 * i) for i, p in enumerate(PROMPTS)], cancelled())
+            return got
 
         loop.start()
         try:
@@ -59,6 +68,7 @@ def _serve(tp: int, pp: int):
     return {
         "got": got,
         "expected": expected,
+        "cancelled": loop.cancelled,
         "left": len(engine.requests),
         "free": allocator.total_avail == allocator.total_count,
     }
@@ -68,6 +78,7 @@ def _serve(tp: int, pp: int):
 def test_every_rank_steps_with_rank_0_and_requests_get_the_reference_tokens(tp, pp):
     results = run_distributed(tp * pp, _serve, tp, pp)
     assert results[0]["got"] == results[0]["expected"]
+    assert results[0]["cancelled"] == 1
     for rank, result in enumerate(results):
         assert result["left"] == 0, f"rank {rank}: finished requests still in the engine"
         assert result["free"], f"rank {rank}: KV-cache blocks still allocated"
