@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import mpu, parallel_state  # noqa: F401  (mpu: Megatron's name in this module, patched by tests)
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
@@ -26,7 +26,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
-from megatron.core.utils import get_current_device
+from megatron.core.utils import get_current_device, get_pg_rank, get_pg_size  # noqa: F401  (as mpu above)
 from megatron.training import checkpointing
 from megatron.training import progress_log
 from megatron.training.error_handling import exit_on_error

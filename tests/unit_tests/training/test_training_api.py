@@ -18,6 +18,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.training import flops, global_vars, progress_log, training
 from megatron.training.training import (
+    build_train_valid_test_data_iterators,
     build_train_valid_test_datasets,
     compute_throughputs_and_append_to_progress_log,
     cyclic_iter,
@@ -228,6 +229,24 @@ def test_cyclic_iter_and_default_num_samples():
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None))
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None), [1, 2, 3])
     assert seen == [(80, 48, 16), [1, 2, 3]]
+
+
+def _external_iterators():
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    # An external provider's iterables are used as they are: no micro batch size or workers needed in the args.
+    args = types.SimpleNamespace(
+        train_samples=None, train_iters=1, global_batch_size=1, eval_interval=1, eval_iters=1,
+        consumed_train_samples=0, consumed_valid_samples=0, dataloader_type="external",
+    )  # fmt: skip
+    global_vars.set_args(args)
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(lambda n: ([1], [2], None))
+    return next(train_it), next(valid_it), test_it, (args.do_train, args.do_valid, args.do_test)
+
+
+def test_external_dataloaders_pass_through():
+    assert run_distributed(1, _external_iterators) == [(1, 2, None, (True, True, False))]
 
 
 def test_progress_log_start_time_and_throughput(tmp_path, monkeypatch):
