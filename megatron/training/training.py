@@ -376,7 +376,7 @@ def train(
         args.iteration = iteration
         batch_size = parallel_state.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
-        seqlen_squared_sum, total_real_tokens = consume_seqlen_stats_in_iteration()
+        total_real_tokens, seqlen_squared_sum = consume_seqlen_stats_in_iteration()
         args.num_floating_point_operations_so_far += num_floating_point_operations(
             args, batch_size, seqlen_squared_sum, total_real_tokens
         )

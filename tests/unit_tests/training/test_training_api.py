@@ -105,6 +105,28 @@ def test_packed_sequence_flops_reduce_to_the_padded_count_for_equal_lengths():
     )
 
 
+def test_packed_sequence_flops_with_one_statistic_keep_the_other_terms():
+    args = argparse.Namespace(**vars(validated("--seq-length", 32)))
+    args.padded_vocab_size = 128
+    batch, seq = 4, 32
+    full = flops.num_floating_point_operations(args, batch)
+    no_attention = num_floating_point_operations(args, batch, seqlen_squared_sum_in_batch=0)
+    doubled = num_floating_point_operations(args, batch, seqlen_squared_sum_in_batch=2 * batch * seq**2)
+    assert no_attention < full and doubled - full == pytest.approx(full - no_attention)
+    assert num_floating_point_operations(args, batch, total_real_tokens_in_batch=batch * seq) == pytest.approx(full)
+
+
+def test_seqlen_stats_without_process_groups_and_empty_updates():
+    from megatron.training.training import consume_seqlen_stats_in_iteration, update_seqlen_stats_from_cu_seqlens
+
+    update_seqlen_stats_from_cu_seqlens(None)
+    update_seqlen_stats_from_cu_seqlens(torch.tensor([0]))
+    assert consume_seqlen_stats_in_iteration() == (None, None)
+    update_seqlen_stats_from_cu_seqlens(torch.tensor([0, 100, 300]))
+    assert consume_seqlen_stats_in_iteration() == (300.0, 50000.0)
+    assert consume_seqlen_stats_in_iteration() == (None, None)
+
+
 def _seqlen_stats():
     from megatron.core import parallel_state
     from megatron.training.training import consume_seqlen_stats_in_iteration, update_seqlen_stats_from_cu_seqlens
@@ -116,8 +138,8 @@ def _seqlen_stats():
 
 
 def test_seqlen_stats_sum_over_data_parallel_ranks_and_reset():
-    # Per rank: lengths 3, 4 and 1 -> squares 26, tokens 8; two data-parallel ranks.
-    assert run_distributed(2, _seqlen_stats) == [((52.0, 16.0), (None, None))] * 2
+    # Per rank: lengths 3, 4 and 1 -> tokens 8, squares 26; two data-parallel ranks.
+    assert run_distributed(2, _seqlen_stats) == [((16.0, 52.0), (None, None))] * 2
 
 
 def test_resolve_ddp_bucket_size():
