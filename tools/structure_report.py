@@ -39,6 +39,7 @@ FLOORS = [
         "megatron.core.msc_utils",
         "megatron.core._slurm_utils",
         "megatron.core._rank_utils",
+        "megatron.core._api_lifecycle",
     ],
     # 2: the leaf helpers
     ["megatron.core.utils", "megatron.core.straggler_detector"],

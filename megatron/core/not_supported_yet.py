@@ -201,6 +201,12 @@ def _field_defaults(config_class: type) -> Dict[str, object]:
     return defaults
 
 
+def _is_default(value, default) -> bool:
+    # Megatron reads these switches by truth value, and its own tests pass ``fp8=False`` to mean "off" where the
+    # default is None, so False counts as the default None.
+    return value == default or (default is None and value is False)
+
+
 def refuse_features_not_supported_yet(config) -> None:
     """Raise one ValueError listing every field of ``NOT_SUPPORTED_YET`` that ``config`` sets away from its default.
 
@@ -213,7 +219,7 @@ def refuse_features_not_supported_yet(config) -> None:
         changed = [
             f"{name}={getattr(config, name)!r}"
             for name in names
-            if name in defaults and getattr(config, name) != defaults[name]
+            if name in defaults and not _is_default(getattr(config, name), defaults[name])
         ]
         if changed:
             problems.append(f"{feature} ({', '.join(changed)})")

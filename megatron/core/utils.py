@@ -20,6 +20,17 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Ty
 import torch
 from packaging.version import Version as PkgVersion
 
+# Megatron's public path for the API life-cycle decorators, kept in a leaf of their own.
+from megatron.core._api_lifecycle import (  # noqa: F401
+    ExperimentalNotEnabledError,
+    deprecate_args,
+    deprecated,
+    experimental_api,
+    experimental_cls,
+    experimental_fn,
+    internal_api,
+    null_decorator,
+)
 from megatron.core.public_api import public_names
 
 if TYPE_CHECKING:
@@ -27,6 +38,9 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
+
+# packaging is a hard dependency here (imported above); Megatron's flag for it stays for code that checks it.
+HAVE_PACKAGING = True
 
 _Wrapped = TypeVar("_Wrapped", bound=Callable[..., Any])
 
@@ -486,126 +500,6 @@ def is_flashinfer_min_version(version, check_equality=True):
     return _is_min_version(get_flashinfer_version(), version, check_equality)
 
 
-# ---- API life-cycle decorators ---------------------------------------------------------------------------------
-
-
-class ExperimentalNotEnabledError(Exception):
-    """An experimental API was called without ``megatron.core.config.set_experimental_flag(True)``."""
-
-
-def _check_experimental(name: str, introduced_with_version: Optional[str]) -> None:
-    from megatron.core import config
-
-    if not config.is_experimental_enabled():
-        since = f" (introduced with {introduced_with_version})" if introduced_with_version else ""
-        raise ExperimentalNotEnabledError(
-            f"{name} is experimental{since} and not enabled; call "
-            "megatron.core.config.set_experimental_flag(True) to use it"
-        )
-
-
-def experimental_fn(introduced_with_version: str):
-    """Decorator: calling the function raises ExperimentalNotEnabledError unless experimental APIs are enabled."""
-
-    def decorate(func):
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            _check_experimental(func.__qualname__, introduced_with_version)
-            return func(*args, **kwargs)
-
-        wrapper._experimental_api = True
-        return wrapper
-
-    return decorate
-
-
-def experimental_cls(introduced_with_version: str):
-    """Class decorator: instantiating the class raises ExperimentalNotEnabledError unless experimental APIs are
-    enabled."""
-
-    def decorate(cls):
-        original_init = cls.__init__
-
-        @functools.wraps(original_init)
-        def __init__(self, *args, **kwargs):
-            _check_experimental(cls.__qualname__, introduced_with_version)
-            original_init(self, *args, **kwargs)
-
-        cls.__init__ = __init__
-        cls._experimental_api = True
-        return cls
-
-    return decorate
-
-
-def experimental_api(func: _Wrapped) -> _Wrapped:
-    """Mark a function or class as experimental (see :func:`experimental_fn` / :func:`experimental_cls`)."""
-    if inspect.isclass(func):
-        return experimental_cls(None)(func)
-    return experimental_fn(None)(func)
-
-
-def internal_api(func: _Wrapped) -> _Wrapped:
-    """Mark ``func`` as internal: no behaviour change, but API-compatibility checks skip it."""
-    func._internal_api = True
-    return func
-
-
-def deprecated(
-    version: str, removal_version: Optional[str] = None, alternative: Optional[str] = None, reason: Optional[str] = None
-) -> Callable[[_Wrapped], _Wrapped]:
-    """Decorator: each call warns (DeprecationWarning) that the function or class is deprecated since ``version``."""
-
-    def decorate(func):
-        message = f"{func.__qualname__} is deprecated since version {version}"
-        if removal_version:
-            message += f" and will be removed in version {removal_version}"
-        if alternative:
-            message += f"; use {alternative} instead"
-        if reason:
-            message += f" ({reason})"
-
-        if inspect.isclass(func):
-            original_init = func.__init__
-
-            @functools.wraps(original_init)
-            def __init__(self, *args, **kwargs):
-                warnings.warn(message, DeprecationWarning, stacklevel=2)
-                original_init(self, *args, **kwargs)
-
-            func.__init__ = __init__
-            func._deprecated = True
-            return func
-
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
-            return func(*args, **kwargs)
-
-        wrapper._deprecated = True
-        return wrapper
-
-    return decorate
-
-
-def deprecate_args(
-    *deprecated_keys: str, message: str = "Argument '{name}' has been deprecated and should not be used."
-) -> Callable[[_Wrapped], _Wrapped]:
-    """Decorator: warn (DeprecationWarning) when any of ``deprecated_keys`` is passed as a keyword argument."""
-
-    def decorate(func):
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            for name in deprecated_keys:
-                if name in kwargs:
-                    warnings.warn(message.format(name=name), DeprecationWarning, stacklevel=2)
-            return func(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
-
-
 def deprecate_inference_params(inference_context, inference_params):
     """The inference context given either way: ``inference_params`` is the deprecated name of ``inference_context``."""
     if inference_context is None and inference_params is not None:
@@ -616,14 +510,6 @@ def deprecate_inference_params(inference_context, inference_params):
         )
         return inference_params
     return inference_context
-
-
-def null_decorator(*args, **kwargs):
-    """A decorator that changes nothing, usable bare (``@null_decorator``) or with arguments
-    (``@null_decorator(x)``)."""
-    if len(args) == 1 and not kwargs and callable(args[0]):
-        return args[0]
-    return lambda func: func
 
 
 # ---- profiling ranges ------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from megatron.training.checkpoint_args import (  # noqa: F401
     load_args_from_checkpoint,
 )
 from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint
+from megatron.training.legacy_checkpointing import save_grads  # noqa: F401  (Megatron's public path)
 from megatron.training.plain_checkpointing import (
     PLAIN_FORMATS,
     apply_plain_checkpoint,

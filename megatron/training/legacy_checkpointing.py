@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.checkpoint_dir import (
 )
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+from megatron.core.public_api import public_api
 
 
 def _writes_model_file(dp_group) -> bool:
@@ -108,3 +109,24 @@ def load_distributed_optimizer_state(optimizer, checkpoint_dir: str, iteration: 
         get_distributed_optimizer_checkpoint_name(model_file),
         update_legacy_format=args.ckpt_convert_update_legacy_dist_opt_format,
     )
+
+
+@public_api("megatron.training.checkpointing")
+def save_grads(save_dir, state_dict, iteration, grad_label):
+    """Dump gradients (``state_dict``: {model chunk: {parameter name: gradient}}) to
+    ``<save_dir>/<grad_label>/iter_<iteration:07d>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>].pth``, Megatron-LM's layout
+    for ``--save-wgrads-interval`` / ``--save-dgrads-interval`` dumps. Every rank calls it; expert-data-parallel rank
+    0 writes, so the dense gradients appear once per expert shard (as in Megatron-LM, left to post-processing)."""
+    if save_dir is None or iteration is None:
+        raise ValueError(f"save_grads needs a save_dir and an iteration, got save_dir={save_dir!r}, {iteration=}")
+    if parallel_state.get_expert_data_parallel_rank() != 0:
+        return
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    directory = os.path.join(save_dir, grad_label, f"iter_{iteration:07d}")
+    os.makedirs(directory, exist_ok=True)
+    # A plain dict (not a defaultdict) loads back without our classes on the allow-list.
+    _save_atomically(dict(state_dict), os.path.join(directory, f"{name}.pth"))

@@ -375,25 +375,14 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     ``args.do_train`` / ``do_valid`` / ``do_test`` identically on every rank."""
     args = get_args()
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(build_train_valid_test_datasets_provider)
-    loaders = []
-    for dataset, consumed in (
-        (train_ds, args.consumed_train_samples),
-        (valid_ds, args.consumed_valid_samples),
-        (test_ds, 0),
-    ):
-        loaders.append(
-            build_pretraining_data_loader(
-                dataset,
-                consumed,
-                dataloader_type=args.dataloader_type,
-                micro_batch_size=args.micro_batch_size,
-                data_parallel_rank=parallel_state.get_data_parallel_rank(),
-                data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                num_workers=args.num_workers,
-            )
-            if dataset is not None
-            else None
+    loaders = [
+        _data_loader(args, dataset, consumed)
+        for dataset, consumed in (
+            (train_ds, args.consumed_train_samples),
+            (valid_ds, args.consumed_valid_samples),
+            (test_ds, 0),
         )
+    ]
     args.do_train = loaders[0] is not None and args.train_iters > 0
     args.do_valid = loaders[1] is not None and args.eval_iters > 0
     args.do_test = loaders[2] is not None and args.eval_iters > 0
@@ -402,6 +391,20 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(f) for f in flags.tolist())
     return tuple(loaders)
+
+
+def _data_loader(args, dataset, consumed_samples: int):
+    if dataset is None or args.dataloader_type == "external":
+        return dataset  # an external provider's datasets are its own iterables: no sampler, no batch size needed
+    return build_pretraining_data_loader(
+        dataset,
+        consumed_samples,
+        dataloader_type=args.dataloader_type,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        num_workers=args.num_workers,
+    )
 
 
 @public_api("megatron.training.training")

@@ -31,8 +31,11 @@ _TOTAL_REAL_TOKENS: Optional[float] = None
 @public_api("megatron.training.training")
 def update_seqlen_stats_from_cu_seqlens(cu_seqlens):
     """Add a packed micro-batch's sequences (cumulative lengths ``cu_seqlens``, THD layout) to this iteration's
-    statistics: the sum of squared lengths (attention FLOPs) and the number of real tokens (everything else)."""
+    statistics: the number of real tokens and the sum of squared lengths (attention FLOPs). None, or fewer than two
+    offsets (no sequence), adds nothing."""
     global _SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS
+    if cu_seqlens is None or cu_seqlens.numel() < 2:
+        return
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
     _SEQLEN_SQUARED_SUM = (_SEQLEN_SQUARED_SUM or 0.0) + float((lengths * lengths).sum())
     _TOTAL_REAL_TOKENS = (_TOTAL_REAL_TOKENS or 0.0) + float(lengths.sum())
@@ -40,14 +43,16 @@ def update_seqlen_stats_from_cu_seqlens(cu_seqlens):
 
 @public_api("megatron.training.training")
 def consume_seqlen_stats_in_iteration() -> Tuple[Optional[float], Optional[float]]:
-    """(sum of squared sequence lengths, real tokens) recorded this iteration, summed over the data-parallel ranks,
-    and reset; (None, None) when no packed sequences were recorded."""
+    """(real tokens, sum of squared sequence lengths) recorded this iteration, summed over the data-parallel ranks
+    (Megatron's order), and reset; (None, None) when no packed sequences were recorded, without a collective. Before
+    the model-parallel groups exist (a single process) the local statistics are returned."""
     global _SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS
     if _SEQLEN_SQUARED_SUM is None:
         return None, None
-    stats = torch.tensor([_SEQLEN_SQUARED_SUM, _TOTAL_REAL_TOKENS], dtype=torch.float64, device=get_current_device())
-    dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+    stats = torch.tensor([_TOTAL_REAL_TOKENS, _SEQLEN_SQUARED_SUM], dtype=torch.float64, device=get_current_device())
     _SEQLEN_SQUARED_SUM = _TOTAL_REAL_TOKENS = None
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
     return stats[0].item(), stats[1].item()
 
 
@@ -56,8 +61,13 @@ def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=
     """Training FLOPs of one iteration (megatron.training.flops' model) over ``batch_size`` sequences of
     --seq-length tokens, or, for packed sequences, over ``total_real_tokens_in_batch`` tokens whose attention
     covers ``seqlen_squared_sum_in_batch`` (the sum of squared sequence lengths)."""
-    if seqlen_squared_sum_in_batch is None or total_real_tokens_in_batch is None:
+    if seqlen_squared_sum_in_batch is None and total_real_tokens_in_batch is None:
         return flops.num_floating_point_operations(args, batch_size)
+    # Either statistic alone replaces its own term; the other keeps the value of ``batch_size`` full sequences.
+    if total_real_tokens_in_batch is None:
+        total_real_tokens_in_batch = batch_size * args.seq_length
+    if seqlen_squared_sum_in_batch is None:
+        seqlen_squared_sum_in_batch = batch_size * args.seq_length**2
     # The count per sequence of s tokens is a*s + c*s^2 (linear layers and logits; attention scores); two
     # evaluations of the model at s = 1 and s = 2 give a and c.
     one, two = (

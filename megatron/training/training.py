@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import mpu, parallel_state  # noqa: F401  (mpu: Megatron's name in this module, patched by tests)
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
@@ -26,7 +26,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
-from megatron.core.utils import get_current_device
+from megatron.core.utils import get_current_device, get_pg_rank, get_pg_size  # noqa: F401  (as mpu above)
 from megatron.training import checkpointing
 from megatron.training import progress_log
 from megatron.training.error_handling import exit_on_error
@@ -376,7 +376,7 @@ def train(
         args.iteration = iteration
         batch_size = parallel_state.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
-        seqlen_squared_sum, total_real_tokens = consume_seqlen_stats_in_iteration()
+        total_real_tokens, seqlen_squared_sum = consume_seqlen_stats_in_iteration()
         args.num_floating_point_operations_so_far += num_floating_point_operations(
             args, batch_size, seqlen_squared_sum, total_real_tokens
         )

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # type hints only: transformer_config imports this module
 
 _RECOMPUTE_GRANULARITIES = ("full", "selective")
 _RECOMPUTE_METHODS = ("uniform", "block")
-_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 _ROPE_TYPES = ("rope", "yarn")

@@ -12,6 +12,7 @@ from megatron.training.utils.common_utils import (
     get_batch_on_this_tp_rank,
     get_blend_and_blend_per_split,
     get_device_arch_version,
+    get_local_rank_preinit,
     get_ltor_masks_and_position_ids,
     get_nvtx_range,
     has_nvrx_checkpointing_async_support,

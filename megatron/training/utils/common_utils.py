@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import os
 import warnings
 from contextlib import contextmanager
 from typing import Dict, List, Optional
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core._slurm_utils import resolve_slurm_local_rank
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
@@ -49,6 +51,18 @@ def warn_rank_0(message: str) -> None:
     """``warnings.warn`` on global rank 0 only, so a job of N ranks warns once, not N times."""
     if is_rank0():
         warnings.warn(message, stacklevel=2)
+
+
+def get_local_rank_preinit() -> int:
+    """This process's rank on its node, read before torch.distributed exists (to pick a device early): LOCAL_RANK
+    (torchrun) first, then SLURM_LOCALID inside a SLURM job, else 0 with a warning, since a wrong guess shares a GPU."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    slurm_local_rank = resolve_slurm_local_rank()
+    if slurm_local_rank is not None:
+        return slurm_local_rank
+    warnings.warn("Could not determine local rank from LOCAL_RANK or SLURM_LOCALID. Defaulting to local rank 0.")
+    return 0
 
 
 def is_first_or_last_pipeline_stage(vp_stage) -> bool:

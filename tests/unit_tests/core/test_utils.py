@@ -253,6 +253,36 @@ def test_experimental_api_needs_the_flag():
         core_config.set_experimental_flag(False)
 
 
+def test_experimental_cls_guards_class_and_instance_attributes():
+    @utils.experimental_cls(introduced_with_version="0.19")
+    class Thing:
+        def method(self):
+            return "method"
+
+        @classmethod
+        def build(cls):
+            return "built"
+
+    core_config.set_experimental_flag(False)
+    assert Thing.is_experimental is False
+    with pytest.raises(utils.ExperimentalNotEnabledError, match=r"Thing is experimental \(introduced with 0.19\)"):
+        Thing.build()
+    core_config.set_experimental_flag(True)
+    try:
+        thing = Thing()
+        assert (thing.method(), Thing.build(), thing.is_experimental) == ("method", "built", True)
+        assert type(Thing).__qualname__ == Thing.__qualname__ and isinstance(thing, Thing)
+        core_config.set_experimental_flag(False)
+        with pytest.raises(utils.ExperimentalNotEnabledError, match=r"Thing is experimental"):
+            thing.method()
+    finally:
+        core_config.set_experimental_flag(False)
+
+
+def test_have_packaging_is_true():
+    assert utils.HAVE_PACKAGING is True
+
+
 def test_null_and_internal_decorators_change_nothing():
     def fn():
         return 1

@@ -18,6 +18,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.training import flops, global_vars, progress_log, training
 from megatron.training.training import (
+    build_train_valid_test_data_iterators,
     build_train_valid_test_datasets,
     compute_throughputs_and_append_to_progress_log,
     cyclic_iter,
@@ -104,6 +105,28 @@ def test_packed_sequence_flops_reduce_to_the_padded_count_for_equal_lengths():
     )
 
 
+def test_packed_sequence_flops_with_one_statistic_keep_the_other_terms():
+    args = argparse.Namespace(**vars(validated("--seq-length", 32)))
+    args.padded_vocab_size = 128
+    batch, seq = 4, 32
+    full = flops.num_floating_point_operations(args, batch)
+    no_attention = num_floating_point_operations(args, batch, seqlen_squared_sum_in_batch=0)
+    doubled = num_floating_point_operations(args, batch, seqlen_squared_sum_in_batch=2 * batch * seq**2)
+    assert no_attention < full and doubled - full == pytest.approx(full - no_attention)
+    assert num_floating_point_operations(args, batch, total_real_tokens_in_batch=batch * seq) == pytest.approx(full)
+
+
+def test_seqlen_stats_without_process_groups_and_empty_updates():
+    from megatron.training.training import consume_seqlen_stats_in_iteration, update_seqlen_stats_from_cu_seqlens
+
+    update_seqlen_stats_from_cu_seqlens(None)
+    update_seqlen_stats_from_cu_seqlens(torch.tensor([0]))
+    assert consume_seqlen_stats_in_iteration() == (None, None)
+    update_seqlen_stats_from_cu_seqlens(torch.tensor([0, 100, 300]))
+    assert consume_seqlen_stats_in_iteration() == (300.0, 50000.0)
+    assert consume_seqlen_stats_in_iteration() == (None, None)
+
+
 def _seqlen_stats():
     from megatron.core import parallel_state
     from megatron.training.training import consume_seqlen_stats_in_iteration, update_seqlen_stats_from_cu_seqlens
@@ -115,8 +138,8 @@ def _seqlen_stats():
 
 
 def test_seqlen_stats_sum_over_data_parallel_ranks_and_reset():
-    # Per rank: lengths 3, 4 and 1 -> squares 26, tokens 8; two data-parallel ranks.
-    assert run_distributed(2, _seqlen_stats) == [((52.0, 16.0), (None, None))] * 2
+    # Per rank: lengths 3, 4 and 1 -> tokens 8, squares 26; two data-parallel ranks.
+    assert run_distributed(2, _seqlen_stats) == [((16.0, 52.0), (None, None))] * 2
 
 
 def test_resolve_ddp_bucket_size():
@@ -228,6 +251,24 @@ def test_cyclic_iter_and_default_num_samples():
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None))
     build_train_valid_test_datasets(lambda samples: seen.append(samples) or (None, None, None), [1, 2, 3])
     assert seen == [(80, 48, 16), [1, 2, 3]]
+
+
+def _external_iterators():
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    # An external provider's iterables are used as they are: no micro batch size or workers needed in the args.
+    args = types.SimpleNamespace(
+        train_samples=None, train_iters=1, global_batch_size=1, eval_interval=1, eval_iters=1,
+        consumed_train_samples=0, consumed_valid_samples=0, dataloader_type="external",
+    )  # fmt: skip
+    global_vars.set_args(args)
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(lambda n: ([1], [2], None))
+    return next(train_it), next(valid_it), test_it, (args.do_train, args.do_valid, args.do_test)
+
+
+def test_external_dataloaders_pass_through():
+    assert run_distributed(1, _external_iterators) == [(1, 2, None, (True, True, False))]
 
 
 def test_progress_log_start_time_and_throughput(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from megatron.training import utils as training_utils
 from megatron.training.utils import (
     append_to_progress_log,
     get_device_arch_version,
+    get_local_rank_preinit,
     get_ltor_masks_and_position_ids,
     get_nvtx_range,
     has_nvrx_checkpointing_async_support,
@@ -68,6 +69,18 @@ def test_printing_and_warning_before_distributed_init(capsys):
         warnings.simplefilter("always")
         warn_rank_0("careful")
     assert [str(w.message) for w in caught] == ["careful"]
+
+
+def test_local_rank_before_init_reads_torchrun_then_slurm_then_warns(monkeypatch):
+    for name in ("LOCAL_RANK", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(UserWarning, match="Defaulting to local rank 0"):
+        assert get_local_rank_preinit() == 0
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert get_local_rank_preinit() == 3
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert get_local_rank_preinit() == 5
 
 
 def test_to_empty_if_meta_device_allocates_only_meta_tensors():

@@ -66,8 +66,8 @@ def test_selective_recompute_defaults_to_core_attention():
             r"recompute_num_layers must be None with recompute_granularity='selective'",
         ),
         (
-            {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
-            r"recompute_modules \['moe'\] are not supported",
+            {"recompute_granularity": "selective", "recompute_modules": ["moe_act"]},
+            r"recompute_modules \['moe_act'\] are not supported",
         ),
         (
             {

@@ -144,7 +144,8 @@ class BaseMoELayer(MegatronModule):
 class MoELayer(BaseMoELayer):
     """Router, token dispatcher (``moe_token_dispatcher_type``), routed experts and optional shared experts.
 
-    With ``moe_layer_recompute`` the whole layer is recomputed in backward (its dispatch communication included);
+    With ``moe_layer_recompute`` (or ``recompute_modules`` holding ``"moe"`` under selective recompute, Megatron's
+    newer spelling) the whole layer is recomputed in backward (its dispatch communication included);
     the router then attaches its losses and counts its tokens during the recomputation only.
     """
 
@@ -167,7 +168,9 @@ class MoELayer(BaseMoELayer):
         )
         self.name = name
         self.submodules = submodules
-        self.moe_layer_recompute = config.moe_layer_recompute
+        self.moe_layer_recompute = config.moe_layer_recompute or (
+            config.recompute_granularity == "selective" and "moe" in config.recompute_modules
+        )
         pg = self.pg_collection
         self.router = build_module(submodules.router, config=config, pg_collection=pg, is_mtp_layer=is_mtp_layer)
         self.router.set_layer_number(layer_number)

@@ -69,6 +69,7 @@ def _parallel(tp: int, ep: int, etp: int, overrides: dict, num_batches: int):
         output=output.detach(),
         grads=summed_full_gradients(layer),
         tracker=reduced_tracker(),
+        recomputes=layer.moe_layer_recompute,
     )
 
 
@@ -189,10 +190,16 @@ def test_grouped_matmul_paths_agree():
     assert x.grad is not None and all(w.grad is not None for w in weights)
 
 
-def test_moe_layer_recompute_gives_the_same_output_losses_and_gradients():
+@pytest.mark.parametrize(
+    "recompute",
+    [{"moe_layer_recompute": True}, {"recompute_granularity": "selective", "recompute_modules": ["moe"]}],
+    ids=["moe_layer_recompute", "recompute_modules"],
+)
+def test_moe_layer_recompute_gives_the_same_output_losses_and_gradients(recompute):
     base = {"moe_token_dispatcher_type": "alltoall"}
     ref_outputs, ref_grads, ref_tracker = reference(tuple(sorted(base.items())), 2)
-    for result in run_distributed(2, _parallel, 1, 2, 1, {**base, "moe_layer_recompute": True}, 2):
+    for result in run_distributed(2, _parallel, 1, 2, 1, {**base, **recompute}, 2):
+        assert result["recomputes"] is True
         assert relative_error(result["output"], ref_outputs[result["dp_rank"]]) <= TOLERANCE
         for name, grad in ref_grads.items():
             assert relative_error(result["grads"][name], grad) <= TOLERANCE, name
