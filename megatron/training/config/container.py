@@ -1,0 +1,165 @@
+"""Config containers: dataclasses of config dataclasses that read and write themselves as ``_target_`` dicts and
+YAML files.
+
+``to_dict`` writes every public field, nested dataclasses as ``_target_`` mappings; ``to_yaml`` writes that dict
+with ``yaml.safe_dump`` (functions, enums, dtypes and partials as ``_target_`` references, see ``yaml_utils``).
+``from_dict``/``from_yaml`` build the container back through ``instantiate``, so every ``_target_`` must pass the
+allow-list in ``instantiate_utils``.
+"""
+
+import copy
+import os
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
+from dataclasses import is_dataclass
+from typing import Any, Type, TypeVar
+
+import yaml
+
+from megatron.training.config.instantiate_utils import InstantiationMode, instantiate
+from megatron.training.config.utils import sanitize_dataclass_config
+from megatron.training.config.yaml_utils import safe_yaml_representers
+from megatron.training.models import Serializable
+
+T = TypeVar("T", bound="ConfigContainerBase")
+
+_INTERPOLATION = "${"
+
+
+def _check_local_path(path: str) -> None:
+    """Object-store (``msc://``) paths are not supported: this project reads and writes local files only."""
+    if path.startswith("msc://"):
+        raise ValueError(
+            f"{path}: msc:// object-store paths are not supported by megatron-lite; "
+            "copy the file to a local or mounted file system and pass that path"
+        )
+
+
+def _find_interpolation(value: Any, key: str = "") -> str | None:
+    """The dotted key of the first string holding an OmegaConf-style ``${...}`` interpolation, or None."""
+    if isinstance(value, str):
+        return key if _INTERPOLATION in value else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for child_key, child in items:
+        found = _find_interpolation(child, f"{key}.{child_key}" if key else str(child_key))
+        if found is not None:
+            return found
+    return None
+
+
+def _resolve_interpolations(config: Any, yaml_path: str) -> Any:
+    """``config`` with ``${...}`` interpolations resolved by OmegaConf; without omegaconf installed a file that
+    uses interpolations is refused (its values would otherwise be taken literally)."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        key = _find_interpolation(config)
+        if key is not None:
+            raise ValueError(
+                f"{yaml_path}: key '{key}' uses a '${{...}}' interpolation, which needs omegaconf: "
+                "pip install omegaconf, or write the value out"
+            ) from None
+        return config
+    return OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+
+
+@dataclass(kw_only=True)
+class ConfigContainerBase:
+    """Base class of the config containers: conversion to and from dicts and YAML files."""
+
+    @classmethod
+    def from_dict(cls: Type[T], config_dict: dict[str, Any], mode: InstantiationMode = InstantiationMode.STRICT) -> T:
+        """Build the container ``config_dict`` (as written by ``to_dict``) describes.
+
+        The dict must have a ``_target_``. Keys that are not fields of this class are an error in STRICT mode
+        and dropped in LENIENT mode; fields computed in ``__post_init__`` (``init=False``) saved by older writers
+        are dropped. ``config_dict`` itself is not changed.
+        """
+        if not isinstance(config_dict, dict):
+            raise TypeError(
+                f"{cls.__qualname__}.from_dict needs a dict with a '_target_' key, got {type(config_dict).__name__}"
+            )
+        if "_target_" not in config_dict:
+            raise AssertionError(
+                f"{cls.__qualname__}.from_dict: the dict has no '_target_' key; add "
+                f"'_target_: {cls.__module__}.{cls.__qualname__}' (to_dict writes it)"
+            )
+        config_dict = sanitize_dataclass_config(copy.deepcopy(config_dict))
+
+        expected = {f.name for f in dataclass_fields(cls) if not f.name.startswith("_")} | {"_target_"}
+        extra = set(config_dict) - expected
+        if extra and mode == InstantiationMode.STRICT:
+            raise ValueError(
+                f"Dictionary contains extra keys not in {cls.__qualname__}: {sorted(extra)}; "
+                f"its fields are {sorted(expected - {'_target_'})} (use InstantiationMode.LENIENT to drop them)"
+            )
+        for key in extra:
+            config_dict.pop(key)
+        return instantiate(config_dict, mode=mode)
+
+    @classmethod
+    def from_yaml(cls: Type[T], yaml_path: str, mode: InstantiationMode = InstantiationMode.LENIENT) -> T:
+        """Build the container from a YAML file written by ``to_yaml`` (or by hand in the same layout)."""
+        _check_local_path(yaml_path)
+        if not os.path.exists(yaml_path):
+            raise FileNotFoundError(f"YAML file not found: {yaml_path}")
+        with open(yaml_path, "r") as f:
+            config_dict = yaml.safe_load(f)
+        if not isinstance(config_dict, dict):
+            raise ValueError(
+                f"{yaml_path}: the file must hold a mapping with a '_target_' key, not {type(config_dict).__name__}"
+            )
+        return cls.from_dict(_resolve_interpolations(config_dict, yaml_path), mode=mode)
+
+    def to_dict(self) -> dict[str, Any]:
+        """This container as a dict: ``_target_`` (its class) and every public field, nested values converted by
+        ``_convert_value_to_dict``."""
+        result = {"_target_": f"{self.__class__.__module__}.{self.__class__.__qualname__}"}
+        for f in dataclass_fields(self):
+            if not f.name.startswith("_"):
+                result[f.name] = self._convert_value_to_dict(getattr(self, f.name))
+        return result
+
+    @classmethod
+    def _convert_value_to_dict(cls, value: Any) -> Any:
+        """A field value in dict form: containers via ``to_dict``, ``Serializable`` objects via ``as_dict``,
+        objects with ``to_cfg_dict`` via that, other dataclasses as ``_target_`` mappings of their public fields,
+        lists/tuples and dicts element by element; anything else (numbers, strings, callables) unchanged."""
+        if isinstance(value, ConfigContainerBase):
+            return value.to_dict()
+        if isinstance(value, Serializable):
+            return value.as_dict()
+        if hasattr(value, "to_cfg_dict"):
+            return value.to_cfg_dict()
+        if is_dataclass(value) and not isinstance(value, type):
+            result = {"_target_": f"{value.__class__.__module__}.{value.__class__.__qualname__}"}
+            for f in dataclass_fields(value):
+                if not f.name.startswith("_"):
+                    result[f.name] = cls._convert_value_to_dict(getattr(value, f.name))
+            return result
+        if isinstance(value, (list, tuple)):
+            return [cls._convert_value_to_dict(item) for item in value]
+        if isinstance(value, dict):
+            return {key: cls._convert_value_to_dict(item) for key, item in value.items()}
+        return value
+
+    def to_yaml(self, yaml_path: str) -> None:
+        """Write ``to_dict()`` to ``yaml_path`` as YAML."""
+        _check_local_path(yaml_path)
+        config_dict = self.to_dict()
+        with safe_yaml_representers(), open(yaml_path, "w") as f:
+            yaml.safe_dump(config_dict, f, default_flow_style=False)
+
+    def print_yaml(self) -> None:
+        """Print ``to_dict()`` as YAML."""
+        config_dict = self.to_dict()
+        with safe_yaml_representers():
+            print(yaml.safe_dump(config_dict, default_flow_style=False))
+
+    def __deepcopy__(self, memo):
+        # Copies the fields without calling __init__, so __post_init__ does not run again on the copy.
+        result = self.__class__.__new__(self.__class__)
+        memo[id(self)] = result
+        for f in dataclass_fields(self):
+            setattr(result, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        return result
