@@ -9,14 +9,27 @@ allow-list in ``instantiate_utils``.
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from dataclasses import is_dataclass
 from typing import Any, Type, TypeVar
 
 import yaml
 
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.training.config.common_config import DistributedInitConfig, ProfilingConfig, RNGConfig
+from megatron.training.config.inference_config import InferenceSetupConfig
 from megatron.training.config.instantiate_utils import InstantiationMode, instantiate
+from megatron.training.config.resilience_config import RerunStateMachineConfig, StragglerDetectionConfig
+from megatron.training.config.training_config import (
+    CheckpointConfig,
+    LoggerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
 from megatron.training.config.utils import sanitize_dataclass_config
 from megatron.training.config.yaml_utils import safe_yaml_representers
 from megatron.training.models import Serializable
@@ -163,3 +176,47 @@ class ConfigContainerBase:
         for f in dataclass_fields(self):
             setattr(result, f.name, copy.deepcopy(getattr(self, f.name), memo))
         return result
+
+
+@dataclass(kw_only=True)
+class PretrainConfigContainer(ConfigContainerBase):
+    """Everything a pretraining run is configured by, one config dataclass per concern.
+
+    ``train``, ``model``, ``optimizer``, ``scheduler``, ``logger`` and ``checkpoint`` must be given; the rest
+    have defaults. ``model`` is Megatron-LM's ``GPTModelConfig``/``HybridModelConfig`` (model config plus
+    builder), which this project does not have yet; any config object is accepted and written as it is.
+    """
+
+    train: TrainingConfig
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    model: Any
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
+    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    logger: LoggerConfig
+    checkpoint: CheckpointConfig
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    straggler: StragglerDetectionConfig | None = None
+
+
+@dataclass(kw_only=True)
+class InferenceConfigContainer(ConfigContainerBase):
+    """What an inference entry point is configured by: the model to load, the checkpoint to load it from, and
+    ``inference`` (whose ``to_inference_config`` builds the engine's runtime config once the model exists).
+
+    Unlike ``PretrainConfigContainer`` it has no training loop, optimizer, schedule, DDP, rerun-machine or
+    straggler settings. ``model`` is typed loosely for the same reason as there.
+    """
+
+    model: Any
+    checkpoint: CheckpointConfig
+    inference: InferenceSetupConfig
+    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
