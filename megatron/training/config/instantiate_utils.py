@@ -52,6 +52,7 @@ class _Keys(str, Enum):
 
 _DEFAULT_ALLOWED_PREFIXES = ("megatron.training.", "megatron.core.", "torch.", "transformers.", "signal.")
 _DEFAULT_ALLOWED_EXACT = frozenset({"functools.partial"})
+_MISSING = "???"
 # Keys never passed to a target as keyword arguments (``_args_`` is collected separately).
 _RESERVED = frozenset({_Keys.TARGET.value, _Keys.PARTIAL.value, _Keys.CALL.value, _Keys.NAME.value})
 
@@ -124,6 +125,8 @@ target_allowlist = TargetAllowlist()
 
 def _to_plain(config: Any) -> Any:
     """An OmegaConf container as plain dicts/lists (interpolations resolved); anything else unchanged."""
+    if config is None or isinstance(config, (dict, list, str, int, float, bool)):
+        return config
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -156,14 +159,17 @@ def instantiate(config: Any, *args: Any, mode: InstantiationMode = Instantiation
     config = _to_plain(config)
     if not isinstance(config, (dict, list)):
         raise InstantiationException(
-            f"Cannot instantiate a config of type {type(config).__name__}: "
+            f"Cannot instantiate config of type {type(config).__name__}: "
             "the top level must be a dict or a list (or an OmegaConf DictConfig/ListConfig)"
         )
     config = _prepare_input_dict_or_list(config)
     kwargs = _prepare_input_dict_or_list(kwargs)
     if isinstance(config, list):
         if kwargs.pop(_Keys.PARTIAL.value, False):
-            raise InstantiationException("_partial_ cannot be used when the top-level config is a list")
+            raise InstantiationException(
+                "The _partial_ keyword is not compatible with top-level list instantiation: "
+                "set _partial_ on the list's items instead"
+            )
         return instantiate_node(config, *args, mode=mode)
     if kwargs:
         config = _merge(config, kwargs)
@@ -176,7 +182,7 @@ def instantiate_node(
 ) -> Any:
     """Build one node of a config tree: a ``_target_`` mapping becomes its object, other mappings and lists are
     rebuilt with their items built, anything else is returned as it is."""
-    return _build(node, args, partial, mode, "")
+    return _build(_to_plain(node), args, partial, mode, "")
 
 
 def _child_key(full_key: str, key: Any) -> str:
@@ -191,7 +197,9 @@ def _build(node: Any, args: tuple, partial: Any, mode: InstantiationMode, full_k
         partial = node[_Keys.PARTIAL.value]
     if not isinstance(partial, bool):
         raise TypeError(
-            _with_key(f"_partial_ must be true or false, got {partial!r} ({type(partial).__name__})", full_key)
+            _with_key(
+                f"_partial_ flag must be a bool (true or false), got {partial!r} ({type(partial).__name__})", full_key
+            )
         )
     if isinstance(node, list):
         return [_build(item, (), False, mode, _child_key(full_key, i)) for i, item in enumerate(node)]
@@ -205,8 +213,8 @@ def _build(node: Any, args: tuple, partial: Any, mode: InstantiationMode, full_k
         if extra:
             raise InstantiationException(
                 _with_key(
-                    f"_call_ is false for target {_convert_target_to_string(target)}, so it takes no arguments, "
-                    f"but the config also has {sorted(extra)}: remove them or drop '_call_: false'",
+                    f"_call_ was set to False for target {_convert_target_to_string(target)}, so it takes no "
+                    f"arguments, but extra keys were found: {sorted(extra)}; remove them or drop '_call_: false'",
                     full_key,
                 )
             )
@@ -214,7 +222,8 @@ def _build(node: Any, args: tuple, partial: Any, mode: InstantiationMode, full_k
     kwargs = {
         key: _build(value, (), False, mode, _child_key(full_key, key))
         for key, value in node.items()
-        if key not in _RESERVED
+        # In a partial, OmegaConf's "???" (a value still to be supplied) is left for the eventual caller.
+        if key not in _RESERVED and not (partial and value == _MISSING)
     }
     kwargs = _filter_kwargs_for_target(target, kwargs, full_key, mode)
     return _call_target(target, partial, args, kwargs, full_key)
@@ -237,7 +246,9 @@ def _locate(path: str) -> Any:
         raise ImportError("Empty path: a _target_ must be a dotted path such as 'package.module.Name'")
     parts = path.split(".")
     if any(part == "" for part in parts):
-        raise ValueError(f"Error loading '{path}': invalid dotted path. Relative imports are not supported.")
+        raise ValueError(
+            f"Error loading '{path}': invalid dotstring (an empty part). Relative imports are not supported."
+        )
     for end in range(len(parts), 0, -1):
         module_path = ".".join(parts[:end])
         try:
@@ -253,7 +264,7 @@ def _locate(path: str) -> Any:
                 obj = getattr(obj, part)
             except AttributeError as error:
                 raise ImportError(
-                    f"Error loading '{path}': {error!r}. Is '{part}' an attribute of '{module_path}'?"
+                    f"Error loading '{path}': {error!r}. Are you sure that '{part}' is an attribute of '{module_path}'?"
                 ) from error
         return obj
     raise ImportError(
