@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import logging
+import types
 from enum import Enum
 from typing import Any, Callable
 
@@ -366,6 +367,41 @@ def _refusal(target: str, full_key: str) -> str:
     )
 
 
+def _origin(obj: Any) -> str | None:
+    """Where ``obj`` is defined: ``module.QualifiedName`` for functions and classes, the name for a module,
+    None for plain values (dtypes, enum members) that carry no such record."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__ + "."
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return None
+
+
+def _check_origin(path: str, obj: Any, full_key: str) -> None:
+    """Refuse what a prefix admits by name only. An allowed module may import other modules or functions
+    (``megatron.training.config.container.os.system`` is ``os.system``), so an object reached through a prefix
+    must also be defined under an allowed path. The allow-list's own module is never a target, so a config cannot
+    switch the check off (``target_allowlist.disable``). A path added with ``add_exact`` is trusted as it is."""
+    if not target_allowlist.enabled:
+        return
+    if path.startswith(__name__ + ".") or isinstance(getattr(obj, "__self__", obj), TargetAllowlist):
+        raise InstantiationException(
+            _with_key(f"Target '{path}' is in {__name__}, which configs may not call or reference", full_key)
+        )
+    if path in target_allowlist.allowed_exact:
+        return
+    origin = _origin(obj)
+    if origin is not None and not target_allowlist.is_allowed(origin):
+        raise InstantiationException(
+            _with_key(
+                f"Target '{path}' is '{origin}' imported into an allowed module, and '{origin}' is not in the "
+                f"allowlist. If you trust this config, call target_allowlist.add_exact('{path}')",
+                full_key,
+            )
+        )
+
+
 def _resolve_target(
     target: str | type | Callable[..., Any], full_key: str, check_callable: bool = True
 ) -> type | Callable[..., Any] | object:
@@ -374,10 +410,12 @@ def _resolve_target(
     if isinstance(target, str):
         if not target_allowlist.is_allowed(target):
             raise InstantiationException(_refusal(target, full_key))
+        path = target
         try:
-            target = _locate(target)
+            target = _locate(path)
         except Exception as error:
-            raise InstantiationException(_with_key(f"Error locating target '{target}': {error}", full_key)) from error
+            raise InstantiationException(_with_key(f"Error locating target '{path}': {error}", full_key)) from error
+        _check_origin(path, target, full_key)
     if check_callable and not callable(target):
         raise InstantiationException(
             _with_key(

@@ -145,3 +145,38 @@ def test_locate_errors():
     with pytest.raises(ImportError, match="Are you sure that 'nope' is an attribute of 'torch.nn'"):
         _locate("torch.nn.nope")
     assert _locate("torch.nn.Linear.forward") is torch.nn.Linear.forward
+
+
+@pytest.mark.parametrize(
+    "path, origin",
+    [
+        ("megatron.training.config.container.os.system", "posix.system"),
+        ("megatron.training.config.utils.importlib.import_module", "importlib.import_module"),
+        ("megatron.training.config.container.yaml.load", "yaml.load"),
+        ("megatron.training.config.container.copy", "copy."),
+    ],
+)
+def test_names_imported_into_an_allowed_module_are_refused(path, origin):
+    origin = origin.replace("posix", os.system.__module__)
+    with pytest.raises(InstantiationException, match=f"'{origin}' imported into an allowed module.*add_exact"):
+        instantiate({"_target_": path, "_call_": False})
+
+
+def test_a_config_cannot_switch_the_allowlist_off():
+    config = {
+        "off": {"_target_": "megatron.training.config.instantiate_utils.target_allowlist.disable"},
+        "run": {"_target_": "untrusted_pkg_xyz.run"},
+    }
+    with pytest.raises(InstantiationException, match="which configs may not call or reference\nfull_key: off"):
+        instantiate(config)
+    assert target_allowlist.enabled
+    with pytest.raises(InstantiationException, match="may not call or reference"):
+        instantiate({"_target_": "megatron.training.config.instantiate_utils._locate", "path": "os"})
+
+
+def test_exact_entries_are_trusted_as_written():
+    target_allowlist.add_exact("os.getcwd")
+    try:
+        assert instantiate({"_target_": "os.getcwd"}) == os.getcwd()
+    finally:
+        target_allowlist.remove_exact("os.getcwd")
