@@ -108,7 +108,13 @@ class ConfigContainerBase:
             )
         for key in extra:
             config_dict.pop(key)
-        return instantiate(config_dict, mode=mode)
+        built = instantiate(config_dict, mode=mode)
+        if not isinstance(built, cls):
+            raise TypeError(
+                f"{cls.__qualname__}.from_dict: '_target_: {config_dict['_target_']}' built a "
+                f"{type(built).__qualname__}, not a {cls.__qualname__}; is this the right file?"
+            )
+        return built
 
     @classmethod
     def from_yaml(cls: Type[T], yaml_path: str, mode: InstantiationMode = InstantiationMode.LENIENT) -> T:

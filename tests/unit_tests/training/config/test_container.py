@@ -93,6 +93,9 @@ def test_from_dict_errors(allow_this_module):
         Run.from_dict(data)
     assert Run.from_dict(data, mode=InstantiationMode.LENIENT).steps == 2
     assert data["stale"] == 1  # the caller's dict is left alone
+    optimizer = {"_target_": "megatron.core.optimizer.OptimizerConfig", "lr": 0.1}
+    with pytest.raises(TypeError, match="Run.from_dict: '_target_: megatron.core.optimizer.OptimizerConfig' built"):
+        Run.from_dict(optimizer, mode=InstantiationMode.LENIENT)
 
 
 def test_from_yaml_errors(tmp_path):
