@@ -9,6 +9,7 @@ allow-list in ``instantiate_utils``.
 
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from dataclasses import is_dataclass
@@ -37,6 +38,8 @@ from megatron.training.models import Serializable
 T = TypeVar("T", bound="ConfigContainerBase")
 
 _INTERPOLATION = "${"
+# One reference: ${...} holding no further braces or dollar signs.
+_REFERENCE = re.compile(r"\$\{([^${}]*)\}")
 
 
 def _check_local_path(path: str) -> None:
@@ -48,31 +51,73 @@ def _check_local_path(path: str) -> None:
         )
 
 
-def _find_interpolation(value: Any, key: str = "") -> str | None:
-    """The dotted key of the first string holding an OmegaConf-style ``${...}`` interpolation, or None."""
-    if isinstance(value, str):
-        return key if _INTERPOLATION in value else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for child_key, child in items:
-        found = _find_interpolation(child, f"{key}.{child_key}" if key else str(child_key))
-        if found is not None:
-            return found
-    return None
+class _Interpolator:
+    """Resolves OmegaConf-style ``${...}`` references in a plain config tree, for when omegaconf is not installed.
+
+    Supported: ``${a.b.0}`` (a path from the top of the file; list items by index) and ``${oc.env:VAR}`` /
+    ``${oc.env:VAR,default}`` (``null`` as the default gives None). A string that is a single reference takes the
+    referenced value with its type; references inside a longer string are replaced by the value's text. Anything
+    else (other resolvers, relative or nested references, a reference loop) is refused, naming the key.
+    """
+
+    def __init__(self, root: Any, yaml_path: str):
+        self.root, self.yaml_path = root, yaml_path
+
+    def _fail(self, key: str, problem: str) -> ValueError:
+        return ValueError(f"{self.yaml_path}: key '{key}': {problem}")
+
+    def resolve(self, value: Any, key: str = "", active: tuple = ()) -> Any:
+        if isinstance(value, dict):
+            return {k: self.resolve(v, f"{key}.{k}" if key else str(k), active) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.resolve(v, f"{key}.{i}" if key else str(i), active) for i, v in enumerate(value)]
+        if not isinstance(value, str) or _INTERPOLATION not in value:
+            return value
+        whole = _REFERENCE.fullmatch(value)
+        if whole:
+            return self._lookup(whole.group(1).strip(), key, active)
+        text = _REFERENCE.sub(lambda m: str(self._lookup(m.group(1).strip(), key, active)), value)
+        if _INTERPOLATION in text:
+            raise self._fail(key, f"cannot resolve '{value}' (nested references are not supported without omegaconf)")
+        return text
+
+    def _lookup(self, expression: str, key: str, active: tuple) -> Any:
+        if expression.startswith("oc.env:"):
+            name, has_default, default = expression[len("oc.env:") :].partition(",")
+            if name.strip() in os.environ:
+                return os.environ[name.strip()]
+            if has_default:
+                default = default.strip().strip("'\"")
+                return None if default == "null" else default
+            raise self._fail(
+                key, f"environment variable '{name.strip()}' is not set and '${{{expression}}}' has no default"
+            )
+        if not expression or ":" in expression or expression.startswith("."):
+            raise self._fail(
+                key,
+                f"'${{{expression}}}' is not supported without omegaconf (only ${{a.b}} and ${{oc.env:VAR}}): "
+                "pip install omegaconf, or write the value out",
+            )
+        if expression in active:
+            raise self._fail(key, f"'${{{expression}}}' refers back to itself")
+        node = self.root
+        for part in expression.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise self._fail(key, f"'${{{expression}}}' refers to a key that is not in the file")
+        return self.resolve(node, expression, active + (expression,))
 
 
 def _resolve_interpolations(config: Any, yaml_path: str) -> Any:
-    """``config`` with ``${...}`` interpolations resolved by OmegaConf; without omegaconf installed a file that
-    uses interpolations is refused (its values would otherwise be taken literally)."""
+    """``config`` with its ``${...}`` references resolved: by OmegaConf when it is installed (as Megatron does),
+    else by ``_Interpolator``."""
     try:
         from omegaconf import OmegaConf
     except ImportError:
-        key = _find_interpolation(config)
-        if key is not None:
-            raise ValueError(
-                f"{yaml_path}: key '{key}' uses a '${{...}}' interpolation, which needs omegaconf: "
-                "pip install omegaconf, or write the value out"
-            ) from None
-        return config
+        return _Interpolator(config, yaml_path).resolve(config)
     return OmegaConf.to_container(OmegaConf.create(config), resolve=True)
 
 

@@ -4,6 +4,7 @@ import copy
 import enum
 import functools
 import importlib.util
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import yaml
 
 from megatron.core.optimizer import OptimizerConfig
-from megatron.training.config.container import ConfigContainerBase
+from megatron.training.config.container import ConfigContainerBase, _Interpolator
 from megatron.training.config.instantiate_utils import InstantiationException, InstantiationMode, target_allowlist
 
 
@@ -111,12 +112,45 @@ def test_from_yaml_errors(tmp_path):
         Run().to_yaml("msc://bucket/run.yaml")
 
 
+def test_interpolations_without_omegaconf(monkeypatch):
+    monkeypatch.setenv("DATA_ROOT", "/data")
+    monkeypatch.delenv("UNSET_VAR_XYZ", raising=False)
+    config = {
+        "steps": 4,
+        "sizes": [8, "${steps}"],
+        "name": "run-${steps}-${sizes.0}",
+        "path": "${oc.env:DATA_ROOT}/train",
+        "fallback": "${oc.env:UNSET_VAR_XYZ,none_set}",
+        "nothing": "${oc.env:UNSET_VAR_XYZ,null}",
+        "chain": "${sizes.1}",
+    }
+    resolved = _Interpolator(config, "run.yaml").resolve(config)
+    assert resolved["sizes"] == [8, 4] and resolved["chain"] == 4  # a whole-string reference keeps its type
+    assert resolved["name"] == "run-4-8" and resolved["path"] == "/data/train"
+    assert resolved["fallback"] == "none_set" and resolved["nothing"] is None
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"a": "${missing.key}"}, "key 'a': '${missing.key}' refers to a key that is not in the file"),
+        ({"a": ["${oc.env:UNSET_VAR_XYZ}"]}, "key 'a.0': environment variable 'UNSET_VAR_XYZ' is not set"),
+        ({"a": "${oc.select:b}"}, "key 'a': '${oc.select:b}' is not supported without omegaconf"),
+        ({"a": "${.b}"}, "key 'a': '${.b}' is not supported without omegaconf"),
+        ({"a": "${b}", "b": "${a}"}, "key 'a': '${b}' refers back to itself"),
+    ],
+)
+def test_interpolation_errors_name_the_key(config, message, monkeypatch):
+    monkeypatch.delenv("UNSET_VAR_XYZ", raising=False)
+    with pytest.raises(ValueError, match="^run.yaml: " + re.escape(message)):
+        _Interpolator(config, "run.yaml").resolve(config)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("omegaconf") is not None, reason="omegaconf resolves interpolations")
-def test_interpolations_need_omegaconf(tmp_path):
+def test_from_yaml_resolves_interpolations(tmp_path, allow_this_module):
     path = tmp_path / "interp.yaml"
-    path.write_text(f"_target_: {__name__}.Run\ntags: [x, '${{steps}}']\n")
-    with pytest.raises(ValueError, match=r"interp.yaml: key 'tags.1' uses a '\$\{...\}' interpolation"):
-        Run.from_yaml(str(path))
+    path.write_text(f"_target_: {__name__}.Run\nsteps: 3\ntags: [x, '${{steps}}']\n")
+    assert Run.from_yaml(str(path)).tags == ["x", 3]
 
 
 def test_print_yaml_and_deepcopy(capsys):
