@@ -224,7 +224,7 @@ def _build(node: Any, args: tuple, partial: Any, mode: InstantiationMode, full_k
         key: _build(value, (), False, mode, _child_key(full_key, key))
         for key, value in node.items()
         # In a partial, OmegaConf's "???" (a value still to be supplied) is left for the eventual caller.
-        if key not in _RESERVED and not (partial and value == _MISSING)
+        if key not in _RESERVED and not (partial and isinstance(value, str) and value == _MISSING)
     }
     kwargs = _filter_kwargs_for_target(target, kwargs, full_key, mode)
     return _call_target(target, partial, args, kwargs, full_key)

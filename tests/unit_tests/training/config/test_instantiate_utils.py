@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +89,9 @@ def test_partial_call_args_and_kwargs_override():
     assert isinstance(part, functools.partial) and part((2,)).tolist() == [2.0, 2.0]
     later = instantiate({"_target_": "torch.full", "_partial_": True, "fill_value": "???"})
     assert "fill_value" not in later.keywords  # "???" marks a value the caller supplies
+    # Values that are not strings are never "???" (an array compared with a string has no single truth value).
+    with_array = instantiate({"_target_": "torch.as_tensor", "_partial_": True, "data": np.ones(2)})
+    assert with_array().tolist() == [1.0, 1.0]
     assert instantiate({"_target_": "torch.zeros", "_args_": [3]}).shape == (3,)
     assert instantiate({"_target_": "torch.zeros", "_args_": [3]}, 2).shape == (2,)
     assert instantiate({"_target_": OPTIMIZER, "lr": 0.5}, lr=0.125).lr == 0.125
