@@ -37,6 +37,7 @@ FLOORS = [
         "megatron.core.transformer.enums",
         "megatron.core.typed_torch",
         "megatron.core.msc_utils",
+        "megatron.core.fault_injector",
         "megatron.core._slurm_utils",
         "megatron.core._rank_utils",
         "megatron.core._api_lifecycle",

@@ -39,7 +39,8 @@ from megatron.training.utils import print_rank_0, unwrap_model, update_use_dist_
 def arguments_from_container(cfg_container):
     """The run's arguments: ``cfg_container`` when it is the validated ``argparse.Namespace`` (what
     ``parse_and_validate_args`` returns), else the arguments already set. Megatron-LM 0.19's typed
-    ``PretrainConfigContainer`` (megatron.training.config) is not part of this project."""
+    ``PretrainConfigContainer`` exists (``megatron.training.config``: build, save, load), but the training loop
+    reads ``args``, and nothing maps a container onto them yet."""
     if cfg_container is None:
         return None
     if not isinstance(cfg_container, argparse.Namespace):
