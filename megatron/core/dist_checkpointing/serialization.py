@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from torch.distributed import ProcessGroup
 
+from .checksums import remove_records
 from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, save_config
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
@@ -218,6 +219,8 @@ def _prepare_directory(checkpoint_dir: Path) -> None:
         logger.warning("overwriting the checkpoint in %s", checkpoint_dir)
         for path in stale:
             path.unlink(missing_ok=True)
+    # The old save's checksum records would describe files this save rewrites.
+    remove_records(checkpoint_dir)
 
 
 def load(
