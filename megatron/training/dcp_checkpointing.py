@@ -19,13 +19,19 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from megatron.core.dist_checkpointing.checksums import ChecksummingFileSystem, VerifyingFileSystem
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 
 
 class _AllowListReader(FileSystemReader):
-    """A DCP file reader whose ``.metadata`` is unpickled with the allow-list."""
+    """A DCP file reader whose ``.metadata`` is unpickled with the allow-list, and whose files are verified against
+    their checksums."""
+
+    def __init__(self, checkpoint_dir: str):
+        super().__init__(checkpoint_dir)
+        self.fs = VerifyingFileSystem(checkpoint_dir)
 
     def read_metadata(self, *args, **kwargs):
         metadata = read_dcp_metadata(self.path)
@@ -61,7 +67,9 @@ def save_dcp_checkpoint(state_dict: dict, checkpoint_dir: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
     dist.barrier()
-    dcp.save(state_dict, storage_writer=FileSystemWriter(checkpoint_dir))
+    writer = FileSystemWriter(checkpoint_dir)
+    writer.fs = ChecksummingFileSystem(checkpoint_dir)  # checksums computed as the files are written
+    dcp.save(state_dict, storage_writer=writer)
 
 
 def load_dcp_checkpoint(template: dict, checkpoint_dir: str) -> dict:

@@ -517,3 +517,12 @@ class VerifyingFileSystem(FileSystem):
             return
         with open_verified(path, self.root) as stream:
             yield stream
+
+
+def safe_torch_load_verified(path: PathLike, what: str, root: Optional[PathLike] = None):
+    """:func:`~megatron.core.dist_checkpointing.safe_load.safe_torch_load` of a checkpoint file, verified against
+    its checksums (``root``: its checkpoint directory; default :func:`legacy_root`)."""
+    from .safe_load import safe_torch_load
+
+    with open_verified(path, legacy_root(path) if root is None else root) as file:
+        return safe_torch_load(file, what)
