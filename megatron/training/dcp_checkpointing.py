@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from megatron.core.dist_checkpointing.checksums import ChecksummingFileSystem, VerifyingFileSystem
@@ -79,6 +80,11 @@ def load_dcp_checkpoint(template: dict, checkpoint_dir: str) -> dict:
         dcp.load(template, storage_reader=_AllowListReader(checkpoint_dir), planner=_AllowListPlanner(checkpoint_dir))
     except CheckpointingException:
         raise
+    except CheckpointException as error:  # DCP's: a BaseException carrying each failed rank's own exception
+        rank, (cause, _) = min(error.failures.items(), key=lambda failure: failure[0])
+        raise CheckpointingException(
+            f"could not load torch_dcp checkpoint {checkpoint_dir} (rank {rank}): {cause}"
+        ) from None
     except Exception as error:
         raise CheckpointingException(f"could not load torch_dcp checkpoint {checkpoint_dir}: {error}") from error
     return template
