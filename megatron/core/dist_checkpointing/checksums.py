@@ -9,9 +9,9 @@ record is written before the file it describes is marked complete, so a complete
 A file is checksummed in segments: a large write (a tensor's bytes, split every ``MAX_SEGMENT`` bytes) is a segment
 of its own, runs of small writes (headers, pickles) are grouped up to ``RUN_BYTES``. Reading goes through a
 :class:`VerifiedStream`: a large segment read from its start in order is checksummed in the caller's buffer as it
-arrives (``torch.load`` reads a tensor's bytes in one call, so no copy is added); any other read loads the whole
-segment, checks it and serves from memory. A mismatch raises :class:`ChecksumMismatchError` naming the file and the
-byte range, before the load returns.
+arrives (``torch.load`` reads a tensor's bytes in one call, so no copy is added), and what was read of it out of
+order is checked when the file is done; a small segment is loaded whole, checked and served from memory. A
+mismatch raises :class:`ChecksumMismatchError` naming the file and the byte range, before the load returns.
 
 A checkpoint without a ``checksums/`` directory (written by Megatron, or by an earlier version of this project)
 loads unverified, with one notice per checkpoint on rank 0. :func:`verification` switches checking off
@@ -48,6 +48,7 @@ RECORD_VERSION = 1
 BIG_WRITE = 256 * 1024  # a write at least this long is a segment of its own (tensor data)
 RUN_BYTES = 1 << 20  # small writes are grouped into segments of about this size
 MAX_SEGMENT = 64 << 20  # large writes are split: a mismatch is located within this many bytes
+_PIECE = 1 << 20  # large reads and writes are checksummed in pieces this size, while they are in the CPU cache
 _CACHE_BYTES = 128 << 20  # segments a reader keeps in memory after checking them
 _ADVICE = (
     "restore the file from a copy, load an earlier checkpoint (--ckpt-step <iteration>), or pass --no-ckpt-verify "
@@ -226,21 +227,29 @@ class ChecksumStream(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         length = len(view)
-        written = 0
-        while written < length:  # a raw (unbuffered) file may take part of it
-            written += self.raw.write(view[written:]) or 0
         if length >= BIG_WRITE:
             self._close_run()
             for start in range(0, length, MAX_SEGMENT):
                 piece = view[start : start + MAX_SEGMENT]
-                self._segments.append((self._position + start, len(piece), self._checksum(piece, 0)))
+                crc = 0
+                for offset in range(0, len(piece), _PIECE):
+                    # Checksummed then written piece by piece: the write copies bytes still in the CPU cache.
+                    crc = self._checksum(piece[offset : offset + _PIECE], crc)
+                    self._write_all(piece[offset : offset + _PIECE])
+                self._segments.append((self._position + start, len(piece), crc))
             self._run_start = self._position + length
         elif length:
             self._run_crc = self._checksum(view, self._run_crc)
+            self._write_all(view)
         self._position += length
         if self._position - self._run_start >= RUN_BYTES:
             self._close_run()
         return length
+
+    def _write_all(self, view: memoryview) -> None:
+        written = 0
+        while written < len(view):  # a raw (unbuffered) file may take part of it
+            written += self.raw.write(view[written:]) or 0
 
     def _close_run(self) -> None:
         if self._position > self._run_start:
@@ -340,6 +349,7 @@ class VerifiedStream(io.RawIOBase):
         self._cache: "OrderedDict[int, bytes]" = OrderedDict()
         self._cached_bytes = 0
         self._streaming: Dict[int, Tuple[int, int]] = {}  # segment -> (next offset, checksum so far)
+        self._verified: set = set()
         actual = os.fstat(raw.fileno()).st_size
         if actual != record.size:
             raise ChecksumMismatchError(
@@ -376,8 +386,8 @@ class VerifiedStream(io.RawIOBase):
             if index in self._cache:
                 offset = self._position - start
                 target[:] = self._cache[index][offset : offset + take]
-            elif length >= BIG_WRITE and self._streams_at(index, self._position):
-                self._read_streaming(index, target)
+            elif length >= BIG_WRITE:
+                self._read_large(index, target)
             else:
                 segment = self._load_segment(index)
                 target[:] = memoryview(segment)[self._position - start : self._position - start + take]
@@ -390,22 +400,29 @@ class VerifiedStream(io.RawIOBase):
         buffer = bytearray(remaining if size is None or size < 0 else min(size, remaining))
         return bytes(buffer[: self.readinto(buffer)])
 
-    def _streams_at(self, index: int, position: int) -> bool:
-        state = self._streaming.get(index)
-        return position == (self.record.segments[index][0] if state is None else state[0])
-
-    def _read_streaming(self, index: int, target: memoryview) -> None:
-        """Read straight into the caller's buffer, checksumming as the bytes arrive."""
+    def _read_large(self, index: int, target: memoryview) -> None:
+        """Read straight into the caller's buffer; the bytes are checksummed as they arrive when the segment is read
+        in order from its start (torch reads a tensor's bytes in one call). Other reads (torch scanning the end of a
+        file) leave the segment to :meth:`finish`, so every byte is checked before the load returns."""
         start, length, _ = self.record.segments[index]
-        self._read_exactly(self._position, target)
-        _, crc = self._streaming.get(index, (start, 0))
-        crc = self._checksum(target, crc)
-        end = self._position + len(target)
-        if end == start + length:
-            self._streaming.pop(index, None)
-            self._check(index, crc)
-        else:
+        offset, crc = self._streaming.get(index, (start, 0))
+        if index in self._verified or self._position != offset:
+            self._read_exactly(self._position, target)
+            if index not in self._verified:
+                self._streaming[index] = (offset, crc)
+            return
+        for piece in range(0, len(target), _PIECE):
+            # Piece by piece, so each is checksummed while it is still in the CPU cache after the read.
+            chunk = target[piece : piece + _PIECE]
+            self._read_exactly(self._position + piece, chunk)
+            crc = self._checksum(chunk, crc)
+        end = offset + len(target)
+        if end < start + length:
             self._streaming[index] = (end, crc)
+            return
+        self._streaming.pop(index, None)
+        self._check(index, crc)
+        self._verified.add(index)
 
     def _load_segment(self, index: int) -> bytes:
         start, length, _ = self.record.segments[index]
