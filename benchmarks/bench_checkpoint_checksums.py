@@ -4,8 +4,8 @@ One process writes ``--state-mb`` of fp32 tensors (``--tensor-mb`` each, plus a 
 checkpoint and as a legacy ``torch`` file, then loads them into preallocated tensors. "with" is the default
 (checksummed while written, verified while read); "without" writes through DCP's plain file system (no records) and
 loads with verification off. Runs alternate (with, without, with, ...) so both see the same page cache and disk;
-the table gives the best of ``--repeats`` (this is a shared machine) and the overhead. Save times include the fsync of every file; loads
-read from the page cache, right after the save, which is the case where the checksums weigh most.
+the table gives the best of ``--repeats`` (this is a shared machine) and the overhead. Save times include the fsync
+of every file; loads read from the page cache, right after the save, which is the case where checksums weigh most.
 
     python benchmarks/bench_checkpoint_checksums.py [--state-mb 1024 --tensor-mb 64 --repeats 5]
 

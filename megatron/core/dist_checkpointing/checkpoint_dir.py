@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 from megatron.core.public_api import public_api
-from megatron.core.dist_checkpointing.checksums import ChecksumMismatchError
-from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.checksums import ChecksumMismatchError, load_verified_config
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import CorruptCheckpointError
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME, read_dcp_metadata
 
@@ -214,7 +214,7 @@ def find_checkpoint_to_load(
             f"{what} is incomplete: {', '.join(missing)} missing (its save was interrupted); resume from an earlier "
             "iteration by writing it into the tracker file, or remove the directory"
         )
-    maybe_load_config(checkpoint_dir)  # raises on a corrupt metadata.json
+    load_verified_config(checkpoint_dir)  # raises on a corrupt metadata.json
     return checkpoint_dir, iteration, release
 
 

@@ -20,6 +20,7 @@ loads unverified, with one notice per checkpoint on rank 0. :func:`verification`
 
 import bisect
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .core import CheckpointingException
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, parse_config
 
 try:  # hardware CRC-32C, ~10 GB/s; zlib's CRC-32 (~1.5 GB/s here) when the package is missing
     import crc32c as _crc32c
@@ -543,3 +544,17 @@ def safe_torch_load_verified(path: PathLike, what: str, root: Optional[PathLike]
 
     with open_verified(path, legacy_root(path) if root is None else root) as file:
         return safe_torch_load(file, what)
+
+
+def load_verified_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
+    """:func:`~megatron.core.dist_checkpointing.core.maybe_load_config`, its ``metadata.json`` verified first."""
+    path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not path.exists():
+        return None
+    return parse_config(read_verified_bytes(path, checkpoint_dir), path)
+
+
+def save_verified_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
+    """:func:`~megatron.core.dist_checkpointing.core.save_config`, after the checksum record of ``metadata.json``."""
+    content = json.dumps(dataclasses.asdict(config)).encode()
+    write_small_file(Path(checkpoint_dir) / CONFIG_FNAME, checkpoint_dir, content)

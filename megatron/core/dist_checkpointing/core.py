@@ -31,11 +31,14 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     if not config_path.exists():
         return None
-    from .checksums import read_verified_bytes  # checksums.py imports this module
+    return parse_config(config_path.read_bytes(), config_path)
 
+
+def parse_config(content: bytes, config_path: Union[str, Path]) -> CheckpointingConfig:
+    """The config a ``metadata.json`` holding ``content`` describes; raises, naming the file, when it is not one."""
     expected = 'JSON like {"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
     try:
-        fields = json.loads(read_verified_bytes(config_path, checkpoint_dir))
+        fields = json.loads(content)
     except ValueError as error:
         raise CheckpointingException(f"{config_path} is not valid JSON ({error}); expected {expected}") from error
     if not isinstance(fields, dict) or not isinstance(fields.get("sharded_backend"), str):
@@ -46,6 +49,5 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
     """Write ``metadata.json`` (the marker that the sharded data of ``checkpoint_dir`` is complete)."""
-    from .checksums import write_small_file
-
-    write_small_file(Path(checkpoint_dir) / CONFIG_FNAME, checkpoint_dir, json.dumps(asdict(config)).encode())
+    with open(Path(checkpoint_dir) / CONFIG_FNAME, "w") as f:
+        json.dump(asdict(config), f)
