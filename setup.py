@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]),
     package_data={"megatron.training.builtin_data": ["*.json", "*.txt", "*.gz", "*.bin", "*.idx", "*.md"]},
-    install_requires=["torch>=2.4", "numpy", "pyyaml"],
+    install_requires=["torch>=2.4", "numpy", "pyyaml", "crc32c"],
     extras_require={
         "test": [
             "pytest>=7",

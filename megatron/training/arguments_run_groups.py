@@ -325,6 +325,13 @@ def add_checkpointing_args(parser):
         default=None,
         help="Load the checkpoint of this iteration instead of the one the tracker file names.",
     )
+    group.add_argument(
+        "--no-ckpt-verify",
+        action="store_false",
+        dest="ckpt_verify",
+        help="Load checkpoint files without checking them against the checksums recorded when they were saved "
+        "(checked by default; a damaged file then loads silently). This project's flag, not Megatron-LM's.",
+    )
     _add_checkpoint_format_args(group)
     return parser
 

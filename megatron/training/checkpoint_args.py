@@ -11,7 +11,7 @@ from megatron.core.dist_checkpointing.checkpoint_dir import (
     legacy_rank_0_file,
 )
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+from megatron.core.dist_checkpointing.checksums import safe_torch_load_verified, verification
 from megatron.training.hf_checkpoint import hugging_face_load_dir, take_hf_model_args
 
 
@@ -133,6 +133,11 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
     ``checkpointing_context`` serves Megatron's node-local checkpoints, which are not part of this project: the
     arguments always come from the global checkpoint.
     """
+    with verification(getattr(args, "ckpt_verify", True)):
+        return _load_args_from_checkpoint(args, load_arg)
+
+
+def _load_args_from_checkpoint(args, load_arg):
     from megatron.core.dist_checkpointing import load_common_state_dict
 
     # --load when it holds a checkpoint, else --pretrained-checkpoint (what load_checkpoint will load).
@@ -149,7 +154,7 @@ def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None)
         )
     legacy_file = legacy_rank_0_file(found[0])  # a legacy checkpoint's arguments are in every rank's file
     if legacy_file is not None:
-        saved = safe_torch_load(legacy_file, f"legacy checkpoint file {legacy_file}").get("args")
+        saved = safe_torch_load_verified(legacy_file, f"legacy checkpoint file {legacy_file}").get("args")
     else:
         saved = load_common_state_dict(found[0]).get("args")
     if saved is None:

@@ -575,6 +575,35 @@ def load_checkpoint(
     strategy between loads; the groups default to parallel_state's (``expt_dp_group``: see save_checkpoint) and
     ``rng_state_key_prefix`` must match the save's.
     """
+    from megatron.core.dist_checkpointing.checksums import verification
+    from megatron.training.global_vars import get_args
+
+    # Every file read below is checked against its checksums unless --no-ckpt-verify.
+    with verification(getattr(get_args(), "ckpt_verify", True)):
+        return _load_checkpoint(
+            ddp_model,
+            optimizer,
+            opt_param_scheduler,
+            load_arg,
+            strict,
+            checkpointing_context,
+            skip_load_to_model_and_opt,
+            (tp_group, pp_group, dp_cp_group, dp_group),
+            rng_state_key_prefix,
+        )
+
+
+def _load_checkpoint(
+    ddp_model,
+    optimizer,
+    opt_param_scheduler,
+    load_arg,
+    strict,
+    checkpointing_context,
+    skip_load_to_model_and_opt,
+    groups,
+    rng_state_key_prefix,
+):
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing, parallel_state
@@ -585,7 +614,7 @@ def load_checkpoint(
     from megatron.training.utils import print_rank_0
 
     args = get_args()
-    tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
+    tp_group, pp_group, dp_cp_group, dp_group = _groups(*groups)
     load_dir = getattr(args, load_arg)
     found, finetune = _find_checkpoint(args, load_dir)
     if found is None:

@@ -17,15 +17,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from megatron.core.dist_checkpointing.checksums import ChecksummingFileSystem, VerifyingFileSystem
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 
 
 class _AllowListReader(FileSystemReader):
-    """A DCP file reader whose ``.metadata`` is unpickled with the allow-list."""
+    """A DCP file reader whose ``.metadata`` is unpickled with the allow-list, and whose files are verified against
+    their checksums."""
+
+    def __init__(self, checkpoint_dir: str):
+        super().__init__(checkpoint_dir)
+        self.fs = VerifyingFileSystem(checkpoint_dir)
 
     def read_metadata(self, *args, **kwargs):
         metadata = read_dcp_metadata(self.path)
@@ -61,7 +68,9 @@ def save_dcp_checkpoint(state_dict: dict, checkpoint_dir: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
     dist.barrier()
-    dcp.save(state_dict, storage_writer=FileSystemWriter(checkpoint_dir))
+    writer = FileSystemWriter(checkpoint_dir)
+    writer.fs = ChecksummingFileSystem(checkpoint_dir)  # checksums computed as the files are written
+    dcp.save(state_dict, storage_writer=writer)
 
 
 def load_dcp_checkpoint(template: dict, checkpoint_dir: str) -> dict:
@@ -71,6 +80,11 @@ def load_dcp_checkpoint(template: dict, checkpoint_dir: str) -> dict:
         dcp.load(template, storage_reader=_AllowListReader(checkpoint_dir), planner=_AllowListPlanner(checkpoint_dir))
     except CheckpointingException:
         raise
+    except CheckpointException as error:  # DCP's: a BaseException carrying each failed rank's own exception
+        rank, (cause, _) = min(error.failures.items(), key=lambda failure: failure[0])
+        raise CheckpointingException(
+            f"could not load torch_dcp checkpoint {checkpoint_dir} (rank {rank}): {cause}"
+        ) from None
     except Exception as error:
         raise CheckpointingException(f"could not load torch_dcp checkpoint {checkpoint_dir}: {error}") from error
     return template

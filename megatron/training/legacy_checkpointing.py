@@ -26,8 +26,14 @@ from megatron.core.dist_checkpointing.checkpoint_dir import (
     get_checkpoint_name,
     get_distributed_optimizer_checkpoint_name,
 )
+from megatron.core.dist_checkpointing.checksums import (
+    capture_records,
+    legacy_root,
+    safe_torch_load_verified,
+    torch_save,
+    write_record,
+)
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.core.public_api import public_api
 
 
@@ -38,26 +44,32 @@ def _writes_model_file(dp_group) -> bool:
     return dist.get_rank(dp_group) == 0 or expert_dp_rank == 0
 
 
-def _save_atomically(state, path: str) -> None:
-    temporary = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, temporary)
+def _move_into_place(temporary: str, path: str, records) -> None:
+    """Rename a written file to its name, after the checksum record taken while it was written."""
+    root = legacy_root(path)
+    write_record(root, os.path.relpath(path, root).replace(os.sep, "/"), records[temporary])
     os.replace(temporary, path)
 
 
 def save_legacy_checkpoint(state_dict: dict, save_dir: str, iteration: int, release: bool, optimizer, args, dp_group):
     """Write this rank's ``model_optim_rng.pt`` (and with the distributed optimizer its ``distrib_optim.pt``, a
-    collective over the data-parallel ranks). Every rank calls it; the caller marks the checkpoint latest."""
+    collective over the data-parallel ranks), each checksummed as it is written and renamed into place after its
+    record (``checksums/mp_rank_*/<file>.json``). Every rank calls it; the caller marks the checkpoint latest."""
     checkpoint_name = get_checkpoint_name(save_dir, iteration, release)
     if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
         optimizer_file = get_distributed_optimizer_checkpoint_name(checkpoint_name)
         os.makedirs(os.path.dirname(optimizer_file), exist_ok=True)
         temporary = f"{optimizer_file}.tmp.{os.getpid()}"
-        optimizer.save_parameter_state(temporary)  # written by the data-parallel rank 0 ranks only
+        with capture_records() as records:
+            optimizer.save_parameter_state(temporary)  # written by the data-parallel rank 0 ranks only
         if os.path.exists(temporary):
-            os.replace(temporary, optimizer_file)
+            _move_into_place(temporary, optimizer_file, records)
     if _writes_model_file(dp_group):
         os.makedirs(os.path.dirname(checkpoint_name), exist_ok=True)
-        _save_atomically(state_dict, checkpoint_name)
+        temporary = f"{checkpoint_name}.tmp.{os.getpid()}"
+        with capture_records() as records:
+            torch_save(state_dict, temporary)
+        _move_into_place(temporary, checkpoint_name, records)
 
 
 def _check_layout(saved_args, checkpoint_dir: str) -> None:
@@ -92,7 +104,7 @@ def load_legacy_state_dict(checkpoint_dir: str, iteration: int, release: bool) -
             f"{', '.join(present)}): it was saved with another tensor / pipeline / expert layout; load it with the "
             "layout that saved it"
         )
-    state_dict = safe_torch_load(checkpoint_name, f"legacy checkpoint file {checkpoint_name}")
+    state_dict = safe_torch_load_verified(checkpoint_name, f"legacy checkpoint file {checkpoint_name}")
     if not isinstance(state_dict, dict):
         raise CheckpointingException(
             f"legacy checkpoint file {checkpoint_name} holds a {type(state_dict).__name__}, not a state dict"
@@ -128,5 +140,8 @@ def save_grads(save_dir, state_dict, iteration, grad_label):
         name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
     directory = os.path.join(save_dir, grad_label, f"iter_{iteration:07d}")
     os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.pth")
+    temporary = f"{path}.tmp.{os.getpid()}"
     # A plain dict (not a defaultdict) loads back without our classes on the allow-list.
-    _save_atomically(dict(state_dict), os.path.join(directory, f"{name}.pth"))
+    torch.save(dict(state_dict), temporary)
+    os.replace(temporary, path)  # a reader never sees half a dump

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 from megatron.core.public_api import public_api
-from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.checksums import ChecksumMismatchError, load_verified_config
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
 from megatron.core.dist_checkpointing.safe_load import CorruptCheckpointError
 from megatron.core.dist_checkpointing.strategies.torch import DCP_METADATA_FNAME, read_dcp_metadata
 
@@ -97,9 +98,14 @@ def checkpoint_exists(checkpoints_path):
 def read_metadata(tracker_filename) -> Tuple[int, bool]:
     """(iteration, release) from a tracker file holding an iteration number or ``release``."""
     try:
-        text = Path(tracker_filename).read_text().strip()
+        text = Path(tracker_filename).read_bytes().decode("ascii").strip()
     except FileNotFoundError:
         raise CheckpointingException(f"checkpoint tracker {tracker_filename} does not exist") from None
+    except UnicodeDecodeError:
+        raise CheckpointingException(
+            f"checkpoint tracker {tracker_filename} is damaged (it holds non-text bytes, not an iteration number or "
+            "'release'); write the iteration of the checkpoint to resume from into it"
+        ) from None
     if text == RELEASE_DIRNAME:
         return 0, True
     try:
@@ -148,7 +154,8 @@ def legacy_rank_0_file(checkpoint_dir: Union[str, Path]) -> Optional[str]:
 def _is_plain_dcp(checkpoint_dir: Union[str, Path]) -> bool:
     """A ``.metadata`` without ``metadata.json`` is a ``torch_dcp`` checkpoint, or a ``torch_dist`` save that was
     interrupted before its last file; the plain state dict of the former stores ``checkpoint_version`` as a key.
-    An unreadable ``.metadata`` is the torn last write of such an interrupted save."""
+    An unreadable ``.metadata`` is the torn last write of such an interrupted save; one that fails its checksums
+    was written whole and damaged since (that ChecksumMismatchError is raised)."""
     if not os.path.exists(os.path.join(checkpoint_dir, DCP_METADATA_FNAME)):
         return False
     try:
@@ -207,7 +214,7 @@ def find_checkpoint_to_load(
             f"{what} is incomplete: {', '.join(missing)} missing (its save was interrupted); resume from an earlier "
             "iteration by writing it into the tracker file, or remove the directory"
         )
-    maybe_load_config(checkpoint_dir)  # raises on a corrupt metadata.json
+    load_verified_config(checkpoint_dir)  # raises on a corrupt metadata.json
     return checkpoint_dir, iteration, release
 
 
@@ -237,8 +244,11 @@ def incomplete_checkpoints(checkpoints_path: Union[str, Path]) -> List[Tuple[int
         directory = os.path.join(checkpoints_path, name)
         if not (name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(directory)):
             continue
-        if _missing_completion_markers(directory):
-            found.append((int(name[5:]), directory))
+        try:
+            if _missing_completion_markers(directory):
+                found.append((int(name[5:]), directory))
+        except ChecksumMismatchError:
+            continue  # damaged, not incomplete: never removed; loading it reports the damage
     return found
 
 

@@ -31,10 +31,14 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     if not config_path.exists():
         return None
+    return parse_config(config_path.read_bytes(), config_path)
+
+
+def parse_config(content: bytes, config_path: Union[str, Path]) -> CheckpointingConfig:
+    """The config a ``metadata.json`` holding ``content`` describes; raises, naming the file, when it is not one."""
     expected = 'JSON like {"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
     try:
-        with open(config_path) as f:
-            fields = json.load(f)
+        fields = json.loads(content)
     except ValueError as error:
         raise CheckpointingException(f"{config_path} is not valid JSON ({error}); expected {expected}") from error
     if not isinstance(fields, dict) or not isinstance(fields.get("sharded_backend"), str):

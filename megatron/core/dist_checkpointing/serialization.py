@@ -16,7 +16,8 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 from torch.distributed import ProcessGroup
 
-from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME, save_config
+from .checksums import remove_records, save_verified_config
+from .core import CheckpointingConfig, CheckpointingException, CONFIG_FNAME
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
 from .mapping import (
@@ -158,7 +159,7 @@ def save(
         error = None
         if rank == 0:
             try:
-                save_config(config, checkpoint_dir)
+                save_verified_config(config, checkpoint_dir)
                 if verify_integrity:
                     save_integrity_manifest(str(checkpoint_dir))
             except Exception as caught:
@@ -218,6 +219,8 @@ def _prepare_directory(checkpoint_dir: Path) -> None:
         logger.warning("overwriting the checkpoint in %s", checkpoint_dir)
         for path in stale:
             path.unlink(missing_ok=True)
+    # The old save's checksum records would describe files this save rewrites.
+    remove_records(checkpoint_dir)
 
 
 def load(

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 from torch.distributed import ProcessGroup
 
 from .boxes import Box, sharded_tensor_boxes
-from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, maybe_load_config
+from .checksums import load_verified_config
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException
 from .dict_utils import diff, extract_matching_values, nested_values
 from .exchange import all_gather_objects, get_rank
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
@@ -312,7 +313,7 @@ def verify_checkpoint(checkpoint_dir: str) -> CheckpointingConfig:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
-    config = maybe_load_config(checkpoint_dir)
+    config = load_verified_config(checkpoint_dir)
     if config is None:
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing (the save did not finish, "

@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.exchange import gather_and_raise_errors
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+from megatron.core.dist_checkpointing.checksums import safe_torch_load_verified, torch_save
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.distributed.param_and_grad_buffer import _all_gather_single
 
@@ -316,7 +316,7 @@ def save_parameter_state(self, filename: str) -> None:
     ``distrib_optim.pt`` of a ``--ckpt-format torch`` checkpoint)."""
     state = self.get_parameter_state_dp_zero()
     if self._dp_rank_and_size()[0] == 0:
-        torch.save(state, filename)
+        torch_save(state, filename)
 
 
 def load_parameter_state(self, filename: str, *, update_legacy_format=False) -> None:
@@ -325,7 +325,7 @@ def load_parameter_state(self, filename: str, *, update_legacy_format=False) -> 
     state, error = None, None
     if self._dp_rank_and_size()[0] == 0:
         try:
-            state = safe_torch_load(filename, f"the distributed optimizer's parameter state {filename}")
+            state = safe_torch_load_verified(filename, f"the distributed optimizer's parameter state {filename}")
         except CheckpointingException as unreadable:
             error = unreadable
     gather_and_raise_errors(error, _LOADING, self.data_parallel_group)
@@ -346,7 +346,7 @@ def save_chained_parameter_state(self, filename: str):
         return
     states = [member.get_parameter_state_dp_zero() for member in _distributed_members(self)]
     if any(state is not None for state in states):
-        torch.save(states, filename)
+        torch_save(states, filename)
 
 
 def load_chained_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
@@ -361,7 +361,7 @@ def load_chained_parameter_state(self, filename: str, *, update_legacy_format: b
     states, error = [None] * len(members), None
     if any(reads):
         try:
-            states = safe_torch_load(filename, f"the chained optimizers' parameter state {filename}")
+            states = safe_torch_load_verified(filename, f"the chained optimizers' parameter state {filename}")
         except CheckpointingException as unreadable:
             error = unreadable
         else:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron.core.dist_checkpointing.checksums import verification
 from megatron.core.dist_checkpointing import (
     CheckpointingException,
     ShardedObject,
@@ -107,7 +108,9 @@ def test_load_strategy_caches_metadata_when_asked(tmp_path):
     assert set(cached.load_tensors_metadata(tmp_path)) == {"model.w", "optimizer.m"}
     (tmp_path / ".metadata").write_bytes(b"garbage")
     assert set(cached.load_tensors_metadata(tmp_path)) == {"model.w", "optimizer.m"}  # not read again
-    with pytest.raises(CheckpointingException, match=r"\.metadata is corrupt"):
+    with pytest.raises(CheckpointingException, match=r"\.metadata is 7 bytes, but \d+ were written"):
+        TorchDistLoadShardedStrategy().load_tensors_metadata(tmp_path)
+    with verification(False), pytest.raises(CheckpointingException, match=r"\.metadata is corrupt"):
         TorchDistLoadShardedStrategy().load_tensors_metadata(tmp_path)
 
 

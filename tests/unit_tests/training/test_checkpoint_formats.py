@@ -3,6 +3,7 @@ and loaded through the training API, a legacy checkpoint written by Megatron-LM 
 offline conversion (--ckpt-convert-format), and damaged or hostile legacy files."""
 
 import os
+from pathlib import Path
 import shutil
 import types
 
@@ -99,7 +100,11 @@ def _resume(root, ckpt_format, layout):
 def test_save_and_resume_gives_the_same_next_step(tmp_path, ckpt_format, layout, files):
     results = run_distributed(2, _resume, str(tmp_path), ckpt_format, layout)
     assert results == [(7, 99.0, True, True, True)] * 2
-    assert sorted(os.listdir(tmp_path / "iter_0000007")) == files
+    assert sorted(os.listdir(tmp_path / "iter_0000007")) == sorted(files + ["checksums"])
+    # Every file of the checkpoint has its checksum record.
+    written = {p.relative_to(tmp_path / "iter_0000007") for p in (tmp_path / "iter_0000007").rglob("*") if p.is_file()}
+    data_files = {p for p in written if p.parts[0] != "checksums"}
+    assert {p.relative_to("checksums") for p in written - data_files} == {Path(f"{p}.json") for p in data_files}
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "7"
     assert checkpoint_format(tmp_path / "iter_0000007") == ckpt_format
     if ckpt_format == "torch":

@@ -16,7 +16,6 @@ only the stored chunks that intersect it: any saved layout reads into any reques
 import functools
 import io
 import logging
-import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..boxes import Box, box_view, sharded_tensor_boxes
+from ..checksums import (
+    ChecksummingFileSystem,
+    VerifyingFileSystem,
+    read_verified_bytes,
+    write_small_file,
+)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, dict_list_map_outplace, nested_values
 from ..exchange import all_gather_objects, describe_error, gather_and_raise_errors, get_rank, raise_gathered_errors
@@ -170,6 +175,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             planning_error = describe_error(error)
         # fsync the shards: metadata.json, written after them, must never mark unsynced data as complete.
         writer = FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True)
+        # Every file is checksummed as its bytes are written (see checksums.py).
+        writer.fs = ChecksummingFileSystem(checkpoint_dir)
         writer.set_up_storage_writer(rank == 0, rank=rank)
 
         def write() -> Tuple[List[WriteResult], Optional[str]]:
@@ -310,9 +317,9 @@ def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
         raise CheckpointingException(
             f"{path} is missing: the checkpoint {checkpoint_dir} is incomplete (its save did not finish)"
         )
-    # Read with the allow-list: torch's own reader would unpickle whatever the file names.
-    with open(path, "rb") as file:
-        metadata = safe_pickle_load(file, str(path))
+    # Verified against its checksums, then read with the allow-list: torch's own reader would unpickle whatever
+    # the file names.
+    metadata = safe_pickle_load(io.BytesIO(read_verified_bytes(path, checkpoint_dir)), str(path))
     if not isinstance(metadata, Metadata):
         raise CheckpointingException(f"{path} is corrupt (it holds a {type(metadata).__name__}, not DCP Metadata)")
     return metadata
@@ -414,14 +421,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             metadata.storage_data = {
                 index: info for index, info in metadata.storage_data.items() if index.fqn not in removed
             }
-        path = checkpoint_dir / DCP_METADATA_FNAME
-        # Write-then-rename: a crash leaves the old .metadata or the new one, never a half-written file.
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "wb") as file:
-            pickle.dump(metadata, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        # Write-then-rename (a crash leaves the old .metadata or the new one), after its new checksum record.
+        write_small_file(checkpoint_dir / DCP_METADATA_FNAME, checkpoint_dir, pickle.dumps(metadata))
         self._cached = None
 
 
@@ -481,6 +482,7 @@ class _ShardFiles:
 
     def _read(self, read_items: List[ReadItem], planner: LoadPlanner) -> None:
         reader = FileSystemReader(self.checkpoint_dir)
+        reader.fs = VerifyingFileSystem(self.checkpoint_dir)  # every byte checked against its checksum
         reader.set_up_storage_reader(self.metadata, get_rank() == 0)
         reader.read_data(LoadPlan(read_items), planner).wait()
 

@@ -112,6 +112,61 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+# Bytes per element of each safetensors dtype name.
+_SAFETENSORS_ELEMENT_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def validate_safetensors_header(path: str) -> None:
+    """Check a safetensors file's header before anything is read from it: its length fits the file, it is a JSON
+    object, and every tensor's dtype, shape and byte range agree and lie within the data. Raises
+    :class:`UnsupportedHFModelError` naming the file (safetensors' own error names neither file nor fix)."""
+
+    def bad(problem: str) -> UnsupportedHFModelError:
+        return UnsupportedHFModelError(
+            f"{path} is not a valid safetensors file ({problem}); it is damaged or truncated: download or convert "
+            "it again"
+        )
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise bad(f"{size} bytes, too short for the 8-byte header length")
+        (header_bytes,) = struct.unpack("<Q", prefix)
+        if header_bytes > min(_MAX_HEADER_BYTES, size - 8):
+            raise bad(f"the header claims {header_bytes} bytes, the file has {size - 8} after the length")
+        try:
+            header = json.loads(file.read(header_bytes))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise bad(f"the header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    data_bytes = size - 8 - header_bytes
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_safetensors_entry(name, entry, data_bytes, bad)
+
+
+def _check_safetensors_entry(name, entry, data_bytes: int, bad) -> None:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise bad(f"tensor {name!r} lacks dtype, shape or a [begin, end] data_offsets") from None
+    if dtype not in _SAFETENSORS_ELEMENT_BYTES:
+        raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise bad(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes):
+        raise bad(f"tensor {name!r} has data_offsets [{begin}, {end}] outside the {data_bytes} data bytes")
+    expected = torch.Size(shape).numel() * _SAFETENSORS_ELEMENT_BYTES[dtype]
+    if end - begin != expected:
+        raise bad(f"tensor {name!r} ({dtype} {shape}) needs {expected} bytes, its data_offsets span {end - begin}")
+
+
 class HFCheckpointReader:
     """The tensors of a local HF directory (``model.safetensors`` or shards named by
     ``model.safetensors.index.json``), memory-mapped and read one tensor at a time. Pickled ``.bin`` files are
@@ -122,6 +177,7 @@ class HFCheckpointReader:
 
         self.directory = directory
         self._safe_open = safe_open
+        self._validated: set = set()
         index_path = os.path.join(directory, SAFETENSORS_INDEX)
         single_path = os.path.join(directory, SAFETENSORS_FILE)
         if os.path.isfile(index_path):
@@ -153,6 +209,9 @@ class HFCheckpointReader:
         path = os.path.join(self.directory, file_name)
         if not os.path.isfile(path):
             raise UnsupportedHFModelError(f"{path} (named by {SAFETENSORS_INDEX}) does not exist")
+        if path not in self._validated:
+            validate_safetensors_header(path)
+            self._validated.add(path)
         return self._safe_open(path, framework="pt", device="cpu")
 
     def names(self) -> List[str]:
@@ -247,6 +306,7 @@ class SafetensorsStreamWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+        validate_safetensors_header(self.path + ".tmp")  # the header as read back: cheap, before it is in place
         os.replace(self.path + ".tmp", self.path)
 
 
