@@ -4,7 +4,7 @@
 #
 #   bash examples/inference/train_tiny_gpt.sh
 #
-# A log line every 20 iterations; 200 iterations took 62 s on an idle 2-core machine (docs/inference.md).
+# A log line every 20 iterations; 200 iterations took 39-73 s on a busy 2-core machine (docs/inference.md).
 # Settings, all optional, from the environment:
 #   CHECKPOINT_DIR  where the checkpoint goes (default checkpoints/tiny; serve_tiny_gpt.sh reads it there)
 #   TRAIN_ITERS     training iterations (default 200)
