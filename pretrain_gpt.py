@@ -138,4 +138,6 @@ def main(forward_step_func=forward_step, model_provider_func=model_provider, ext
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

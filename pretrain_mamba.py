@@ -17,4 +17,8 @@ def model_provider(
 
 
 if __name__ == "__main__":
-    pretrain_gpt.main(model_provider_func=model_provider, extra_args_provider=hybrid_model_flags)
+    from functools import partial
+
+    from megatron.training.error_handling import tool_main
+
+    tool_main(partial(pretrain_gpt.main, model_provider_func=model_provider, extra_args_provider=hybrid_model_flags))

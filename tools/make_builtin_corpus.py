@@ -20,7 +20,6 @@ import gzip
 import io
 import json
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -140,4 +139,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

@@ -75,12 +75,8 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
-    try:
-        prefixes = find_prefixes(args.input)
-        merge(prefixes, args.output_prefix, args.multimodal)
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    prefixes = find_prefixes(args.input)
+    merge(prefixes, args.output_prefix, args.multimodal)
     merged = IndexedDataset(args.output_prefix, multimodal=args.multimodal)
     print(
         f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: "
@@ -91,4 +87,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

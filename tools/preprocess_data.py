@@ -552,14 +552,11 @@ def get_args(argv=None):
 
 
 def main(argv=None):
-    args = get_args(argv)
-    try:
-        run(args)
-    except (ValueError, OSError, ImportError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    run(get_args(argv))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

@@ -54,16 +54,15 @@ def resolve_args(argv=None):
 
 
 def main(argv=None) -> None:
-    try:
-        args = resolve_args(argv)
-        if args.show_layout:
-            print(describe_parallel_layout_for_args(args) + "\n")
-        # validate_args checked that the global batch splits into whole micro-batches on every DP rank.
-        num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        report_theoretical_memory(args, num_microbatches=num_microbatches, verbose=True)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}")
+    args = resolve_args(argv)
+    if args.show_layout:
+        print(describe_parallel_layout_for_args(args) + "\n")
+    # validate_args checked that the global batch splits into whole micro-batches on every DP rank.
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    report_theoretical_memory(args, num_microbatches=num_microbatches, verbose=True)
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

@@ -8,5 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run_text_generation_server import main  # noqa: E402
 
+from megatron.training.error_handling import tool_main  # noqa: E402
+
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -384,4 +384,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

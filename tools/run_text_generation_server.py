@@ -230,4 +230,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

@@ -31,6 +31,11 @@ def generate(url: str, prompt: str, tokens_to_generate: int, timeout: float = 60
         except (ValueError, KeyError, TypeError):
             message = error.reason
         raise RuntimeError(f"Error {error.code}: {message}") from None
+    except urllib.error.URLError as error:
+        raise ConnectionError(
+            f"{base}: cannot reach the text generation server ({error.reason}); is it running there? (start it "
+            "with tools/run_text_generation_server.py)"
+        ) from None
 
 
 def _ask_tokens() -> int:
@@ -51,8 +56,9 @@ def main(argv=None) -> int:
     if args.prompt is not None:
         try:
             print(generate(args.url, args.prompt, args.tokens_to_generate))
-        except (RuntimeError, urllib.error.URLError) as error:
-            print(error, file=sys.stderr)
+        except (RuntimeError, ConnectionError) as error:
+            # The client is standard library only, so it prints megatron's one-line error format itself.
+            print(f"error: {error}", file=sys.stderr)
             return 1
         return 0
     while True:
@@ -64,8 +70,8 @@ def main(argv=None) -> int:
             return 0
         try:
             text = generate(args.url, prompt, tokens)
-        except (RuntimeError, urllib.error.URLError) as error:
-            print(error)
+        except (RuntimeError, ConnectionError) as error:
+            print(f"error: {error}")
             continue
         print("Megatron Response: ")
         print(text)

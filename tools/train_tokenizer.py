@@ -16,7 +16,6 @@ import argparse
 import gzip
 import json
 import os
-import sys
 from pathlib import Path
 
 DEFAULT_VOCAB_SIZE = 8192
@@ -113,4 +112,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.training.error_handling import tool_main
+
+    tool_main(main)

@@ -5,7 +5,8 @@
 #   pip install -e ".[tokenizers]"
 #   bash examples/cpu/train_gpt_cpu.sh
 #
-# It takes a couple of minutes on a 4-core laptop. Settings, all optional, from the environment:
+# On a 2-core machine it took 2 min 48 s idle and 6 min 48 s with other jobs on the same cores (docs/quickstart.md).
+# Settings, all optional, from the environment:
 #   CHECKPOINT_DIR  where checkpoints go (default /tmp/megatron-lite/gpt_cpu); running the script again resumes
 #                   from the latest one there, so raise TRAIN_ITERS to train further (see TRAINING_ARGS)
 #   TRAIN_ITERS     training iterations (default 100)

@@ -28,7 +28,7 @@ from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron.training import get_args, get_model, get_tokenizer  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
-from megatron.training.error_handling import exit_on_error  # noqa: E402
+from megatron.training.error_handling import exit_on_error, tool_main  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 
 # Generation needs no optimizer state, training length or RNG state from the checkpoint.
@@ -108,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -167,6 +167,9 @@ DDP_CONFIG_RENAMES = {
 }
 """DistributedDataParallelConfig fields whose Megatron-LM flag has another name (field -> argument dest)."""
 
+CONFIG_FIELD_RENAMES = {**TRANSFORMER_CONFIG_RENAMES, **DDP_CONFIG_RENAMES}
+"""Every config field whose flag has another name (field -> argument dest), for messages in flag terms."""
+
 
 def config_kwargs_from_args(config_class: type, args, renames: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Keyword arguments for ``config_class`` taken from ``args`` by field name (or by ``renames[field]``)."""

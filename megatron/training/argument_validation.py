@@ -159,8 +159,24 @@ def validate_args(args, defaults={}):
     _validate_logging(args)
     _turn_off_what_cannot_run_here(args)
     validate_moe_args(args)
+    _check_configs(args)
     _set_run_state(args)
     return args
+
+
+def _check_configs(args) -> None:
+    """Build the configs the run will build from these arguments, so that what only their own checks catch (the
+    model's shape, MoE routing, recompute, the optimizer and gradient-reduction settings) fails now, before any
+    process group, and in flag terms (``arguments.validate_args`` rewrites config field names into flags)."""
+    from megatron.training.argument_utils import (
+        core_ddp_config_from_args,
+        core_optimizer_config_from_args,
+        core_transformer_config_from_args,
+    )
+
+    core_transformer_config_from_args(args)
+    core_optimizer_config_from_args(args)
+    core_ddp_config_from_args(args)
 
 
 def _is_rank_0(args) -> bool:

@@ -5,8 +5,9 @@ Megatron-LM's rules kept here: ``--moe-ffn-hidden-size`` defaults to ``--ffn-hid
 ``--moe-router-load-balancing-type`` / ``--moe-aux-loss-coeff`` list becomes a scalar; expert parallelism needs
 ``--num-experts`` divisible by ``--expert-model-parallel-size`` and no fp16; the world size must split into
 expert-TP x EP x PP. Everything else about MoE settings (top-k vs experts, TP without SP, capacity without token
-dropping, the --moe-layer-freq pattern length, ...) is TransformerConfig's validation, which is run here on the
-config the arguments describe so that a bad combination fails at start-up with the config's message.
+dropping, the --moe-layer-freq pattern length, ...) is TransformerConfig's validation, which ``validate_args`` runs
+on the config the arguments describe (``_check_configs``), so a bad combination fails at start-up with the config's
+message, in flag terms.
 """
 
 from megatron.core.rank_generator import check_layout
@@ -37,6 +38,3 @@ def validate_moe_args(args) -> None:
         raise ValueError("expert parallelism (--expert-model-parallel-size > 1) does not support --fp16; use --bf16")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     check_layout(args.world_size, tp, pp, cp, ep, etp, name=flag_for)
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
-    core_transformer_config_from_args(args)  # raises the config's ValueError for an inconsistent MoE combination

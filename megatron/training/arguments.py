@@ -25,6 +25,7 @@ from typing import List
 
 from megatron.training import argument_validation
 from megatron.training.argument_utils import (
+    CONFIG_FIELD_RENAMES,
     core_ddp_config_from_args,
     core_gpt_dataset_config_from_args,
     core_optimizer_config_from_args,
@@ -55,6 +56,7 @@ from megatron.training.arguments_run_groups import (
 from megatron.training.arguments_support import add_flag_tables, refuse_features_not_built
 
 # The choice lists and flag types live in flag_tables (validate_args reads them too); importable from here as before.
+from megatron.training.flag_errors import flag_spellings, in_flag_terms
 from megatron.training.flag_tables import (  # noqa: F401
     CKPT_FORMATS,
     FLAG_TABLES,
@@ -184,8 +186,21 @@ def parse_args_list(argv: List[str], extra_args_provider=None, ignore_unknown_ar
 
 def validate_args(args, defaults={}):
     """Megatron-LM's ``validate_args``: refuse flags for features not built yet, ignore (with a warning) flags that
-    have no effect here, check every setting and fill in the derived values. See ``argument_validation``."""
-    return argument_validation.validate_args(args, defaults)
+    have no effect here, check every setting and fill in the derived values. See ``argument_validation``.
+
+    A failure names what the user typed: the config checks run here name their fields (``moe_router_topk=5``), and
+    their message is rewritten into flags (``--moe-router-topk 5``, see ``flag_errors``)."""
+    try:
+        return argument_validation.validate_args(args, defaults)
+    except ValueError as error:
+        message = in_flag_terms(str(error), flag_spellings(build_parser(), CONFIG_FIELD_RENAMES))
+        if message == str(error):
+            raise
+        try:
+            translated = type(error)(message)
+        except TypeError:  # a subclass with another constructor
+            translated = ValueError(message)
+        raise translated from error
 
 
 def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):

@@ -16,8 +16,11 @@ Three rules, each for a failure mode a multi-rank job otherwise has:
   cancelled SLURM step, a closed terminal) does not reach the ranks; :func:`exit_with_launcher` makes a rank die
   with the process that started it.
 
-These rules apply to the ranks of a torchrun job. Elsewhere (a test or notebook calling ``pretrain``, a plain
-``python pretrain_gpt.py``) exceptions propagate as usual, and DataLoader workers keep SIGTERM, so nothing hangs.
+These rules apply to the ranks of a torchrun job. Elsewhere (a test or notebook calling ``pretrain``) exceptions
+propagate as usual, and DataLoader workers keep SIGTERM, so nothing hangs. A command-line tool or entry point run
+as a plain process (``python tools/checkpoint/convert.py``, ``python pretrain_gpt.py``) goes through
+:func:`run_tool`: any error ends it with one ``error:`` line and a hint, exit code 1; the traceback only with
+``MEGATRON_LITE_VERBOSE_ERRORS=1``.
 
 Reports are de-duplicated through marker files in a per-job directory under the temporary directory, named after
 the launcher's process and rendezvous port, so ranks need no collective (which could hang) to agree on who speaks.
@@ -25,6 +28,7 @@ On a multi-node job each node reports once.
 """
 
 import ctypes
+import errno
 import hashlib
 import multiprocessing
 import os
@@ -59,6 +63,8 @@ _LOST_PEER = re.compile(
     r"ProcessGroup.*(?:aborted|terminated)|NCCL communicator was aborted",
     re.IGNORECASE,
 )
+# An OS error about an address the user chose (``--host``/``--port``) is bad input, like a missing file.
+_ADDRESS_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_POLL_S = 0.5
 
@@ -66,6 +72,18 @@ _PARENT_POLL_S = 0.5
 def is_lost_peer_error(exc: BaseException) -> bool:
     """True when ``exc`` only says that another rank of the job is gone (that rank reports the cause)."""
     return isinstance(exc, (RuntimeError, ConnectionError, OSError)) and bool(_LOST_PEER.search(str(exc)))
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """True for errors whose message is the whole story: bad flags, files, checkpoints, and OS errors that name the
+    file (``filename``) or the address they are about."""
+    if isinstance(exc, INPUT_ERRORS):
+        return True
+    return isinstance(exc, OSError) and (exc.filename is not None or exc.errno in _ADDRESS_ERRNOS)
+
+
+def _verbose() -> bool:
+    return os.environ.get(VERBOSE_ERRORS_ENV, "") not in ("", "0")
 
 
 def _rank() -> str:
@@ -127,14 +145,13 @@ def _fingerprint(exc: BaseException) -> str:
 def report_error(exc: BaseException, stream=None) -> bool:
     """Print ``exc`` the way this module's rules say; returns whether this rank printed anything."""
     stream = stream if stream is not None else sys.stderr
-    verbose = os.environ.get(VERBOSE_ERRORS_ENV, "") not in ("", "0")
-    if verbose:
+    if _verbose():
         stream.write(format_crash(exc))
     elif is_lost_peer_error(exc):
         return False
     elif not _first_to_report(_fingerprint(exc)):
         return False
-    elif isinstance(exc, INPUT_ERRORS):
+    elif is_input_error(exc):
         stream.write(format_input_error(exc))
     else:
         stream.write(format_crash(exc))
@@ -174,6 +191,43 @@ def exit_on_error(before_exit: Optional[Callable[[], None]] = None) -> Iterator[
             except Exception:  # noqa: BLE001 - the error being reported matters more than a failed flush
                 pass
         exit_now(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+# ---- command-line tools run as one process ---------------------------------------------------------------------
+
+
+def format_tool_error(exc: BaseException) -> str:
+    """What a tool prints for ``exc``: one ``error:`` line (the exception's type too when it is not an input error,
+    which says a bug rather than bad input), then the hint that gives the traceback."""
+    message = str(exc).strip() or type(exc).__name__
+    if not is_input_error(exc):
+        message = f"{type(exc).__name__}: {message}"
+    return f"error: {message}\n  (set {VERBOSE_ERRORS_ENV}=1 for the traceback)\n"
+
+
+def run_tool(main: Callable[..., Optional[int]], *args, stream=None) -> int:
+    """Run a tool's ``main(*args)`` and return its exit code (``None`` counts as 0). An exception is reported as
+    :func:`format_tool_error` says and gives 1 (Ctrl-C: 130); with ``MEGATRON_LITE_VERBOSE_ERRORS=1`` the full
+    traceback is printed instead. ``SystemExit`` passes through (argparse's usage errors already print one line).
+    Under torchrun the job's rules apply (:func:`exit_on_error`): the rank reports once for the job and exits."""
+    stream = stream if stream is not None else sys.stderr
+    if launched_by_torchrun():
+        with exit_on_error():
+            return main(*args) or 0
+    try:
+        return main(*args) or 0
+    except KeyboardInterrupt:
+        stream.write("interrupted\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error of a tool ends in one line; the traceback is opt-in
+        stream.write(format_crash(exc) if _verbose() else format_tool_error(exc))
+        stream.flush()
+        return 1
+
+
+def tool_main(main: Callable[[], Optional[int]]) -> None:
+    """The ``if __name__ == "__main__":`` of a tool: :func:`run_tool` then exit with its code."""
+    sys.exit(run_tool(main))
 
 
 # ---- dying with the launcher -------------------------------------------------------------------------------------

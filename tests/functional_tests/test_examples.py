@@ -26,6 +26,8 @@ LLAMA3 = EXAMPLES / "llama" / "train_llama3_8b.sh"
 SLURM = EXAMPLES / "slurm" / "sbatch_gpt.sh"
 MIXTRAL = EXAMPLES / "mixtral" / "train_mixtral_8x7b_distributed.sh"
 MIXTRAL_CPU = EXAMPLES / "mixtral" / "train_mixtral_cpu.sh"
+TINY_GPT = EXAMPLES / "inference" / "train_tiny_gpt.sh"
+SERVE_TINY_GPT = EXAMPLES / "inference" / "serve_tiny_gpt.sh"
 GPT3_SIZES = ["125M", "350M", "1.3B", "2.7B", "6.7B", "13B", "175B"]
 
 _STAND_INS = {
@@ -37,7 +39,10 @@ _STAND_INS = {
 }
 
 
-@pytest.mark.parametrize("script", [CPU_QUICKSTART, GPT3, LLAMA3, SLURM, MIXTRAL, MIXTRAL_CPU], ids=lambda p: p.name)
+SCRIPTS = [CPU_QUICKSTART, GPT3, LLAMA3, SLURM, MIXTRAL, MIXTRAL_CPU, TINY_GPT, SERVE_TINY_GPT]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_example_is_valid_bash(script):
     assert os.access(script, os.X_OK), f"{script} is not executable"
     checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -175,6 +180,17 @@ def test_mixtral_cpu_script_flags_parse_and_validate(stand_in_path, tmp_path, mo
     args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
     assert (args.world_size, args.expert_model_parallel_size, args.num_experts) == (2, 2, 4)
     assert args.data_parallel_size == 2 and args.distributed_backend == "gloo"
+
+
+def test_tiny_gpt_script_flags_validate_and_it_sets_one_thread(stand_in_path, tmp_path, monkeypatch):
+    """One rank: torchrun would not set OMP_NUM_THREADS, so the script does (docs/inference.md says why)."""
+    env = {key: value for key, value in stand_in_path.items() if key != "OMP_NUM_THREADS"}
+    stand_in = Path(env["PATH"].split(os.pathsep)[0]) / "torchrun"
+    stand_in.write_text(stand_in.read_text() + 'echo "$OMP_NUM_THREADS" > "$CAPTURED_COMMAND.threads"\n')
+    launcher, megatron_args = _launch_with_stand_ins(TINY_GPT, env, extra_env={"CHECKPOINT_DIR": str(tmp_path / "c")})
+    args = _parse_and_validate(megatron_args, _launcher_world_size(launcher), monkeypatch)
+    assert (args.world_size, args.num_layers, args.hidden_size, args.log_interval) == (1, 2, 64, 20)
+    assert Path(env["CAPTURED_COMMAND"] + ".threads").read_text().strip() == "1"
 
 
 def test_slurm_script_launches_torchrun_per_node_with_a_rendezvous(stand_in_path, tmp_path, monkeypatch):

@@ -131,48 +131,73 @@ def return_freed_tensors_to_the_os() -> None:
         pass
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from megatron.core.models.huggingface import (
-        UnsupportedHFModelError,
-        export_megatron_checkpoint_to_hf,
-        save_megatron_checkpoint_from_hf,
-    )
+def unreadable_safetensors(directory: str) -> str:
+    """The first ``*.safetensors`` file in ``directory`` whose header safetensors cannot read, or the directory when
+    each of them reads (safetensors' own error names no file)."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                handle.keys()
+        except (SafetensorError, OSError):
+            return path
+    return directory
+
+
+def convert(args) -> None:
+    from megatron.core.models.huggingface import export_megatron_checkpoint_to_hf, save_megatron_checkpoint_from_hf
     from megatron.core.models.huggingface.weights import parse_size
 
+    if args.saver == "core":
+        written = save_megatron_checkpoint_from_hf(
+            args.load_dir,
+            args.save_dir,
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+            args.make_vocab_size_divisible_by,
+            model_type=args.model_type,
+        )
+        print(
+            f"wrote Megatron checkpoint {written} (args: TP {args.target_tensor_parallel_size}, "
+            f"PP {args.target_pipeline_parallel_size})"
+        )
+    else:
+        files = export_megatron_checkpoint_to_hf(
+            args.load_dir,
+            args.save_dir,
+            parse_size(args.max_shard_size),
+            args.hf_architecture,
+            args.true_vocab_size,
+            model_type=args.model_type,
+        )
+        print(f"wrote Hugging Face model {args.save_dir}: {', '.join(files)}")
+
+
+def main(argv=None) -> int:
+    """Convert as the flags say; bad input raises an error naming the flag or file (``tool_main`` prints it)."""
+    from safetensors import SafetensorError
+
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    check_args(args)
     try:
-        check_args(args)
-        if args.saver == "core":
-            written = save_megatron_checkpoint_from_hf(
-                args.load_dir,
-                args.save_dir,
-                args.target_tensor_parallel_size,
-                args.target_pipeline_parallel_size,
-                args.make_vocab_size_divisible_by,
-                model_type=args.model_type,
-            )
-            print(
-                f"wrote Megatron checkpoint {written} (args: TP {args.target_tensor_parallel_size}, "
-                f"PP {args.target_pipeline_parallel_size})"
-            )
-        else:
-            files = export_megatron_checkpoint_to_hf(
-                args.load_dir,
-                args.save_dir,
-                parse_size(args.max_shard_size),
-                args.hf_architecture,
-                args.true_vocab_size,
-                model_type=args.model_type,
-            )
-            print(f"wrote Hugging Face model {args.save_dir}: {', '.join(files)}")
-    except (UnsupportedHFModelError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        convert(args)
+    except SafetensorError as error:
+        directory = args.load_dir if args.loader == "hf" else args.save_dir
+        raise ValueError(
+            f"{unreadable_safetensors(directory)}: not a readable safetensors file ({error}); the file is "
+            "truncated or damaged: copy or save it again"
+        ) from error
     print(f"conversion took {time.perf_counter() - start:.1f} s")
     return 0
 
 
 if __name__ == "__main__":
+    from megatron.training.error_handling import tool_main
+
     return_freed_tensors_to_the_os()
-    sys.exit(main())
+    tool_main(main)

@@ -272,21 +272,24 @@ def test_use_checkpoint_args_reads_the_pretrained_checkpoint(hf_source, tmp_path
     ],
 )
 def test_cli_refuses_unsupported_pairs_and_model_types(hf_source, tmp_path, capsys, arguments, match):
+    from megatron.training.error_handling import run_tool
     from tools.checkpoint.convert import main
 
     _, hf_dir = hf_source
-    assert main(["--model-type", "GPT", *arguments, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "out")]) == 1
+    argv = ["--model-type", "GPT", *arguments, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "out")]
+    assert run_tool(main, argv) == 1
     assert match in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_refuses_missing_and_identical_dirs(tmp_path, capsys):
+    from megatron.training.error_handling import run_tool
     from tools.checkpoint.convert import main
 
     common = ["--model-type", "GPT", "--loader", "hf", "--saver", "core"]
-    assert main([*common, "--load-dir", str(tmp_path / "nowhere"), "--save-dir", str(tmp_path / "out")]) == 1
+    assert run_tool(main, [*common, "--load-dir", str(tmp_path / "nowhere"), "--save-dir", str(tmp_path / "out")]) == 1
     assert "nowhere: no such directory (only local directories are read)" in capsys.readouterr().err
-    assert main([*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
+    assert run_tool(main, [*common, "--load-dir", str(tmp_path), "--save-dir", str(tmp_path)]) == 1
     assert "is --load-dir; write the conversion somewhere else" in capsys.readouterr().err
 
 

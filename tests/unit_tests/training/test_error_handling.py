@@ -126,3 +126,45 @@ def test_die_with_parent_ends_the_process_when_its_parent_is_gone(tmp_path):
         time.sleep(0.05)
     os.kill(grandchild, 9)
     raise AssertionError("the grandchild outlived its parent by 5 s")
+
+
+def test_an_os_error_naming_its_file_or_address_is_input_not_a_crash():
+    import errno
+
+    assert error_handling.is_input_error(OSError(errno.ENOSPC, "No space left on device", "/ckpt/x.distcp"))
+    in_use = OSError("--port 5000: cannot listen there")
+    in_use.errno = errno.EADDRINUSE
+    assert error_handling.is_input_error(in_use)
+    assert not error_handling.is_input_error(OSError("something without a file"))
+    assert not error_handling.is_input_error(RuntimeError("boom"))
+
+
+def test_a_tool_reports_any_error_in_one_line_and_exits_1(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(error_handling.VERBOSE_ERRORS_ENV, raising=False)
+
+    def fails(exc):
+        raise exc
+
+    stream = io.StringIO()
+    assert error_handling.run_tool(fails, ValueError("--input x: no such file"), stream=stream) == 1
+    hint = f"  (set {error_handling.VERBOSE_ERRORS_ENV}=1 for the traceback)"
+    assert stream.getvalue().splitlines() == ["error: --input x: no such file", hint]
+    stream = io.StringIO()
+    assert error_handling.run_tool(fails, KeyError("weight"), stream=stream) == 1
+    assert stream.getvalue().splitlines()[0] == "error: KeyError: 'weight'"  # a bug says its type
+    assert error_handling.run_tool(lambda: None) == 0 and error_handling.run_tool(lambda: 3) == 3
+    with pytest.raises(SystemExit):
+        error_handling.run_tool(fails, SystemExit(2))
+
+
+def test_a_verbose_tool_prints_the_traceback(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv(error_handling.VERBOSE_ERRORS_ENV, "1")
+
+    def fails():
+        raise ValueError("--input x: no such file")
+
+    stream = io.StringIO()
+    assert error_handling.run_tool(fails, stream=stream) == 1
+    assert "Traceback (most recent call last)" in stream.getvalue()

@@ -136,10 +136,10 @@ def test_several_load_balancing_types_keep_their_coefficient_lists():
             1,
             r"not supported yet: these mixture-of-experts options \(--moe-enable-deepep\)",
         ),
-        # The config's own validation runs at start-up too.
-        (["--num-experts", "2", "--moe-router-topk", "3"], 1, "moe_router_topk=3 is larger than num_moe_experts=2"),
-        (MOE + ["--moe-expert-capacity-factor", "1.0"], 1, "needs moe_token_dispatcher_type='alltoall'"),
-        (MOE + ["--moe-layer-freq", "[1,0]"], 1, "must list 0 \\(dense\\) or 1 \\(MoE\\) for each of the num_layers=4"),
+        # The config's own validation runs at start-up too, its message in flag terms.
+        (["--num-experts", "2", "--moe-router-topk", "3"], 1, "--moe-router-topk 3 is larger than --num-experts 2"),
+        (MOE + ["--moe-expert-capacity-factor", "1.0"], 1, "needs --moe-token-dispatcher-type alltoall"),
+        (MOE + ["--moe-layer-freq", "[1,0]"], 1, r"must list 0 \(dense\) or 1 \(MoE\) for each of the --num-layers 4"),
     ],
 )
 def test_bad_moe_settings_fail_at_start_up(argv, world_size, message):

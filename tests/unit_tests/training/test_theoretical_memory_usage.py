@@ -295,7 +295,7 @@ def test_tool_shows_the_layout_when_asked(capsys):
     ],
 )
 def test_tool_rejects_inconsistent_flags(extra, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         load_tool().main(LLAMA3_8B_FLAGS + NULL_TOKENIZER_FLAGS + extra)
 
 

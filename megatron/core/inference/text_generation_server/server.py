@@ -71,10 +71,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
         return sock
     except OSError as exc:
         sock.close()
-        raise OSError(
+        error = OSError(
             f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); pick another --port "
             "(0: any free port), or stop what is using it"
-        ) from exc
+        )
+        error.errno = exc.errno  # EADDRINUSE: reported as bad input (one line), not as a crash
+        raise error from exc
 
 
 class TextGenerationServer:
