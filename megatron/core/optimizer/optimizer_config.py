@@ -321,10 +321,14 @@ def _check_muon(config: OptimizerConfig) -> None:
             "scaling); use bf16 or fp32"
         )
     if config.use_distributed_optimizer:
+        fix = (
+            "unset use_distributed_optimizer (dist_muon shards its state layer by layer already)"
+            if config.optimizer == "dist_muon"
+            else "use optimizer='dist_muon' (the layer-wise distributed optimizer) instead"
+        )
         raise ValueError(
             f"OptimizerConfig: optimizer={config.optimizer!r} cannot shard its state with "
-            "use_distributed_optimizer=True (Newton-Schulz needs whole matrices); use optimizer='dist_muon' "
-            "(the layer-wise distributed optimizer) instead"
+            f"use_distributed_optimizer=True (Newton-Schulz needs whole matrices); {fix}"
         )
 
 
