@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.muon import TensorParallelMuon
+from megatron.core.transformer.module import Float16Module
 from megatron.core.optimizer.muon_utils import (
     get_muon_scale_factor,
     join_qkv_rows,
@@ -256,3 +257,52 @@ def test_tensor_parallel_muon_step_follows_the_published_update():
     direction = grad.lerp(0.1 * grad, 0.9)
     expected = -0.5 * newton_schulz(direction, 5) * 8**0.5
     assert torch.allclose(param.detach(), expected, atol=1e-6)
+
+
+def _tensor_and_data_parallel_dist_muon():
+    _, expected = _reference(muon_nesterov=True)
+    results = {}
+    for mode in ("duplicated", "distributed"):
+        model = gpt.build_model(2, True, "llama")
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        config = _opt_config(optimizer="dist_muon", muon_tp_mode=mode, muon_nesterov=True)
+        _train(model, get_megatron_optimizer(config, [ddp]), ddp)
+        results[mode] = _worst(gpt.full_weights(model), expected)
+    return results
+
+
+def test_dist_muon_at_tp2_dp2_matches_one_process():
+    for rank, results in enumerate(run_distributed(4, _tensor_and_data_parallel_dist_muon)):
+        for mode, error in results.items():
+            assert error <= 1e-5, f"rank {rank} TP2 x DP2 dist_muon {mode}: weights off by {error:.2e}"
+
+
+def _bf16_round_trip():
+    results = {}
+    for optimizer_name in ("muon", "dist_muon"):
+
+        def build():
+            model = gpt.build_model(1, False, "llama", config_overrides={"bf16": True, "params_dtype": torch.bfloat16})
+            model = Float16Module(model.config, model)
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+            config = _opt_config(optimizer=optimizer_name, bf16=True, muon_fp32_matmul_prec="medium")
+            return model, ddp, get_megatron_optimizer(config, [ddp])
+
+        model, ddp, optimizer = build()
+        first = _train(model, optimizer, ddp, steps=2)
+        saved_model, saved_optimizer = copy.deepcopy(ddp.state_dict()), copy.deepcopy(optimizer.state_dict())
+        straight = _train(model, optimizer, ddp, steps=2, first_step=2)
+        model_b, ddp_b, optimizer_b = build()
+        ddp_b.load_state_dict(saved_model)
+        optimizer_b.load_state_dict(saved_optimizer)
+        resumed = _train(model_b, optimizer_b, ddp_b, steps=2, first_step=2)
+        results[optimizer_name] = (first + straight, resumed)
+    return results
+
+
+def test_bf16_muon_trains_and_resumes_exactly():
+    for results in run_distributed(2, _bf16_round_trip):
+        for name, (losses, resumed) in results.items():
+            assert losses[2:] == resumed, (name, losses, resumed)
+        # Both shard the same update: the layer-wise optimizer steps each parameter once, on its owner.
+        assert results["muon"][0] == results["dist_muon"][0]
