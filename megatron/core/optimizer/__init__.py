@@ -35,6 +35,10 @@ from megatron.core.optimizer.optimizer_builder import (
     get_standard_config_overrides,
     init_optimizer_state,
 )
+from megatron.core.optimizer.layer_wise_optimizer import (
+    LayerWiseDistributedOptimizer,
+    is_managed_by_layer_wise_optimizer,
+)
 from megatron.core.optimizer.muon import get_megatron_muon_optimizer
 from megatron.core.optimizer.optimizer_config import (
     MUON_OPTIMIZERS,
@@ -64,6 +68,7 @@ __all__ = [
     "DynamicGradScaler",
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",
+    "LayerWiseDistributedOptimizer",
     "MegatronGradScaler",
     "MegatronModule",
     "MegatronOptimizer",
@@ -89,6 +94,7 @@ __all__ = [
     "is_te_min_version",
     "param_group_identifier_keys",
     "init_optimizer_state",
+    "is_managed_by_layer_wise_optimizer",
     "param_group_override_to_tuple",
 ]
 
