@@ -32,7 +32,6 @@ from megatron.core.optimizer.muon_utils import (
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +156,9 @@ def init_muon_state(optimizer: torch.optim.Optimizer, config: Optional[Optimizer
 def _qkv_split_shapes(model_chunks) -> Optional[List[int]]:
     """Rows of q, k and v per query group of the model's fused QKV weights (None for a model without attention
     config, e.g. a plain torch module)."""
-    try:
-        config = get_model_config(model_chunks[0])
-    except (AttributeError, ValueError):
-        return None
+    chunk, config = model_chunks[0], None
+    while config is None and chunk is not None:  # through the wrappers (DDP, Float16Module) to the model
+        config, chunk = getattr(chunk, "config", None), getattr(chunk, "module", None)
     heads, groups, channels = (
         getattr(config, name, None) for name in ("num_attention_heads", "num_query_groups", "kv_channels")
     )

@@ -306,3 +306,31 @@ def test_bf16_muon_trains_and_resumes_exactly():
             assert losses[2:] == resumed, (name, losses, resumed)
         # Both shard the same update: the layer-wise optimizer steps each parameter once, on its owner.
         assert results["muon"][0] == results["dist_muon"][0]
+
+
+def _expert_parallel_muon():
+    from tests.unit_tests.distributed.test_expert_data_parallel import ToyMoE, _global_weights
+    from tests.unit_tests.distributed.test_expert_data_parallel import _train as train_moe
+
+    Utils.initialize_model_parallel(expert_model_parallel_size=2)
+    config = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.3, muon_fp32_matmul_prec="high")
+    reference = ToyMoE()
+    train_moe(reference, get_megatron_optimizer(OptimizerConfig(optimizer="muon", **config), [reference]))
+    expected = _global_weights(reference)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    results = {}
+    for name in ("muon", "dist_muon"):
+        module = ToyMoE(2, dist.get_rank(ep_group), ep_group)
+        ddp = DistributedDataParallel(gpt.build_config(1, False, {}), DistributedDataParallelConfig(), module)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=name, **config), [ddp])
+        train_moe(module, optimizer, ddp, 0, 1)
+        weights = _global_weights(module)
+        results[name] = max(gpt.relative_error(weights[k], expected[k]) for k in weights)
+    return results
+
+
+def test_expert_parallel_muon_matches_one_process():
+    # EP=2 on 2 ranks: each rank holds half of the experts (stepped by an expert Muon on the expert groups).
+    for rank, results in enumerate(run_distributed(2, _expert_parallel_muon)):
+        for name, error in results.items():
+            assert error <= 1e-5, f"rank {rank} EP2 {name}: weights off by {error:.2e}"
