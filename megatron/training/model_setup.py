@@ -148,13 +148,10 @@ def wrap_model_chunks_with_ddp(
     ``config`` is the model config given to DDP (default: each chunk's own); ``bucket_sizes`` (one per chunk)
     replace ``ddp_config.bucket_size`` chunk by chunk; ``disable_bucketing_per_chunk`` (one bool per chunk)
     defaults to bucketing only the first chunk (later virtual-pipeline chunks reduce in one bucket each, as
-    Megatron does). ``use_layer_wise_param_layout`` only applies to the layer-wise distributed optimizer, which is
-    not supported yet.
+    Megatron does). With ``use_layer_wise_distributed_optimizer`` (``--optimizer dist_muon``) the chunks get the
+    same DDP: gradients are all-reduced whole and the LayerWiseDistributedOptimizer shards the step by parameter,
+    so ``use_layer_wise_param_layout`` (Megatron's per-layer bucket order) leaves the numbers unchanged.
     """
-    if use_layer_wise_distributed_optimizer:
-        raise ValueError(
-            "not supported yet: the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer=True)"
-        )
     for name, values in (("bucket_sizes", bucket_sizes), ("disable_bucketing_per_chunk", disable_bucketing_per_chunk)):
         if values is not None and len(values) != len(model_chunks):
             raise ValueError(f"{name} has {len(values)} entries for {len(model_chunks)} model chunks")

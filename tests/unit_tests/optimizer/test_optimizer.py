@@ -267,9 +267,12 @@ def test_get_megatron_optimizer_rejects_bad_requests():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(optimizer="adagrad"), r"optimizer='adagrad' is not supported; use one of \('adam', 'sgd'\)"),
+        (
+            dict(optimizer="adagrad"),
+            r"optimizer='adagrad' is not supported; use one of \('adam', 'sgd', 'muon', 'dist_muon'\)",
+        ),
         (dict(optimizer="lion"), r"not supported yet: the lion optimizer \(optimizer='lion'\)"),
-        (dict(optimizer="muon"), r"not supported yet: the muon optimizer \(optimizer='muon'\)"),
+        (dict(optimizer="soap"), r"not supported yet: the soap optimizer \(optimizer='soap'\)"),
         (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
         (
             dict(optimizer_cpu_offload=True),
@@ -283,7 +286,7 @@ def test_get_megatron_optimizer_rejects_bad_requests():
         (dict(main_params_dtype="fp16"), r"not supported yet: .* \(main_params_dtype=torch.float16\)"),
         (
             dict(use_layer_wise_distributed_optimizer=True),
-            r"not supported yet: layer-wise distributed optimizer \(use_layer_wise_distributed_optimizer=True\)",
+            r"use_layer_wise_distributed_optimizer=True needs optimizer='muon' or 'dist_muon', got optimizer='adam'",
         ),
         (
             dict(overlap_param_gather_with_optimizer_step=True),
