@@ -19,6 +19,7 @@ import inspect
 import json
 import re
 import textwrap
+import types
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -145,6 +146,125 @@ def add_field_argument(
         )
     kwargs.update(argparse_kwargs)
     return group.add_argument(*(flags or [f"--{dashed}"]), **kwargs)
+
+
+class TypeInferenceError(Exception):
+    """A config field whose type cannot become a command-line argument (a Union, a Callable, ...) and that gives
+    no ``argparse_meta`` to say how to parse it."""
+
+
+class ArgumentGroupFactory:
+    """Adds one argparse group to a parser, one flag per field of a config dataclass (Megatron-LM's generator).
+
+    Each field ``name`` becomes ``--name`` (underscores as dashes) with the field's default (its default_factory
+    called), its docstring as help and a type read from its annotation: ``Optional[X]`` as ``X``, ``list[X]`` as
+    ``nargs="+"``, a ``Literal`` as choices, an ``Enum`` by member name. A bool field is a switch: ``--name`` when
+    it defaults to False, ``--no-name`` / ``--disable-name`` when it defaults to True. A field's
+    ``metadata["argparse_meta"]`` dict is applied last, over everything inferred (``arg_names`` sets the flags,
+    the other keys go to ``add_argument``); with it, a field of a type argparse cannot parse is still accepted.
+    Fields named in ``exclude`` and fields with ``init=False`` get no flag.
+    """
+
+    def __init__(self, src_cfg_class: type, exclude: Optional[list] = None) -> None:
+        self.src_cfg_class = src_cfg_class
+        self.field_docstrings = self._get_field_docstrings(src_cfg_class)
+        self.exclude = set(exclude or ())
+
+    def _format_arg_name(self, config_attr_name: str, prefix: Optional[str] = None) -> str:
+        """``learning_rate`` -> ``--learning-rate``; with ``prefix="no"``, ``--no-learning-rate``."""
+        name = f"{prefix}_{config_attr_name}" if prefix else config_attr_name
+        return "--" + name.replace("_", "-")
+
+    def _get_enum_kwargs(self, config_type: type) -> Dict[str, Any]:
+        """An enum flag takes a member name (``SIGINT``) and stores the member."""
+
+        def enum_type_handler(cli_arg):
+            try:
+                return config_type[cli_arg]
+            except KeyError:
+                names = ", ".join(member.name for member in config_type)
+                # A KeyError, as Megatron-LM raises, but one that names the choices.
+                raise KeyError(f"{cli_arg!r} is not a member of {config_type.__name__}; choose from {names}") from None
+
+        return {"type": enum_type_handler, "choices": list(config_type)}
+
+    def _extract_type(self, config_type) -> Dict[str, Any]:
+        """The ``type`` / ``nargs`` / ``choices`` arguments for a field annotated ``config_type``."""
+        origin = typing.get_origin(config_type)
+        members = typing.get_args(config_type)
+        if isinstance(config_type, type) and issubclass(config_type, enum.Enum):
+            return self._get_enum_kwargs(config_type)
+        if origin is None and isinstance(config_type, type):
+            return {"type": config_type}
+        if origin in (typing.Union, types.UnionType):
+            present = [member for member in members if member is not type(None)]
+            if len(present) == 1:
+                return self._extract_type(present[0])
+            raise TypeInferenceError(f"Unions not supported by argparse: {config_type}")
+        if origin is list:
+            if len(members) != 1:
+                raise TypeInferenceError(f"Multi-type lists not supported by argparse: {config_type}")
+            return {**self._extract_type(members[0]), "nargs": "+"}
+        if origin is typing.Literal:
+            choice_types = {type(member) for member in members}
+            if len(choice_types) != 1:
+                raise TypeInferenceError(f"Literal choices of mixed types not supported by argparse: {config_type}")
+            return {"type": choice_types.pop(), "choices": members}
+        raise TypeInferenceError(f"Unsupported type: {config_type}")
+
+    def _build_argparse_kwargs_from_field(self, attribute: dataclasses.Field) -> Dict[str, Any]:
+        """``add_argument`` keyword arguments for one field, plus ``arg_names`` (its flags)."""
+        if attribute.default is dataclasses.MISSING and attribute.default_factory is not dataclasses.MISSING:
+            default = attribute.default_factory()
+        else:
+            default = attribute.default
+        kwargs: Dict[str, Any] = {
+            "arg_names": [self._format_arg_name(attribute.name)],
+            "dest": attribute.name,
+            "help": self.field_docstrings.get(attribute.name, ""),
+            "default": default,
+        }
+        meta = attribute.metadata.get("argparse_meta")
+        try:
+            kwargs.update(self._extract_type(self._annotation(attribute)))
+        except TypeInferenceError as error:
+            if meta is None:
+                raise TypeInferenceError(
+                    f"{self.src_cfg_class.__name__}.{attribute.name}: {error}; give the field "
+                    'metadata={"argparse_meta": {"type": ...}} or exclude it from the ArgumentGroupFactory'
+                ) from None
+        if kwargs.get("type") is bool:
+            del kwargs["type"]
+            if default is True:
+                kwargs["action"] = "store_false"
+                kwargs["arg_names"] = [
+                    self._format_arg_name(attribute.name, prefix="no"),
+                    self._format_arg_name(attribute.name, prefix="disable"),
+                ]
+            else:
+                kwargs["action"] = "store_true"
+        kwargs.update(meta or {})
+        return kwargs
+
+    def _annotation(self, attribute: dataclasses.Field):
+        """The field's annotation as a type, also where the module uses ``from __future__ import annotations``."""
+        if not isinstance(attribute.type, str):
+            return attribute.type
+        return typing.get_type_hints(self.src_cfg_class)[attribute.name]
+
+    def build_group(self, parser: argparse.ArgumentParser, title: Optional[str] = None):
+        """Add the group (titled ``title``, described by the class docstring) and its flags; return the group."""
+        group = parser.add_argument_group(title=title, description=self.src_cfg_class.__doc__)
+        for attribute in dataclasses.fields(self.src_cfg_class):
+            if attribute.name in self.exclude or not attribute.init:
+                continue
+            kwargs = self._build_argparse_kwargs_from_field(attribute)
+            group.add_argument(*kwargs.pop("arg_names"), **kwargs)
+        return group
+
+    def _get_field_docstrings(self, src_cfg_class: type) -> Dict[str, str]:
+        """Every field's docstring (the string literal after it), inherited fields included."""
+        return dict(config_field_docs(src_cfg_class))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,4 +406,71 @@ def core_gpt_dataset_config_from_args(args, tokenizer=None) -> GPTDatasetConfig:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config containers from parsed arguments (Megatron-LM 0.19's bridge from the flag world to the config API).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _default_config_from_args(cls: type, args, return_instance: bool = True) -> Any:
+    """``cls`` (or, with ``return_instance=False``, its keyword arguments) from the arguments named like its
+    fields; fields without an argument keep their defaults."""
+    kwargs = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if hasattr(args, field.name)}
+    return cls(**kwargs) if return_instance else kwargs
+
+
+def _checkpoint_and_profiling_configs(args):
+    """CheckpointConfig and ProfilingConfig: the fields whose flag is negated or renamed
+    (``--no-save-optim`` -> ``save_optim``, ``--ckpt-fully-parallel-save`` -> ``fully_parallel_save``,
+    ``--profile`` -> ``use_nsys_profiler``), the rest by name."""
+    from megatron.training.config import CheckpointConfig, ProfilingConfig
+
+    checkpoint = _default_config_from_args(CheckpointConfig, args, return_instance=False)
+    for name in ("save_optim", "save_rng", "load_optim", "load_rng"):
+        checkpoint[name] = not getattr(args, f"no_{name}")
+    checkpoint["fully_parallel_save"] = args.ckpt_fully_parallel_save
+    checkpoint["fully_parallel_load"] = args.ckpt_fully_parallel_load
+    profiling = _default_config_from_args(ProfilingConfig, args, return_instance=False)
+    profiling["use_nsys_profiler"] = args.profile
+    return CheckpointConfig(**checkpoint), ProfilingConfig(**profiling)
+
+
+def pretrain_cfg_container_from_args(args, model_cfg=None):
+    """The PretrainConfigContainer of parsed arguments: every config read by field name, the optimizer and DDP
+    configs from ``megatron.training.training``'s ``get_megatron_optimizer_config`` / ``get_megatron_ddp_config``,
+    ``model_cfg`` as the model (a ``GPTModelConfig`` / ``HybridModelConfig``; None warns, as Megatron-LM does)."""
+    import warnings
+
+    from megatron.training import config as cfg
+    from megatron.training import training
+
+    if model_cfg is None:
+        warnings.warn(
+            "pretrain_cfg_container_from_args without model_cfg: pass a ModelConfig "
+            "(megatron.training.models.GPTModelConfig or HybridModelConfig) rather than a model provider function",
+            stacklevel=2,
+        )
+    checkpoint, profiling = _checkpoint_and_profiling_configs(args)
+    rerun = _default_config_from_args(cfg.RerunStateMachineConfig, args, return_instance=False)
+    rerun["check_for_nan_in_loss"] = args.check_for_nan_in_loss_and_grad
+    optimizer = training.get_megatron_optimizer_config(args)
+    if isinstance(optimizer, tuple):  # Megatron-LM's version returns (config, per-parameter overrides)
+        optimizer = optimizer[0]
+    return cfg.PretrainConfigContainer(
+        train=_default_config_from_args(cfg.TrainingConfig, args),
+        validation=_default_config_from_args(cfg.ValidationConfig, args),
+        model=model_cfg,
+        optimizer=optimizer,
+        scheduler=_default_config_from_args(cfg.SchedulerConfig, args),
+        ddp=training.get_megatron_ddp_config(args),
+        dist=_default_config_from_args(cfg.DistributedInitConfig, args),
+        rng=_default_config_from_args(cfg.RNGConfig, args),
+        logger=_default_config_from_args(cfg.LoggerConfig, args),
+        checkpoint=checkpoint,
+        profiling=profiling,
+        tokenizer=_default_config_from_args(cfg.TokenizerConfig, args),
+        rerun_state_machine=cfg.RerunStateMachineConfig(**rerun),
+        straggler=_default_config_from_args(cfg.StragglerDetectionConfig, args),
     )
