@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import enum
 import functools
+import importlib
 import inspect
 import json
 import re
@@ -35,6 +36,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 
 _NOT_GIVEN = object()
+
+# Megatron-LM's config-container builders live in config_from_args (they import the config and model packages,
+# which import this module); importable from here, Megatron-LM's path.
+_MOVED = {
+    "pretrain_cfg_container_from_args": "megatron.training.config_from_args",
+    "gpt_config_from_args": "megatron.training.config_from_args",
+    "hybrid_config_from_args": "megatron.training.config_from_args",
+    "inference_cfg_from_args": "megatron.training.config_from_args",
+    "inference_cfg_container_from_args": "megatron.training.config_from_args",
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -406,71 +423,4 @@ def core_gpt_dataset_config_from_args(args, tokenizer=None) -> GPTDatasetConfig:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Config containers from parsed arguments (Megatron-LM 0.19's bridge from the flag world to the config API).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _default_config_from_args(cls: type, args, return_instance: bool = True) -> Any:
-    """``cls`` (or, with ``return_instance=False``, its keyword arguments) from the arguments named like its
-    fields; fields without an argument keep their defaults."""
-    kwargs = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if hasattr(args, field.name)}
-    return cls(**kwargs) if return_instance else kwargs
-
-
-def _checkpoint_and_profiling_configs(args):
-    """CheckpointConfig and ProfilingConfig: the fields whose flag is negated or renamed
-    (``--no-save-optim`` -> ``save_optim``, ``--ckpt-fully-parallel-save`` -> ``fully_parallel_save``,
-    ``--profile`` -> ``use_nsys_profiler``), the rest by name."""
-    from megatron.training.config import CheckpointConfig, ProfilingConfig
-
-    checkpoint = _default_config_from_args(CheckpointConfig, args, return_instance=False)
-    for name in ("save_optim", "save_rng", "load_optim", "load_rng"):
-        checkpoint[name] = not getattr(args, f"no_{name}")
-    checkpoint["fully_parallel_save"] = args.ckpt_fully_parallel_save
-    checkpoint["fully_parallel_load"] = args.ckpt_fully_parallel_load
-    profiling = _default_config_from_args(ProfilingConfig, args, return_instance=False)
-    profiling["use_nsys_profiler"] = args.profile
-    return CheckpointConfig(**checkpoint), ProfilingConfig(**profiling)
-
-
-def pretrain_cfg_container_from_args(args, model_cfg=None):
-    """The PretrainConfigContainer of parsed arguments: every config read by field name, the optimizer and DDP
-    configs from ``megatron.training.training``'s ``get_megatron_optimizer_config`` / ``get_megatron_ddp_config``,
-    ``model_cfg`` as the model (a ``GPTModelConfig`` / ``HybridModelConfig``; None warns, as Megatron-LM does)."""
-    import warnings
-
-    from megatron.training import config as cfg
-    from megatron.training import training
-
-    if model_cfg is None:
-        warnings.warn(
-            "pretrain_cfg_container_from_args without model_cfg: pass a ModelConfig "
-            "(megatron.training.models.GPTModelConfig or HybridModelConfig) rather than a model provider function",
-            stacklevel=2,
-        )
-    checkpoint, profiling = _checkpoint_and_profiling_configs(args)
-    rerun = _default_config_from_args(cfg.RerunStateMachineConfig, args, return_instance=False)
-    rerun["check_for_nan_in_loss"] = args.check_for_nan_in_loss_and_grad
-    optimizer = training.get_megatron_optimizer_config(args)
-    if isinstance(optimizer, tuple):  # Megatron-LM's version returns (config, per-parameter overrides)
-        optimizer = optimizer[0]
-    return cfg.PretrainConfigContainer(
-        train=_default_config_from_args(cfg.TrainingConfig, args),
-        validation=_default_config_from_args(cfg.ValidationConfig, args),
-        model=model_cfg,
-        optimizer=optimizer,
-        scheduler=_default_config_from_args(cfg.SchedulerConfig, args),
-        ddp=training.get_megatron_ddp_config(args),
-        dist=_default_config_from_args(cfg.DistributedInitConfig, args),
-        rng=_default_config_from_args(cfg.RNGConfig, args),
-        logger=_default_config_from_args(cfg.LoggerConfig, args),
-        checkpoint=checkpoint,
-        profiling=profiling,
-        tokenizer=_default_config_from_args(cfg.TokenizerConfig, args),
-        rerun_state_machine=cfg.RerunStateMachineConfig(**rerun),
-        straggler=_default_config_from_args(cfg.StragglerDetectionConfig, args),
     )

@@ -13,11 +13,9 @@ import pytest
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.training import global_vars
-from megatron.training.argument_utils import (
-    ArgumentGroupFactory,
-    TypeInferenceError,
-    pretrain_cfg_container_from_args,
-)
+from megatron.training import argument_utils
+from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError
+from megatron.training.config_from_args import pretrain_cfg_container_from_args
 from megatron.training.config import PretrainConfigContainer, ValidationConfig
 from megatron.training.training import get_train_valid_test_num_samples
 
@@ -226,3 +224,9 @@ def test_num_samples_count_evaluation_batches(overrides, expected):
         assert get_train_valid_test_num_samples() == expected
     finally:
         global_vars._GLOBAL_ARGS = previous
+
+
+def test_container_builders_are_importable_from_megatron_path():
+    assert argument_utils.pretrain_cfg_container_from_args is pretrain_cfg_container_from_args
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_builder'"):
+        argument_utils.no_such_builder
