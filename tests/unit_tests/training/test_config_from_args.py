@@ -14,7 +14,9 @@ from tests.unit_tests.training.test_arguments import validated
 
 
 def test_gpt_config_from_flags():
-    args = validated("--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--rotary-base", "500")
+    args = validated(
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--rotary-base", "500"
+    )
     config = gpt_config_from_args(args)
     assert isinstance(config, GPTModelConfig)
     assert (config.vocab_size, config.should_pad_vocab, config.seq_length) == (100, True, args.max_position_embeddings)

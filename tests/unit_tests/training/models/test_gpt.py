@@ -44,7 +44,8 @@ def test_finalize_names_the_uneven_virtual_pipeline():
         virtual_pipeline_model_parallel_size=2,
         pipeline_dtype=torch.float32,
     )
-    with pytest.raises(ModelConfigError, match=r"3 layers per pipeline stage .* virtual_pipeline_model_parallel_size=2"):
+    message = r"3 layers per pipeline stage .* virtual_pipeline_model_parallel_size=2"
+    with pytest.raises(ModelConfigError, match=message):
         GPTModelConfig(transformer=transformer, vocab_size=100).finalize()
 
 

@@ -25,7 +25,8 @@ def _config(**kwargs):
 def test_defaults_and_the_mamba_alias():
     config = _config()
     assert MambaModelConfig is HybridModelConfig
-    assert (config.position_embedding_type, config.hybrid_layer_pattern, config.hybrid_stack_spec) == ("none", None, None)
+    assert config.position_embedding_type == "none"
+    assert config.hybrid_layer_pattern is None and config.hybrid_stack_spec is None
     config.mamba_stack_spec = "spec"
     assert config.hybrid_stack_spec == "spec"
 
