@@ -69,3 +69,20 @@ def test_compose_hooks_runs_in_order():
 
 def test_model_config_error_is_caught_as_either_type():
     assert issubclass(ModelConfigError, ValueError) and issubclass(ModelConfigError, AssertionError)
+
+
+def test_gpt_config_travels_in_a_pretrain_container_yaml(tmp_path):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.training import config as cfg
+
+    container = cfg.PretrainConfigContainer(
+        train=cfg.TrainingConfig(),
+        model=_gpt(),
+        optimizer=OptimizerConfig(),
+        scheduler=cfg.SchedulerConfig(),
+        logger=cfg.LoggerConfig(),
+        checkpoint=cfg.CheckpointConfig(),
+    )
+    container.to_yaml(str(tmp_path / "run.yaml"))
+    model = cfg.PretrainConfigContainer.from_yaml(str(tmp_path / "run.yaml")).model
+    assert isinstance(model, GPTModelConfig) and model.vocab_size == 100 and model.hidden_size == 16
