@@ -350,12 +350,16 @@ def get_train_valid_test_num_samples():
     """Samples each split must provide (Megatron's formula: enough for every evaluation the run will do)."""
     args = get_args()
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
-    return (
-        train_samples,
-        eval_runs * args.eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
-    )
+    # Evaluation batches are --eval-global-batch-size samples when given (Megatron's ValidationConfig field).
+    eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    if getattr(args, "skip_train", False) or not args.eval_interval:
+        eval_runs = 1
+    else:
+        eval_runs = args.train_iters // args.eval_interval + 1
+        start = getattr(args, "start_eval_at_iter", None)
+        if start is not None:  # evaluations before --start-eval-at-iter do not happen
+            eval_runs = max(0, eval_runs - start // args.eval_interval)
+    return train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch
 
 
 @public_api("megatron.training.training")
