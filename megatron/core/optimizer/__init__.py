@@ -18,6 +18,7 @@ from megatron.core.extensions.fused_adam import find_fused_adam
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.no_local_params_optimizer import NoLocalParamsOptimizer
+from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
@@ -245,6 +246,19 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[Dict]) ->
     devices = {param.device.type for group in param_groups for param in group["params"]}
     fused = devices <= set(_FUSED_OPTIMIZER_DEVICES) or None
     if config.optimizer == "adam":
+        if config.use_precision_aware_optimizer:
+            return PrecisionAwareAdam(
+                param_groups,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                fused=fused,
+                decoupled_weight_decay=config.decoupled_weight_decay,
+                exp_avg_dtype=config.exp_avg_dtype,
+                exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+                use_decoupled_grad=True,
+            )
         extension_adam = find_fused_adam() if devices == {"cuda"} else None
         if extension_adam is not None:  # Transformer Engine's or apex's multi-tensor kernel
             return extension_adam(
@@ -276,7 +290,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, config: Optional[Opti
             state = optimizer.state[param]
             if state:
                 continue
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if isinstance(optimizer, PrecisionAwareAdam):
+                optimizer.init_param_state(param, group)
+            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                 # Fused kernels keep the step counter on the parameter's device, the others on the host.
                 step_device = param.device if group.get("fused") else torch.device("cpu")
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
