@@ -248,7 +248,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @property
     def optimizer_state_keys(self):
         """Names of the per-parameter optimizer state the torch optimizer keeps (Adam's moments, SGD's momentum)."""
-        if isinstance(self.optimizer, torch.optim.SGD):
+        # A HybridDeviceOptimizer holds the state of the optimizer class it runs on each side.
+        if issubclass(getattr(self.optimizer, "optimizer_class", type(self.optimizer)), torch.optim.SGD):
             return ("momentum_buffer",)
         return ("exp_avg", "exp_avg_sq")
 

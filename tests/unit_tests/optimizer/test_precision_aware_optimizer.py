@@ -124,8 +124,9 @@ def test_fp16_main_params_are_stored_in_fp16():
         _assert_close_in_lower_precision(plain, aware)
 
 
-def _save_then_resume(checkpoint: str, sharding_type: str):
-    kwargs = dict(use_precision_aware_optimizer=True, **BF16_MOMENTS)
+def save_then_resume(checkpoint: str, sharding_type: str, kwargs: dict):
+    """Train 2 steps, save, take 2 more; then a fresh model and optimizer load the checkpoint and take those 2 steps
+    again. Returns both runs' losses after the checkpoint and the dtypes of the saved and loaded optimizer tensors."""
     gpt, model, optimizer = _build(kwargs)
     for seed in range(2):
         _step(model, optimizer, seed)
@@ -134,7 +135,8 @@ def _save_then_resume(checkpoint: str, sharding_type: str):
     optimizer_state = optimizer.sharded_state_dict({"model": model_state}, metadata=metadata)
     saved_dtypes = sorted({str(t.dtype) for t in _tensors(optimizer_state["param_state"]) if t.dim()})
     dist_checkpointing.save({"model": model_state, "optimizer": optimizer_state}, checkpoint, content_metadata=metadata)
-    continued = _step(model, optimizer, 2)
+    # The second loss after the checkpoint is the first to depend on the optimizer state it restored.
+    continued = [_step(model, optimizer, seed) for seed in (2, 3)]
 
     gpt, model, optimizer = _build(kwargs)
     model_state = gpt.sharded_state_dict(metadata=metadata)
@@ -149,7 +151,7 @@ def _save_then_resume(checkpoint: str, sharding_type: str):
     state = next(iter(optimizer.optimizer.state.values()))
     return {
         "continued": continued,
-        "resumed": _step(model, optimizer, 2),
+        "resumed": [_step(model, optimizer, seed) for seed in (2, 3)],
         "saved_dtypes": saved_dtypes,
         "loaded_dtypes": loaded_dtypes,
         "state_dtype": state["exp_avg"].dtype,
@@ -168,7 +170,8 @@ def _tensors(tree):
 @pytest.mark.parametrize("sharding_type", ["fully_sharded_model_space", "dp_reshardable", "fully_reshardable"])
 def test_checkpoint_keeps_the_stored_dtypes_and_resumes_exactly(tmp_path: Path, sharding_type):
     (tmp_path / "ckpt").mkdir()
-    for result in run_distributed(2, _save_then_resume, str(tmp_path / "ckpt"), sharding_type):
+    kwargs = dict(use_precision_aware_optimizer=True, **BF16_MOMENTS)
+    for result in run_distributed(2, save_then_resume, str(tmp_path / "ckpt"), sharding_type, kwargs):
         assert result["resumed"] == result["continued"]
         # The fp32 main params and the bf16 moments, as the optimizer holds them.
         assert result["saved_dtypes"] == ["torch.bfloat16", "torch.float32"]
