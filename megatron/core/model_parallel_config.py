@@ -159,15 +159,16 @@ class ModelParallelConfig:
     mtp_standalone: bool = False
     """Multi-token prediction runs in its own virtual pipeline stage (not supported yet: must be False)."""
 
-    # ---- offloading (not supported yet: every field must keep its default) ----
+    # ---- offloading (activations of whole layers; the weights and buffering knobs are not built yet) ----
     cpu_offloading: bool = False
-    """Offload activations/weights of some layers to host memory."""
+    """Keep what the first cpu_offloading_num_layers layers save for backward in host memory until backward
+    (megatron.core.transformer.activation_offload)."""
     cpu_offloading_num_layers: int = 0
-    """Layers to offload."""
+    """Layers (from the first) whose activations are offloaded with cpu_offloading."""
     _cpu_offloading_context: Optional[ContextManager] = None
     """Internal: the offloading context of the running model; never set it."""
     cpu_offloading_activations: bool = True
-    """Offload activations."""
+    """Offload activations (with cpu_offloading)."""
     cpu_offloading_weights: bool = False
     """Offload weights."""
     cpu_offloading_double_buffering: bool = False

@@ -76,19 +76,13 @@ NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
         "mtp_hybrid_override_pattern",
     ),
     "custom pipeline layout": ("pipeline_model_parallel_layout",),
-    "CPU offloading": (
-        "cpu_offloading",
-        "cpu_offloading_num_layers",
+    "CPU offloading of weights and its buffering options": (
         "_cpu_offloading_context",
-        "cpu_offloading_activations",
         "cpu_offloading_weights",
         "cpu_offloading_double_buffering",
         "cpu_offloading_retain_pinned_cpu_buffers",
     ),
-    "fine-grained activation offloading": (
-        "fine_grained_activation_offloading",
-        "offload_modules",
-        "min_offloaded_tensor_size",
+    "fine-grained activation offloading tuning": (
         "delay_offload_until_cuda_graph",
         "delta_offload_bytes_across_pp_ranks",
         "activation_offload_fraction",

@@ -6,6 +6,7 @@ CPU (gloo) as well as on NVIDIA GPUs (nccl).
 
 import asyncio
 import functools
+import contextlib
 import importlib
 import importlib.metadata
 import inspect
@@ -96,6 +97,30 @@ def synchronize_device() -> None:
     """Wait for the accelerator's queued work (nothing to wait for on the CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def host_buffer_like(tensor: torch.Tensor, pin: bool = True, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An empty host tensor shaped like ``tensor``: page-locked when CUDA is available and ``pin`` is set, so that
+    copies to and from the accelerator can run asynchronously (``non_blocking=True``); ordinary memory otherwise."""
+    pin = pin and torch.cuda.is_available()
+    return torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device="cpu", pin_memory=pin)
+
+
+def side_stream():
+    """A new CUDA stream for copies that overlap the current stream's work; None without CUDA (every copy is
+    then synchronous host memory traffic)."""
+    return torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+def stream_context(stream):
+    """``with stream_context(s):`` runs the block on stream ``s`` (a no-op context for None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_stream(waiting, stream) -> None:
+    """Make ``waiting`` (None: the current stream) wait for the work queued on ``stream`` (None: nothing)."""
+    if stream is not None:
+        (waiting or torch.cuda.current_stream()).wait_stream(stream)
 
 
 def device_memory_mb() -> Optional[dict]:

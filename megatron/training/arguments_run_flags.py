@@ -114,25 +114,58 @@ WEIGHT_SHARDING = FlagTable(
 )
 
 
-CPU_OFFLOADING = FlagTable(
+OPTIMIZER_CPU_OFFLOAD = FlagTable(
     "training",
     (
-        value("--activation-offload-fraction", float, 1.0),
-        value("--cpu-offloading-num-layers", int, 0),
-        switch("--cpu-offloading-retain-pinned-cpu-buffers"),
-        value("--delta-offload-bytes-across-pp-ranks", int, 0),
-        switch("--fine-grained-activation-offloading"),
-        value("--fine-grained-offloading-max-inflight-offloads", int, None),
-        value("--min-offloaded-tensor-size", int, 1048576),
         off_switch("--no-pin-cpu-grads", "pin_cpu_grads"),
         off_switch("--no-pin-cpu-params", "pin_cpu_params"),
-        value("--offload-modules", str, [], nargs="+"),
-        switch("--optimizer-cpu-offload"),
-        value("--optimizer-offload-fraction", float, 1.0),
+        switch(
+            "--optimizer-cpu-offload",
+            help="Step --optimizer-offload-fraction of the parameters (their optimizer state, host copies and "
+            "gradients) in host memory (megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer).",
+        ),
+        value(
+            "--optimizer-offload-fraction",
+            float,
+            1.0,
+            help="Fraction in [0, 1] of the parameters (by element count) stepped on the host with "
+            "--optimizer-cpu-offload.",
+        ),
         switch("--overlap-cpu-optimizer-d2h-h2d"),
         switch("--use-torch-optimizer-for-cpu-offload"),
     ),
-    not_supported="CPU offloading",
+)
+
+
+ACTIVATION_OFFLOADING = FlagTable(
+    "training",
+    (
+        value(
+            "--cpu-offloading-num-layers",
+            int,
+            0,
+            help="Offload the activations the first N transformer layers save for backward to host memory.",
+        ),
+        switch(
+            "--fine-grained-activation-offloading",
+            help="Offload the activations that the modules named by --offload-modules save for backward to host "
+            "memory (tensors of at least --min-offloaded-tensor-size elements).",
+        ),
+        value("--min-offloaded-tensor-size", int, 1048576),
+        value("--offload-modules", str, [], nargs="+"),
+    ),
+)
+
+
+ACTIVATION_OFFLOADING_TUNING = FlagTable(
+    "training",
+    (
+        value("--activation-offload-fraction", float, 1.0),
+        switch("--cpu-offloading-retain-pinned-cpu-buffers"),
+        value("--delta-offload-bytes-across-pp-ranks", int, 0),
+        value("--fine-grained-offloading-max-inflight-offloads", int, None),
+    ),
+    not_supported="activation offloading tuning",
 )
 
 
@@ -143,9 +176,12 @@ PRECISION_AWARE_OPTIMIZER = FlagTable(
         value("--exp-avg-sq-dtype", None, "fp32", choices=["fp32", "fp16", "bf16", "fp8"]),
         value("--main-grads-dtype", None, "fp32", choices=["fp32", "bf16"]),
         value("--main-params-dtype", None, "fp32", choices=["fp32", "fp16"]),
-        switch("--use-precision-aware-optimizer"),
+        switch(
+            "--use-precision-aware-optimizer",
+            help="Keep the distributed optimizer's main params, main grads and Adam moments in --main-params-dtype, "
+            "--main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype, computing the update in fp32.",
+        ),
     ),
-    not_supported="precision-aware optimizer",
 )
 
 
@@ -461,7 +497,9 @@ TABLES = (
     COMMUNICATOR_TUNING,
     DISTRIBUTED_OPTIONS,
     WEIGHT_SHARDING,
-    CPU_OFFLOADING,
+    OPTIMIZER_CPU_OFFLOAD,
+    ACTIVATION_OFFLOADING,
+    ACTIVATION_OFFLOADING_TUNING,
     PRECISION_AWARE_OPTIMIZER,
     LION_OPTIONS,
     MUON_OPTIONS,

@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -68,6 +69,7 @@ __all__ = [
     "DynamicGradScaler",
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",
+    "HybridDeviceOptimizer",
     "LayerWiseDistributedOptimizer",
     "MegatronGradScaler",
     "MegatronModule",

@@ -176,7 +176,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     )
                 # A parameter lying wholly in other ranks' shards is stepped by those ranks only.
                 if model_param in ranges:
-                    entries.append(_make_shard_entry(model_param, ranges[model_param]))
+                    entries.append(_make_shard_entry(model_param, ranges[model_param], self._main_params_dtype))
             # From here on the torch optimizer steps the shards, not the model parameters.
             group["params"] = [entry.main_param for entry in entries]
             self.shard_groups.append(entries)
@@ -225,6 +225,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
         )
 
+    @property
+    def _main_params_dtype(self) -> torch.dtype:
+        """What a bf16/fp16 parameter's main shard is stored in (fp32 unless the precision-aware optimizer lowers
+        it)."""
+        return self.config.main_params_dtype if self.config.use_precision_aware_optimizer else torch.float32
+
+    def state_dtype(self, name: str, buffer: _ParamAndGradBuffer) -> torch.dtype:
+        """The storage dtype of one state name of :meth:`_state_names` ("param" or an optimizer state) for the
+        parameters of ``buffer`` (one model dtype per buffer), the same on every rank, so that checkpoints hold
+        the state as the optimizer keeps it."""
+        if name == "param":
+            return self._main_params_dtype if buffer.param_dtype in _FLOAT16_DTYPES else torch.float32
+        return getattr(self.optimizer, "state_dtypes", {}).get(name, torch.float32)
+
     def _entries(self):
         return (entry for entries in self.shard_groups for entry in entries)
 
@@ -234,7 +248,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @property
     def optimizer_state_keys(self):
         """Names of the per-parameter optimizer state the torch optimizer keeps (Adam's moments, SGD's momentum)."""
-        if isinstance(self.optimizer, torch.optim.SGD):
+        # A HybridDeviceOptimizer holds the state of the optimizer class it runs on each side.
+        if issubclass(getattr(self.optimizer, "optimizer_class", type(self.optimizer)), torch.optim.SGD):
             return ("momentum_buffer",)
         return ("exp_avg", "exp_avg_sq")
 
@@ -246,13 +261,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def zero_grad(self, set_to_none: bool = True):
         _zero_grad_group_helper([entry.main_param for entry in self._entries()], set_to_none)
         _zero_grad_group_helper([entry.model_param for entry in self._entries()], set_to_none)
+        for entry in self._entries():
+            # The precision-aware optimizer's main gradient is a view of DDP's buffer, which DDP zeroes.
+            entry.main_param.decoupled_grad = None
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_param, main_param, shard, _ in self._entries():
             # Only this slice of main_grad holds the reduce-scattered sum; the rest of the buffer is unreduced.
             grad = model_param.main_grad.view(-1)[shard.param_start : shard.param_end]
-            # With grad_reduce_in_fp32 this is a view of the buffer; otherwise an fp32 copy.
-            main_param.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if self._use_decoupled_grad:
+                # Stored in main_grads_dtype: a view of the buffer when the dtypes agree (no fp32 copy).
+                main_dtype = self.config.main_grads_dtype
+                main_param.decoupled_grad = grad if grad.dtype == main_dtype else grad.to(main_dtype)
+            else:
+                # With grad_reduce_in_fp32 this is a view of the buffer; otherwise an fp32 copy.
+                main_param.grad = grad if grad.dtype == torch.float32 else grad.float()
 
     def _copy_main_params_to_model_params(self) -> None:
         for model_param, main_param, shard, owns_main in self._entries():
@@ -425,11 +448,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
-def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange) -> _ShardEntry:
+def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange, main_dtype: torch.dtype) -> _ShardEntry:
     model_shard = model_param.detach().view(-1)[shard.param_start : shard.param_end]
     if model_param.dtype in _FLOAT16_DTYPES:
-        # An fp32 master copy of the half-precision shard, so small updates are not lost to rounding.
-        main_param, owns_main = model_shard.clone().float(), True
+        # A master copy of the half-precision shard (fp32 unless the precision-aware optimizer stores it in fp16),
+        # so small updates are not lost to rounding.
+        main_param, owns_main = model_shard.clone().to(main_dtype), True
     elif model_param.dtype == torch.float32:
         # fp32 needs no master copy: stepping this view updates the model parameter in place.
         main_param, owns_main = model_shard, False

@@ -135,7 +135,10 @@ def sharded_param_state_dp_reshardable(
             bucket_state = []
             for piece in pieces:
                 if piece.entry is None:
-                    tensors = {name: torch.empty(piece.end - piece.start) for name in self._state_names()}
+                    tensors = {
+                        name: torch.empty(piece.end - piece.start, dtype=self.state_dtype(name, buffer))
+                        for name in self._state_names()
+                    }
                 else:
                     tensors = self._get_main_param_and_optimizer_states(piece.entry.model_param)
                 sharded = {
@@ -199,7 +202,9 @@ def sharded_param_state_fully_reshardable(
             state[index] = {
                 name: make_sharded_optimizer_tensor(
                     sharded_of[param],
-                    torch.empty(param.shape) if is_loading else whole[name][start:end].view(param.shape),
+                    torch.empty(param.shape, dtype=self.state_dtype(name, buffer))
+                    if is_loading
+                    else whole[name][start:end].view(param.shape),
                     f"optimizer.state.{name}",
                 )
                 for name in self._state_names()
@@ -222,15 +227,18 @@ def load_parameter_state_from_fully_reshardable(self, state_dict: dict) -> None:
 
 
 def _gather_buffer(self, buffer_index: int) -> Dict[str, torch.Tensor]:
-    """``{state name: the whole buffer's fp32 state}`` on every data-parallel rank (padding left zero)."""
+    """``{state name: the whole buffer's state, in its storage dtype}`` on every data-parallel rank (padding zero)."""
     buffer, pieces_by_bucket = self.buffers[buffer_index], self.bucket_pieces[buffer_index]
     dp_rank, dp_size = self._dp_rank_and_size()
     device = buffer.grad_data.device
-    whole = {name: torch.zeros(buffer.grad_data.numel(), device=device) for name in self._state_names()}
+    whole = {
+        name: torch.zeros(buffer.grad_data.numel(), dtype=self.state_dtype(name, buffer), device=device)
+        for name in self._state_names()
+    }
     for bucket, pieces in zip(buffer.buckets, pieces_by_bucket):
         shard_numel = bucket.grad_data.numel() // dp_size
         for name, tensor in whole.items():
-            shard = torch.zeros(shard_numel, device=device)
+            shard = torch.zeros(shard_numel, dtype=tensor.dtype, device=device)
             for piece in pieces:
                 if piece.entry is not None:
                     shard[piece.start : piece.end] = self._get_main_param_and_optimizer_states(piece.entry.model_param)[
@@ -261,7 +269,9 @@ def get_parameter_state_dp_zero(
     for index, buffer in enumerate(self.buffers):
         numel_unpadded = sum(bucket.numel_unpadded for bucket in buffer.buckets)
         if empty_data:
-            world = {name: torch.zeros(numel_unpadded) for name in self._state_names()}
+            world = {
+                name: torch.zeros(numel_unpadded, dtype=self.state_dtype(name, buffer)) for name in self._state_names()
+            }
         else:
             whole = self._gather_buffer(index)
             world = {name: _drop_bucket_padding(tensor, buffer) for name, tensor in whole.items()}
@@ -299,7 +309,7 @@ def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=
         for name in self._state_names():
             offset = 0
             for bucket, pieces in zip(buffer.buckets, self.bucket_pieces[index]):
-                padded = torch.zeros(bucket.grad_data.numel(), device=device)
+                padded = torch.zeros(bucket.grad_data.numel(), dtype=self.state_dtype(name, buffer), device=device)
                 if dp_rank == 0:
                     padded[: bucket.numel_unpadded] = world[name][offset : offset + bucket.numel_unpadded]
                 offset += bucket.numel_unpadded

@@ -124,13 +124,23 @@ class MegatronOptimizer(ABC):
         gradients on their own): they are left out of the main norm (``grad_norm_group=None``) and returned for
         ``grad_norm_group="<name>"``. The step clips, and skips on, the main norm.
         """
+        grads = ((param, self._main_grad_of(param)) for param in self.get_parameters())
         return [
-            param.grad
-            for param in self.get_parameters()
-            if param.grad is not None
+            grad
+            for param, grad in grads
+            if grad is not None
             and getattr(param, "grad_norm_group", None) == grad_norm_group
             and counts_for_grad_stats(param, self.tp_group)
         ]
+
+    @property
+    def _use_decoupled_grad(self) -> bool:
+        """The precision-aware optimizer keeps main gradients in ``param.decoupled_grad`` (Megatron's attribute):
+        ``param.grad`` cannot hold a gradient of another dtype than its parameter's."""
+        return self.config.use_precision_aware_optimizer
+
+    def _main_grad_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        return getattr(param, "decoupled_grad" if self._use_decoupled_grad else "grad", None)
 
     def has_grad_norm_group(self, grad_norm_group: str) -> bool:
         """Whether any rank of the grad-stats group holds parameters of ``grad_norm_group`` (the same answer on
@@ -154,13 +164,14 @@ class MegatronOptimizer(ABC):
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip the main gradients to a global norm of ``clip_grad``; return the norm before clipping."""
         grad_norm = self.get_grad_norm()
-        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm, self._use_decoupled_grad)
         return grad_norm
 
     def count_zeros(self) -> float:
         return count_zeros_fp32(
             self.get_parameters(),
             grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
+            use_decoupled_grad=self._use_decoupled_grad,
             tp_group=self.tp_group,
         )
 
@@ -197,7 +208,9 @@ class MegatronOptimizer(ABC):
             self.zero_grad(set_to_none=True)
             return False, grad_norm, num_zeros
         if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
+            clip_grad_by_total_norm_fp32(
+                self.get_parameters(), self.config.clip_grad, grad_norm, self._use_decoupled_grad
+            )
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
     @abstractmethod
@@ -317,7 +330,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         pass
 
     def _main_grads(self) -> List[torch.Tensor]:
-        return [p.grad for p in self.get_parameters() if p.grad is not None]
+        grads = (self._main_grad_of(param) for param in self.get_parameters())
+        return [grad for grad in grads if grad is not None]
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         """Divide the main gradients by the loss scale; True if any rank found a NaN/Inf among them."""
@@ -706,7 +720,9 @@ class ChainedOptimizer(MegatronOptimizer):
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0.0:
                 # Against the global norm: with equal clip_grad, every chained gradient is scaled by the same factor.
-                clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
+                clip_grad_by_total_norm_fp32(
+                    opt.get_parameters(), opt.config.clip_grad, grad_norm, opt._use_decoupled_grad
+                )
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
     def zero_grad(self, set_to_none=True):

@@ -9,10 +9,12 @@ import torch
 import torch.distributed.checkpoint
 
 from megatron.core.extensions.fused_adam import find_fused_adam
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.no_local_params_optimizer import NoLocalParamsOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdam
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate
 from megatron.core.optimizer_param_scheduler import (
     ParamGroupOverride,
@@ -130,9 +132,24 @@ _FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda")
 
 
 def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[Dict]) -> torch.optim.Optimizer:
+    if config.optimizer_cpu_offload:
+        return _build_hybrid_device_optimizer(config, param_groups)
     devices = {param.device.type for group in param_groups for param in group["params"]}
     fused = devices <= set(_FUSED_OPTIMIZER_DEVICES) or None
     if config.optimizer == "adam":
+        if config.use_precision_aware_optimizer:
+            return PrecisionAwareAdam(
+                param_groups,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                fused=fused,
+                decoupled_weight_decay=config.decoupled_weight_decay,
+                exp_avg_dtype=config.exp_avg_dtype,
+                exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+                use_decoupled_grad=True,
+            )
         extension_adam = find_fused_adam() if devices == {"cuda"} else None
         if extension_adam is not None:  # Transformer Engine's or apex's multi-tensor kernel
             return extension_adam(
@@ -157,14 +174,43 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[Dict]) ->
     )
 
 
+def _build_hybrid_device_optimizer(config: OptimizerConfig, param_groups: List[Dict]) -> HybridDeviceOptimizer:
+    """torch's optimizer on both sides of the offload (``use_torch_optimizer_for_cpu_offload`` asks Megatron for
+    that on the device side too; here it is always so), fused kernels on CPU and CUDA."""
+    devices = {param.device.type for group in param_groups for param in group["params"]}
+    if config.optimizer == "adam":
+        optimizer_class = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        hyperparameters = dict(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    else:
+        optimizer_class, hyperparameters = torch.optim.SGD, dict(momentum=config.sgd_momentum)
+    return HybridDeviceOptimizer(
+        param_groups,
+        offload_fraction=config.optimizer_offload_fraction,
+        cpu_optimizer_cls=optimizer_class,
+        gpu_optimizer_cls=optimizer_class,
+        pin_cpu_grads=config.pin_cpu_grads,
+        pin_cpu_params=config.pin_cpu_params,
+        overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        fused=devices <= set(_FUSED_OPTIMIZER_DEVICES) or None,
+        **hyperparameters,
+    )
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer, config: Optional[OptimizerConfig] = None) -> None:
     """Create empty (zero) optimizer state for every parameter, as a first step would (e.g. before loading)."""
+    if isinstance(optimizer, HybridDeviceOptimizer):
+        optimizer.init_state(lambda sub_optimizer: init_optimizer_state(sub_optimizer, config))
+        return
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
             if state:
                 continue
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if isinstance(optimizer, PrecisionAwareAdam):
+                optimizer.init_param_state(param, group)
+            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                 # Fused kernels keep the step counter on the parameter's device, the others on the host.
                 step_device = param.device if group.get("fused") else torch.device("cpu")
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)

@@ -86,12 +86,11 @@ def _not_supported(feature: str, name: str, value) -> ValueError:
 class OptimizerConfig:
     """Settings read by :func:`megatron.core.optimizer.get_megatron_optimizer`.
 
-    Fields of features not built here (precision-aware optimizer, fp8 parameter gathers, the Lion/SOAP/adaptive-Muon
-    optimizers, CPU offload, CUDA graphs) are accepted at their defaults and refused otherwise. The layer-wise
-    distributed optimizer is built for Muon only (``optimizer='dist_muon'``).
-    Hyper-parameters of an optimizer that is not selected (``muon_*``, ``lion_*``, ``soap_*``, the offload
-    fraction and pinning of CPU offload, ``store_param_remainders`` of the precision-aware optimizer) are inert, as
-    in Megatron.
+    Fields of features not built here (fp8 parameter gathers, the Lion/SOAP/adaptive-Muon optimizers, CUDA graphs)
+    are accepted at their defaults and refused otherwise. The layer-wise distributed optimizer is built for Muon only
+    (``optimizer='dist_muon'``). Hyper-parameters of an optimizer that is not selected (``muon_*``, ``lion_*``,
+    ``soap_*``, the offload fraction and pinning without CPU offload, ``store_param_remainders``) are inert, as in
+    Megatron.
     """
 
     # ---- general ----
@@ -120,17 +119,19 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32
     """Dtype of the model's parameters."""
     use_precision_aware_optimizer: bool = False
-    """Keep main params / Adam moments in lower precision (needs TE's FusedAdam; not supported yet: must be False)."""
+    """Store the distributed optimizer's main params, main grads and Adam moments in the dtypes below, computing
+    the update in fp32 (Adam with use_distributed_optimizer only)."""
     store_param_remainders: bool = True
-    """Precision-aware optimizer: store only the fp32 remainder bits of bf16 parameters (inert without it)."""
+    """Megatron's TE kernel stores only the remainder bits of fp32 main params of bf16 parameters; inert here (the
+    main params are stored whole in main_params_dtype)."""
     main_grads_dtype: torch.dtype = torch.float32
-    """Dtype of the main gradients (only fp32 is supported)."""
+    """Precision-aware optimizer: dtype of the main gradients (fp32 or bf16)."""
     main_params_dtype: torch.dtype = torch.float32
-    """Dtype of the main parameters (only fp32 is supported)."""
+    """Precision-aware optimizer: dtype of the main parameters (fp32, or fp16 for a bf16/fp16 model)."""
     exp_avg_dtype: torch.dtype = torch.float32
-    """Dtype of Adam's first moment (only fp32 is supported)."""
+    """Precision-aware optimizer: dtype of Adam's first moment (fp32, bf16, fp16; torch.uint8 is Megatron's fp8)."""
     exp_avg_sq_dtype: torch.dtype = torch.float32
-    """Dtype of Adam's second moment (only fp32 is supported)."""
+    """Precision-aware optimizer: dtype of Adam's second moment (as exp_avg_dtype)."""
     optimizer: str = "adam"
     """'adam' (AdamW-style decoupled weight decay by default), 'sgd', 'muon' (Newton-Schulz orthogonalised momentum
     for 2-D weights, ``muon_scalar_optimizer`` for the rest) or 'dist_muon' (Muon under the layer-wise distributed
@@ -209,15 +210,15 @@ class OptimizerConfig:
     overlap_param_gather_with_optimizer_step: bool = False
     """Overlap the first parameter all-gather with the optimizer step (not supported yet: must be False)."""
 
-    # ---- CPU offload (not built: on a CPU-only machine the state is on the host already) ----
+    # ---- CPU offload (HybridDeviceOptimizer; on a CPU-only machine both sides are host memory) ----
     optimizer_cpu_offload: bool = False
-    """Keep optimizer state and its step on the host (not supported yet: must be False)."""
+    """Keep a fraction of the parameters' optimizer state, and their step, on the host."""
     optimizer_offload_fraction: float = 0.0
-    """Fraction of the optimizer state to offload (read only with optimizer_cpu_offload)."""
+    """Fraction (by element count, in [0, 1]) of the parameters whose optimizer state lives on the host."""
     use_torch_optimizer_for_cpu_offload: bool = False
-    """Use torch's optimizer for the offloaded part (read only with optimizer_cpu_offload)."""
+    """Step the host part with torch's per-tensor (foreach) kernel instead of its fused one."""
     overlap_cpu_optimizer_d2h_h2d: bool = False
-    """Overlap the offloaded step with its copies (read only with optimizer_cpu_offload)."""
+    """Overlap the host step with its device-to-host and host-to-device copies (CUDA streams; no effect on CPU)."""
     pin_cpu_grads: bool = True
     """Pin offloaded gradients (read only with optimizer_cpu_offload)."""
     pin_cpu_params: bool = True
@@ -247,6 +248,8 @@ class OptimizerConfig:
         _check_optimizer_choice(self)
         _check_features_not_built(self)
         _check_muon(self)
+        _check_precision_aware(self)
+        _check_cpu_offload(self)
         _check_values(self)
 
 
@@ -260,10 +263,8 @@ def _check_optimizer_choice(config: OptimizerConfig) -> None:
 
 
 _FEATURES_NOT_BUILT = (
-    ("use_precision_aware_optimizer", "precision-aware optimizer"),
     ("reuse_grad_buf_for_mxfp8_param_ag", "mxfp8 parameter all-gather in the gradient buffer"),
     ("overlap_param_gather_with_optimizer_step", "overlapping the parameter all-gather with the optimizer step"),
-    ("optimizer_cpu_offload", "CPU offload of the optimizer"),
     ("optimizer_cuda_graph", "CUDA graph of the optimizer step"),
 )
 
@@ -272,9 +273,63 @@ def _check_features_not_built(config: OptimizerConfig) -> None:
     for name, feature in _FEATURES_NOT_BUILT:
         if getattr(config, name):
             raise _not_supported(feature, name, getattr(config, name))
-    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(config, name) != torch.float32:
-            raise _not_supported("optimizer state below fp32 (precision-aware optimizer)", name, getattr(config, name))
+
+
+# Megatron's choices for each storage dtype (--main-params-dtype, ...); torch.uint8 stands for fp8.
+_STATE_DTYPE_CHOICES = {
+    "main_params_dtype": (torch.float32, torch.float16),
+    "main_grads_dtype": (torch.float32, torch.bfloat16),
+    "exp_avg_dtype": (torch.float32, torch.float16, torch.bfloat16, torch.uint8),
+    "exp_avg_sq_dtype": (torch.float32, torch.float16, torch.bfloat16, torch.uint8),
+}
+
+
+def _check_precision_aware(config: OptimizerConfig) -> None:
+    lowered = [name for name in _STATE_DTYPE_CHOICES if getattr(config, name) != torch.float32]
+    for name, choices in _STATE_DTYPE_CHOICES.items():
+        if getattr(config, name) not in choices:
+            raise ValueError(f"OptimizerConfig.{name}={getattr(config, name)} is not one of {choices}")
+    if not config.use_precision_aware_optimizer:
+        if lowered:
+            raise ValueError(
+                f"OptimizerConfig.{lowered[0]}={getattr(config, lowered[0])} needs "
+                "use_precision_aware_optimizer=True (the plain optimizer keeps its state in fp32)"
+            )
+        return
+    if config.optimizer != "adam":
+        raise ValueError(
+            f"OptimizerConfig.use_precision_aware_optimizer=True needs optimizer='adam', got {config.optimizer!r}"
+        )
+    if not config.use_distributed_optimizer:
+        raise ValueError(
+            "OptimizerConfig.use_precision_aware_optimizer=True needs use_distributed_optimizer=True (it stores the "
+            "distributed optimizer's shards); set both"
+        )
+    if config.main_params_dtype != torch.float32 and not (config.bf16 or config.fp16):
+        raise ValueError(
+            f"OptimizerConfig.main_params_dtype={config.main_params_dtype} needs a bf16 or fp16 model: an fp32 "
+            "model's parameters are their own main parameters; set bf16=True or leave main_params_dtype at fp32"
+        )
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, name) == torch.uint8:
+            if config.fp8_recipe is None:
+                raise ValueError(
+                    f"OptimizerConfig.{name}=fp8 (torch.uint8) needs an fp8 scaling recipe (fp8_recipe); set it, "
+                    "or store the moments in bf16"
+                )
+            raise _not_supported("fp8 Adam moments (scaled by the fp8 recipe)", name, "fp8")
+    if config.optimizer_cpu_offload:
+        raise _not_supported(
+            "the precision-aware optimizer with CPU offload", "optimizer_cpu_offload", config.optimizer_cpu_offload
+        )
+
+
+def _check_cpu_offload(config: OptimizerConfig) -> None:
+    if not 0.0 <= config.optimizer_offload_fraction <= 1.0:
+        raise ValueError(
+            f"OptimizerConfig.optimizer_offload_fraction={config.optimizer_offload_fraction} is outside [0, 1]; "
+            "give the fraction of the optimizer state to keep on the host (1.0: all of it)"
+        )
 
 
 # Newton-Schulz step counts each coefficient schedule accepts (a schedule of n sets runs whole cycles, except

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron.core.transformer.activation_offload import validate_offload_modules
 from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.utils import init_method_normal, scaled_init_method_normal, warn_once
 
@@ -235,6 +236,40 @@ def _validate_recompute(config: TransformerConfig) -> None:
             "distribute_saved_activations cannot be combined with sequence_parallel (the activations are already "
             "split along the sequence); turn one of them off"
         )
+
+
+def _validate_activation_offloading(config: TransformerConfig) -> None:
+    """Megatron's rules for cpu_offloading (layer-wise) and fine_grained_activation_offloading (per module)."""
+    if config.cpu_offloading and config.fine_grained_activation_offloading:
+        raise ValueError(
+            "cpu_offloading and fine_grained_activation_offloading are both set; choose one (whole layers or "
+            "selected modules)"
+        )
+    if config.cpu_offloading:
+        if not 0 < config.cpu_offloading_num_layers < config.num_layers:
+            raise ValueError(
+                f"cpu_offloading_num_layers={config.cpu_offloading_num_layers} must be between 1 and num_layers - 1 "
+                f"(num_layers={config.num_layers}): the last layer's activations are needed at once"
+            )
+        if config.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "cpu_offloading (layer-wise activation offloading) does not work with pipeline parallelism "
+                f"(pipeline_model_parallel_size={config.pipeline_model_parallel_size}); use "
+                "fine_grained_activation_offloading"
+            )
+        if config.recompute_granularity is not None:
+            raise ValueError(
+                f"cpu_offloading does not work with activation recomputation (recompute_granularity="
+                f"{config.recompute_granularity!r}); use one of them"
+            )
+    if config.fine_grained_activation_offloading:
+        if not config.offload_modules:
+            raise ValueError(
+                "fine_grained_activation_offloading=True needs offload_modules (e.g. ['core_attn', 'attn_proj'])"
+            )
+        validate_offload_modules(config.offload_modules)
+    if config.min_offloaded_tensor_size < 0:
+        raise ValueError(f"min_offloaded_tensor_size={config.min_offloaded_tensor_size} must be >= 0")
 
 
 def _validate_transformer_impl(config: TransformerConfig) -> None:

@@ -10,6 +10,7 @@ from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.activation_offload import install_fine_grained_offloading, layer_offload_context
 from megatron.core.transformer.config_validation import require_model_sizes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -105,6 +106,9 @@ class TransformerBlock(MegatronModule):
                         vp_stage=vp_stage,
                     )
                 )
+        if config.fine_grained_activation_offloading:
+            for layer in self.layers:
+                install_fine_grained_offloading(layer, config)
         if self.has_final_layernorm_in_this_stage():
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,
@@ -225,7 +229,8 @@ class TransformerBlock(MegatronModule):
                 hidden_states = self._checkpointed_forward(hidden_states, layer_kwargs)
             else:
                 for index, layer in enumerate(self.layers):
-                    hidden_states, context = layer(hidden_states, **layer_kwargs)
+                    with layer_offload_context(self.config, index, self.training) or nullcontext():
+                        hidden_states, context = layer(hidden_states, **layer_kwargs)
                     layer_kwargs["context"] = context
                     self._extract(index, hidden_states, extract_layer_indices, intermediate)
         if self.final_layernorm is not None:

@@ -20,6 +20,7 @@ from megatron.core.transformer.config_validation import (
     _validate_context_parallel,
     _validate_mamba,
     _validate_mla,
+    _validate_activation_offloading,
     _validate_recompute,
     _validate_shape,
     _validate_tensor_parallel_split,
@@ -511,9 +512,10 @@ class TransformerConfig(ModelParallelConfig):
     fine_grained_activation_offloading: bool = False
     """Offload the inputs of selected modules to host memory."""
     offload_modules: Optional[List[str]] = field(default_factory=list)
-    """Modules whose inputs are offloaded."""
+    """Modules whose saved activations are offloaded: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
+    expert_fc1 (Megatron's moe_act is not a module here)."""
     min_offloaded_tensor_size: int = 1024 * 1024
-    """Smallest tensor that is offloaded."""
+    """Smallest saved tensor (in elements) that fine-grained offloading moves to the host."""
     delay_offload_until_cuda_graph: bool = False
     """Delay offloading until the CUDA graph runs."""
     delta_offload_bytes_across_pp_ranks: int = 0
@@ -540,6 +542,7 @@ class TransformerConfig(ModelParallelConfig):
         _validate_mamba(self)
         validate_moe_config(self)
         _validate_recompute(self)
+        _validate_activation_offloading(self)
         _validate_transformer_impl(self)
         _warn_about_kernel_knobs(self)
         _apply_matmul_precision(self)

@@ -275,15 +275,12 @@ def test_get_megatron_optimizer_rejects_bad_requests():
         (dict(optimizer="soap"), r"not supported yet: the soap optimizer \(optimizer='soap'\)"),
         (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
         (
-            dict(optimizer_cpu_offload=True),
-            r"not supported yet: CPU offload of the optimizer \(optimizer_cpu_offload=True\)",
+            dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5),
+            r"optimizer_offload_fraction=1.5 is outside \[0, 1\]",
         ),
-        (
-            dict(use_precision_aware_optimizer=True),
-            r"not supported yet: precision-aware optimizer \(use_precision_aware_optimizer=True\)",
-        ),
-        (dict(exp_avg_dtype=torch.bfloat16), r"not supported yet: .* \(exp_avg_dtype=torch.bfloat16\)"),
-        (dict(main_params_dtype="fp16"), r"not supported yet: .* \(main_params_dtype=torch.float16\)"),
+        (dict(use_precision_aware_optimizer=True), r"precision_aware_optimizer=True needs use_distributed_optimizer"),
+        (dict(exp_avg_dtype=torch.bfloat16), r"exp_avg_dtype=torch.bfloat16 needs use_precision_aware_optimizer=True"),
+        (dict(main_params_dtype="fp16"), r"main_params_dtype=torch.float16 needs use_precision_aware_optimizer=True"),
         (
             dict(use_layer_wise_distributed_optimizer=True),
             r"use_layer_wise_distributed_optimizer=True needs optimizer='muon' or 'dist_muon', got optimizer='adam'",

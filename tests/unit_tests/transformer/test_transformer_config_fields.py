@@ -84,8 +84,8 @@ def test_model_parallel_config_alone_refuses_its_own_fields():
         ValueError, match=r"^not supported yet: hybrid context parallelism \(hybrid_context_parallel=Tr"
     ):
         ModelParallelConfig(hybrid_context_parallel=True)
-    with pytest.raises(ValueError, match=r"CPU offloading \(cpu_offloading=True, cpu_offloading_num_layers=1\)"):
-        ModelParallelConfig(cpu_offloading=True, cpu_offloading_num_layers=1)
+    with pytest.raises(ValueError, match=r"CPU offloading of weights .* \(cpu_offloading_weights=True\)"):
+        ModelParallelConfig(cpu_offloading_weights=True)
 
 
 def test_one_error_names_every_unsupported_feature():
