@@ -327,6 +327,8 @@ def core_transformer_config_from_args(args, config_class=None):
     kwargs = config_kwargs_from_args(config_class, args, TRANSFORMER_CONFIG_RENAMES)
     kwargs["persist_layer_norm"] = not args.no_persist_layer_norm
     kwargs["deallocate_pipeline_outputs"] = True
+    # Megatron-LM has no --cpu-offloading: offloading N > 0 layers turns it on.
+    kwargs["cpu_offloading"] = getattr(args, "cpu_offloading_num_layers", 0) > 0
     kwargs["pipeline_dtype"] = args.params_dtype
     kwargs["batch_p2p_comm"] = not args.overlap_p2p_comm
     kwargs["num_query_groups"] = args.num_query_groups if args.group_query_attention else None

@@ -117,8 +117,16 @@ WEIGHT_SHARDING = FlagTable(
 OPTIMIZER_CPU_OFFLOAD = FlagTable(
     "training",
     (
-        off_switch("--no-pin-cpu-grads", "pin_cpu_grads"),
-        off_switch("--no-pin-cpu-params", "pin_cpu_params"),
+        off_switch(
+            "--no-pin-cpu-grads",
+            "pin_cpu_grads",
+            help="With --optimizer-cpu-offload: do not page-lock the host gradient buffers (pinning needs CUDA).",
+        ),
+        off_switch(
+            "--no-pin-cpu-params",
+            "pin_cpu_params",
+            help="With --optimizer-cpu-offload: do not page-lock the host parameter copies (pinning needs CUDA).",
+        ),
         switch(
             "--optimizer-cpu-offload",
             help="Step --optimizer-offload-fraction of the parameters (their optimizer state, host copies and "
@@ -131,8 +139,15 @@ OPTIMIZER_CPU_OFFLOAD = FlagTable(
             help="Fraction in [0, 1] of the parameters (by element count) stepped on the host with "
             "--optimizer-cpu-offload.",
         ),
-        switch("--overlap-cpu-optimizer-d2h-h2d"),
-        switch("--use-torch-optimizer-for-cpu-offload"),
+        switch(
+            "--overlap-cpu-optimizer-d2h-h2d",
+            help="With --optimizer-cpu-offload: copy gradients to the host on a side CUDA stream while the device "
+            "part steps (no effect without CUDA).",
+        ),
+        switch(
+            "--use-torch-optimizer-for-cpu-offload",
+            help="With --optimizer-cpu-offload: step both parts with torch's optimizers (always so here).",
+        ),
     ),
 )
 
@@ -151,8 +166,20 @@ ACTIVATION_OFFLOADING = FlagTable(
             help="Offload the activations that the modules named by --offload-modules save for backward to host "
             "memory (tensors of at least --min-offloaded-tensor-size elements).",
         ),
-        value("--min-offloaded-tensor-size", int, 1048576),
-        value("--offload-modules", str, [], nargs="+"),
+        value(
+            "--min-offloaded-tensor-size",
+            int,
+            1048576,
+            help="Smallest saved tensor (in elements) that --fine-grained-activation-offloading moves to the host.",
+        ),
+        value(
+            "--offload-modules",
+            str,
+            [],
+            nargs="+",
+            help="Modules whose saved activations --fine-grained-activation-offloading moves to the host: "
+            "attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1.",
+        ),
     ),
 )
 
@@ -172,10 +199,36 @@ ACTIVATION_OFFLOADING_TUNING = FlagTable(
 PRECISION_AWARE_OPTIMIZER = FlagTable(
     "training",
     (
-        value("--exp-avg-dtype", None, "fp32", choices=["fp32", "fp16", "bf16", "fp8"]),
-        value("--exp-avg-sq-dtype", None, "fp32", choices=["fp32", "fp16", "bf16", "fp8"]),
-        value("--main-grads-dtype", None, "fp32", choices=["fp32", "bf16"]),
-        value("--main-params-dtype", None, "fp32", choices=["fp32", "fp16"]),
+        value(
+            "--exp-avg-dtype",
+            None,
+            "fp32",
+            choices=["fp32", "fp16", "bf16", "fp8"],
+            help="With --use-precision-aware-optimizer: storage dtype of Adam's first moment (fp8 needs --fp8-format).",
+        ),
+        value(
+            "--exp-avg-sq-dtype",
+            None,
+            "fp32",
+            choices=["fp32", "fp16", "bf16", "fp8"],
+            help="With --use-precision-aware-optimizer: storage dtype of Adam's second moment (fp8 needs "
+            "--fp8-format).",
+        ),
+        value(
+            "--main-grads-dtype",
+            None,
+            "fp32",
+            choices=["fp32", "bf16"],
+            help="With --use-precision-aware-optimizer: dtype of the main gradients the optimizer reads.",
+        ),
+        value(
+            "--main-params-dtype",
+            None,
+            "fp32",
+            choices=["fp32", "fp16"],
+            help="With --use-precision-aware-optimizer: storage dtype of the main parameters (fp16 needs --bf16 or "
+            "--fp16).",
+        ),
         switch(
             "--use-precision-aware-optimizer",
             help="Keep the distributed optimizer's main params, main grads and Adam moments in --main-params-dtype, "
