@@ -203,7 +203,8 @@ def get_megatron_muon_optimizer(
     """Muon for the 2-D weights chained with Adam for the other parameters (each split into a dense and an
     expert-parallel optimizer as :func:`get_megatron_optimizer` does); wrapped in a LayerWiseDistributedOptimizer
     when ``layer_wise_distributed_optimizer``. Called by ``get_megatron_optimizer`` for optimizer 'muon' and
-    'dist_muon'."""
+    'dist_muon'; ``use_gloo_process_groups`` is accepted for Megatron's signature (no gloo side groups are needed).
+    Refuses, before any collective, a fused QKV weight the q/k/v split cannot divide."""
     if dump_param_to_param_group_map is not None:
         raise ValueError("not supported yet: dump_param_to_param_group_map with the Muon optimizer; leave it None")
     if isinstance(model_chunks, torch.nn.Module):
@@ -234,7 +235,7 @@ def get_megatron_muon_optimizer(
             mode=config.muon_tp_mode,
         )
 
-    # The torch optimizers read these per step; the wrappers' checks see an Adam configuration.
+    # The scalar optimizer is built by the Adam/SGD path, which picks the torch optimizer from config.optimizer.
     step_config = dataclasses.replace(config, optimizer="adam", use_layer_wise_distributed_optimizer=False)
     muon_optimizers = _build_optimizers(
         step_config,
@@ -258,6 +259,8 @@ def get_megatron_muon_optimizer(
     optimizers = muon_optimizers + scalar_optimizers
     if not optimizers:
         raise ValueError("get_megatron_optimizer: the model has no trainable parameters (requires_grad=True)")
+    # Built with an Adam config (the wrappers pick their path from it); they report the Muon config (checkpoints,
+    # the chain's clip and skip settings are the same fields).
     for optimizer in optimizers:
         optimizer.config = config
     if layer_wise_distributed_optimizer:

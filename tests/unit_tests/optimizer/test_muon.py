@@ -334,3 +334,58 @@ def test_expert_parallel_muon_matches_one_process():
     for rank, results in enumerate(run_distributed(2, _expert_parallel_muon)):
         for name, error in results.items():
             assert error <= 1e-5, f"rank {rank} EP2 {name}: weights off by {error:.2e}"
+
+
+def _pipeline_forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    loss = model(tokens, labels)
+    return loss, lambda output: (output, {"loss": output.detach()})
+
+
+def _pipeline_and_data_parallel_muon():
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from tests.unit_tests.distributed.ddp_test_helpers import SEQ, TinyLM, make_batch, model_config, train_reference
+
+    muon = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.5, muon_fp32_matmul_prec="high", muon_nesterov=True)
+    Utils.initialize_model_parallel()
+    reference = TinyLM()
+    train_reference(reference, OptimizerConfig(optimizer="muon", **muon), STEPS, 8, 2)
+    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    Utils.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    results = {}
+    for name in ("muon", "dist_muon"):
+        config = model_config(num_layers=4, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+        stage = TinyLM(
+            first_layer=2 * pp_rank, last_layer=2 * pp_rank + 2, pre_process=pp_rank == 0, post_process=pp_rank == 1
+        )
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), stage)
+        config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=name, **muon), [ddp])
+        for step in range(STEPS):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            tokens, labels = (t.chunk(2)[dp_rank] for t in make_batch(8, seed=step))
+            get_forward_backward_func()(
+                forward_step_func=_pipeline_forward_step,
+                data_iterator=zip(tokens.chunk(2), labels.chunk(2)),
+                model=[ddp],
+                num_microbatches=2,
+                seq_length=SEQ,
+                micro_batch_size=2,
+            )
+            optimizer.step()
+        errors = []
+        for local_name, param in stage.named_parameters():
+            if local_name.startswith("layers."):
+                index, rest = local_name[len("layers.") :].split(".", 1)
+                local_name = f"layers.{int(index) + 2 * pp_rank}.{rest}"
+            errors.append(gpt.relative_error(param.detach(), expected[local_name]))
+        results[name] = max(errors)
+    return results
+
+
+def test_pipeline_and_data_parallel_muon_matches_one_process():
+    for rank, results in enumerate(run_distributed(4, _pipeline_and_data_parallel_muon)):
+        for name, error in results.items():
+            assert error <= 1e-5, f"rank {rank} PP2 x DP2 {name}: weights off by {error:.2e}"
