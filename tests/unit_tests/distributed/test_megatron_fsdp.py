@@ -85,3 +85,39 @@ def _force_all_reduce(strategy):
 def test_force_all_reduce_is_refused_with_sharded_gradients(strategy):
     for message in run_distributed(2, _force_all_reduce, strategy):
         assert message is not None and "keeps only each rank's gradient shard; use 'optim'" in message
+
+
+def _held_bytes(strategy, bf16):
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core.distributed.fsdp.memory import expected_held_bytes, held_bytes
+
+    overrides = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    model = gpt.build_model(1, False, "gpt2", config_overrides=overrides)
+    wrapped = fh.wrap(model, strategy, grad_reduce_in_fp32=bf16)
+    optimizer = fh.optimizer_for(wrapped, bf16=bf16)
+    for step in range(2):
+        fh.train_step(wrapped, optimizer, step)
+    held = held_bytes([wrapped], optimizer)
+    expected = expected_held_bytes(wrapped, 12 if bf16 else 8)
+    total_state = torch.tensor(float(held["optimizer"]))
+    dist.all_reduce(total_state)
+    num_params = sum(p.numel() for p in model.parameters())
+    return held, expected, total_state.item(), num_params
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_bytes_held_per_rank_between_steps_match_the_formula(bf16):
+    state_bytes = 12 if bf16 else 8
+    for strategy in (None, *fh.STRATEGIES):
+        for rank, (held, expected, total_state, num_params) in enumerate(run_distributed(2, _held_bytes, strategy, bf16)):
+            what = f"{strategy or 'DDP'} rank {rank}"
+            assert held["params"] == expected["params"], what
+            assert held["grads"] == expected["grads"], what
+            if strategy in (None, "no_shard"):
+                assert held["optimizer"] == expected["optimizer"] == num_params * state_bytes, what
+            else:
+                # Each rank steps the parameter elements of its shards: 1/DP of them up to bucket padding.
+                assert total_state == num_params * state_bytes * 1.0, what
+                assert abs(held["optimizer"] - expected["optimizer"]) <= 0.02 * expected["optimizer"], what
