@@ -111,7 +111,8 @@ def _held_bytes(strategy, bf16):
 def test_bytes_held_per_rank_between_steps_match_the_formula(bf16):
     state_bytes = 12 if bf16 else 8
     for strategy in (None, *fh.STRATEGIES):
-        for rank, (held, expected, total_state, num_params) in enumerate(run_distributed(2, _held_bytes, strategy, bf16)):
+        results = run_distributed(2, _held_bytes, strategy, bf16)
+        for rank, (held, expected, total_state, num_params) in enumerate(results):
             what = f"{strategy or 'DDP'} rank {rank}"
             assert held["params"] == expected["params"], what
             assert held["grads"] == expected["grads"], what
