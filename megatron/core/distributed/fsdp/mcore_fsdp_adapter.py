@@ -72,7 +72,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing, pg_collection=pg_collection)
         self._unit_buffers = self._buffers_by_unit()
         self._fsdp_hooks = []
-        if self._shard_params:
+        if self._shard_grads:
             self._register_unit_hooks()
 
     # ---- construction ----------------------------------------------------------------------------------------
@@ -139,12 +139,16 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._unit_order = units
         return by_unit
 
-    # ---- parameter gathering (optim_grads_params) ------------------------------------------------------------
+    # ---- per-unit hooks (optim_grads, optim_grads_params) ----------------------------------------------------
 
     def _register_unit_hooks(self) -> None:
         for index, unit in enumerate(self._unit_order):
             self._fsdp_hooks.append(unit.register_forward_pre_hook(self._make_pre_forward(index)))
             self._fsdp_hooks.append(unit.register_forward_hook(self._make_post_forward(index)))
+
+    def _allocate_grads(self, unit: Optional[torch.nn.Module]) -> None:
+        for buffer in self._unit_buffers[unit]:
+            buffer.allocate_grads()
 
     def _gather(self, index: Optional[int], prefetch: Optional[int] = None) -> None:
         """Gather unit ``index`` (None: the parameters outside units) and wait; start ``prefetch``'s gather."""
@@ -183,6 +187,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def _make_pre_backward(self, index: int):
         def pre_backward(grad):
             self._gather(index, prefetch=index - 1)
+            # Before any gradient of the unit lands in main_grad (gradient-accumulation fusion writes it from
+            # inside the layer's backward): the full, zeroed gradient tensors.
+            self._allocate_grads(self._unit_order[index])
             return grad
 
         return pre_backward
@@ -204,6 +211,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def forward(self, *inputs, **kwargs):
         if self._shard_params:
             self._gather(None)
+        if self._shard_grads and torch.is_grad_enabled():
+            self._allocate_grads(None)
         return self.module(*inputs, **kwargs)
 
     def _accumulate_into_main_grad(self, param: torch.nn.Parameter) -> None:
