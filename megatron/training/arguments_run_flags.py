@@ -50,7 +50,8 @@ MEGATRON_FSDP = FlagTable(
         ),
         switch(
             "--fsdp-double-buffer",
-            help="Megatron FSDP, optim_grads_params: hold at most two FSDP units' gathered parameters at a time.",
+            help="Megatron FSDP, optim_grads_params: Megatron's two alternating gather buffers (accepted; gathered "
+            "parameters are allocated per FSDP unit when it runs and freed after).",
         ),
         value(
             "--megatron-fsdp-grad-comm-dtype",

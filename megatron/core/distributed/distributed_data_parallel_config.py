@@ -62,7 +62,8 @@ class DistributedDataParallelConfig:
     nccl_ub: bool = False
     """NCCL user-buffer registration of the communication buffers (not supported yet: must be False)."""
     fsdp_double_buffer: bool = False
-    """Megatron FSDP (optim_grads_params): hold at most two FSDP units' gathered parameters at a time."""
+    """Megatron FSDP (optim_grads_params only): Megatron's two alternating gather buffers. Accepted and checked;
+    gathers here allocate each unit's parameters when it runs and free them after, so no buffer pool is kept."""
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     """FSDP double-buffer fallback to a persistent buffer (not supported yet: must be False)."""
     fsdp_all_gather_in_start_param_sync: bool = True

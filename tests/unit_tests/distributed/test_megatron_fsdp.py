@@ -211,3 +211,39 @@ def test_bf16_with_fp32_main_params_matches_ddp():
             # whole learning-rate steps); the losses and gradients of the later steps see every update.
             assert loss_error < 1e-3, f"bf16 {strategy} rank {rank}: losses off by {loss_error:.2e}"
             assert grad_error < 1e-2, f"bf16 {strategy} rank {rank}: gradients off by {grad_error:.2e}"
+
+
+def _dtype_options():
+    import torch
+
+    reference = fh.wrap(gpt.build_model(1, False, "gpt2"))
+    expected = _run(reference, fh.optimizer_for(reference), 1)
+    results = {}
+    for name, fields in {
+        "bf16 communication": dict(megatron_fsdp_grad_comm_dtype=torch.bfloat16),
+        "bf16 main grads": dict(megatron_fsdp_main_grads_dtype=torch.bfloat16),
+    }.items():
+        wrapped = fh.wrap(gpt.build_model(1, False, "gpt2"), "optim_grads_params", **fields)
+        losses, grads, _ = _run(wrapped, fh.optimizer_for(wrapped), 1)
+        dtypes = {(b.grad_dtype, b.grad_shard.dtype, b.grad_comm_dtype) for b in wrapped.buffers}
+        # The first step's gradients: the rounding of one reduction, before Adam amplifies it into the weights.
+        results[name] = (
+            abs(losses[0] - expected[0][0]) / abs(expected[0][0]),
+            max(gpt.relative_error(grads[0][n], expected[1][0][n]) for n in grads[0]),
+            dtypes,
+        )
+    return results
+
+
+def test_gradient_dtype_options_reach_the_buffers_and_the_reduce_scatter():
+    import torch
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    for results in run_distributed(2, _dtype_options):
+        loss_error, grad_error, dtypes = results["bf16 communication"]
+        assert dtypes == {(fp32, fp32, bf16)}
+        # The reduce-scatter rounds each rank's gradients to bf16 (2^-8 relative) before summing them.
+        assert 0 < grad_error < 1e-2 and loss_error < 1e-3
+        loss_error, grad_error, dtypes = results["bf16 main grads"]
+        assert dtypes == {(bf16, bf16, bf16)}
+        assert 0 < grad_error < 2e-2 and loss_error < 1e-3
