@@ -58,7 +58,11 @@ def train_step(wrapped, optimizer, step: int, microbatches: int = 1, after_grads
             loss = wrapped(tokens, positions, None, labels=labels).mean() / len(micro)
             loss.backward()
         total += loss.detach()
-    finalize_model_grads([wrapped])
+    num_tokens = None
+    if wrapped.config.calculate_per_token_loss:
+        # Divide the summed gradients by the global token count (finalize_model_grads reduces this rank's count).
+        num_tokens = torch.tensor(sum(labels.numel() for _, _, labels in micro), dtype=torch.float32)
+    finalize_model_grads([wrapped], num_tokens=num_tokens)
     if after_grads is not None:
         after_grads(wrapped)
     optimizer.step()

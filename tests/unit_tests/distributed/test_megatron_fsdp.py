@@ -21,13 +21,13 @@ def _run(wrapped, optimizer, microbatches):
     return losses, grads, fh.full_weights(wrapped)
 
 
-def _equivalence(tp, sp, variant, microbatches, layouts):
-    reference = gpt.build_model(tp, sp, variant)
+def _equivalence(tp, sp, variant, microbatches, layouts, overrides=None):
+    reference = gpt.build_model(tp, sp, variant, config_overrides=overrides)
     ddp = fh.wrap(reference)
     expected = _run(ddp, fh.optimizer_for(ddp), microbatches)
     errors = {}
     for strategy, fields in layouts:
-        model = gpt.build_model(tp, sp, variant)
+        model = gpt.build_model(tp, sp, variant, config_overrides=overrides)
         wrapped = fh.wrap(model, strategy, **fields)
         losses, grads, weights = _run(wrapped, fh.optimizer_for(wrapped), microbatches)
         loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, expected[0]))
@@ -62,6 +62,21 @@ def _check(results, where):
 
 def test_every_strategy_matches_ddp_at_dp2():
     _check(run_distributed(2, _equivalence, 1, False, "gpt2", 2, ALL + OVERLAP), "DP=2")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # Recomputed layers run their forward again inside backward: the unit is gathered again for it.
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        # Gradients are summed, then divided by the global token count after the reduce-scatter.
+        {"calculate_per_token_loss": True},
+    ],
+    ids=["full_recompute", "per_token_loss"],
+)
+def test_sharded_strategies_match_ddp_with_model_options(overrides):
+    layouts = [("optim_grads", {}), ("optim_grads_params", {})]
+    _check(run_distributed(2, _equivalence, 1, False, "gpt2", 2, layouts, overrides), str(overrides))
 
 
 def test_every_strategy_matches_ddp_at_dp4():
