@@ -262,3 +262,39 @@ def test_gradient_dtype_options_reach_the_buffers_and_the_reduce_scatter():
         loss_error, grad_error, dtypes = results["bf16 main grads"]
         assert dtypes == {(bf16, bf16, bf16)}
         assert 0 < grad_error < 2e-2 and loss_error < 1e-3
+
+
+def _gathered_units_during_forward(overlap):
+    from megatron.core.distributed.fsdp.sharded_buffer import ShardedParamAndGradBuffer
+
+    fields = {"overlap_grad_reduce": True, "overlap_param_gather": True} if overlap else {}
+    model = gpt.build_model(1, False, "gpt2", config_overrides={"num_layers": 4})
+    wrapped = fh.wrap(model, "optim_grads_params", **fields)
+    optimizer = fh.optimizer_for(wrapped)
+    units = wrapped._unit_order
+    seen = []
+
+    def record(index):
+        def hook(module, args):
+            gathered = [
+                i for i, unit in enumerate(units) if all(b.params_gathered for b in wrapped._unit_buffers[unit])
+            ]
+            seen.append((index, gathered))
+
+        return hook
+
+    for index, unit in enumerate(units):
+        unit.register_forward_pre_hook(record(index))
+    fh.train_step(wrapped, optimizer, 0)
+    after_step = [b.params_gathered for b in wrapped.buffers if isinstance(b, ShardedParamAndGradBuffer)]
+    return seen, after_step
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "prefetch"])
+def test_parameters_are_gathered_one_layer_at_a_time(overlap):
+    for seen, after_step in run_distributed(2, _gathered_units_during_forward, overlap):
+        # While layer i runs forward only its own parameters are whole (with overlap, also the next layer's,
+        # being prefetched); between steps every buffer holds only its shard.
+        expected = [(i, [i, i + 1] if overlap and i + 1 < 4 else [i]) for i in range(4)]
+        assert seen == expected
+        assert not any(after_step)
