@@ -8,14 +8,10 @@ norm, output layer) is a unit of its own, so tied weights have the same layout o
 has its own buffers (one per dtype pair, dense and expert apart), and
 ``ddp_config.data_parallel_sharding_strategy`` decides what each rank keeps between steps:
 
-==================== ============ ============ ==================
-strategy             parameters   gradients    optimizer state
-==================== ============ ============ ==================
-``no_shard``         full         full         full (DDP)
-``optim``            full         full         1/DP (ZeRO-1)
-``optim_grads``      full         1/DP         1/DP (ZeRO-2)
-``optim_grads_params`` 1/DP       1/DP         1/DP (ZeRO-3)
-==================== ============ ============ ==================
+- ``no_shard``: parameters, gradients and optimizer state whole (DDP);
+- ``optim``: optimizer state 1/DP (ZeRO-1, the distributed optimizer);
+- ``optim_grads``: gradients too (ZeRO-2);
+- ``optim_grads_params``: parameters too (ZeRO-3).
 
 With ``optim_grads_params`` a unit's parameters are all-gathered by a forward pre-hook and freed by the forward
 post-hook, gathered again when the gradient of the unit's output arrives (before its backward) and freed once its
