@@ -1,6 +1,6 @@
-"""Megatron FSDP through the real entry point: --use-megatron-fsdp trains like one process (with pipeline
-parallelism), and its torch_dist checkpoint resumes under the plain distributed optimizer at another layout, and
-the reverse, on the single-process curve."""
+"""Megatron FSDP through the real entry point: --use-megatron-fsdp trains like one process (with interleaved
+pipeline parallelism and overlapped communication), and its torch_dist checkpoint resumes under the plain
+distributed optimizer at another layout, and the reverse, on the single-process curve."""
 
 from tests.functional_tests.configs import EQUIVALENCE_FLAGS, EQUIVALENCE_ITERS, EQUIVALENCE_REFERENCE_ITERS, with_flag
 from tests.functional_tests.harness import assert_curves_close, run_pretrain
@@ -32,7 +32,8 @@ def test_fsdp_with_pipeline_parallelism_trains_like_one_process_and_resumes_unde
     # each strategy.
     strategy = "optim_grads_params"
     save_dir = tmp_path / "fsdp"
-    layout = FSDP + [strategy, "--pipeline-model-parallel-size", "2"]
+    layout = FSDP + [strategy, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    layout += ["--overlap-grad-reduce", "--overlap-param-gather"]
     flags = _planned_flags() + layout + cpu_data_flags
     flags += [
         "--exit-interval",
@@ -44,9 +45,9 @@ def test_fsdp_with_pipeline_parallelism_trains_like_one_process_and_resumes_unde
         "--dist-ckpt-optim-fully-reshardable",
     ]
     saved = run_pretrain(flags, 4)
-    assert_trains_like_reference(saved, equivalence_reference, f"FSDP {strategy} PP2 x DP2")
+    assert_trains_like_reference(saved, equivalence_reference, f"FSDP {strategy} PP2 x VPP2 x DP2, overlapped")
     resumed = _resume(save_dir, ["--use-distributed-optimizer"], 4, cpu_data_flags)
-    _assert_continues_reference(resumed, equivalence_reference, f"FSDP {strategy} PP2 x DP2 -> distopt DP4")
+    _assert_continues_reference(resumed, equivalence_reference, f"FSDP {strategy} PP2 x VPP2 x DP2 -> distopt DP4")
 
 
 def test_ddp_checkpoint_resumes_under_fsdp_at_another_layout(tp2_pp2_run, equivalence_reference, cpu_data_flags):
