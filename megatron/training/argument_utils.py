@@ -363,6 +363,12 @@ def core_ddp_config_from_args(args) -> DistributedDataParallelConfig:
         for name in list(kwargs):
             if name == "data_parallel_sharding_strategy" or name.startswith("megatron_fsdp_"):
                 del kwargs[name]
+    for name in ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"):
+        choice = kwargs.get(name)
+        if isinstance(choice, str):
+            # "auto" is the config's default: fp32 main parameters, gradients in their buffer's own dtype.
+            auto = torch.float32 if name == "megatron_fsdp_main_params_dtype" else None
+            kwargs[name] = auto if choice == "auto" else _DTYPE_NAMES[choice]
     return DistributedDataParallelConfig(**kwargs)
 
 

@@ -23,6 +23,7 @@ from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
+from megatron.training.argument_validation_fsdp import validate_megatron_fsdp
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_memory import validate_memory_args
 from megatron.training.argument_validation_moe import validate_moe_args
@@ -597,6 +598,7 @@ def _validate_weight_decay(args) -> None:
 
 
 def _validate_data_parallel(args) -> None:
+    validate_megatron_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
 

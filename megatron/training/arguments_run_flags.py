@@ -40,24 +40,59 @@ HYBRID_CONTEXT_PARALLEL = FlagTable(
 )
 
 
+MEGATRON_FSDP = FlagTable(
+    "distributed",
+    (
+        switch(
+            "--use-megatron-fsdp",
+            help="Wrap the model in Megatron FSDP (megatron.core.distributed.fsdp.FullyShardedDataParallel); "
+            "--data-parallel-sharding-strategy says what is sharded over data-parallel ranks.",
+        ),
+        switch(
+            "--fsdp-double-buffer",
+            help="Megatron FSDP, optim_grads_params: Megatron's two alternating gather buffers (accepted; gathered "
+            "parameters are allocated per FSDP unit when it runs and freed after).",
+        ),
+        value(
+            "--megatron-fsdp-grad-comm-dtype",
+            None,
+            "auto",
+            choices=["fp32", "fp16", "bf16", "auto"],
+            help="Megatron FSDP (optim_grads, optim_grads_params): dtype of the gradient reduce-scatter "
+            "(auto: the main-gradient dtype).",
+        ),
+        value(
+            "--megatron-fsdp-main-grads-dtype",
+            None,
+            "auto",
+            choices=["fp32", "bf16", "fp16", "auto"],
+            help="Megatron FSDP: dtype of the gradient buffers and shards (auto: fp32 with --accumulate-allreduce-"
+            "grads-in-fp32, else the parameters' dtype).",
+        ),
+        value(
+            "--megatron-fsdp-main-params-dtype",
+            None,
+            "fp32",
+            choices=["fp32", "bf16", "fp16", "auto"],
+            help="Megatron FSDP: dtype of the optimizer's main parameters (only fp32 is supported).",
+        ),
+    ),
+)
+
+
 FSDP = FlagTable(
     "distributed",
     (
         switch("--enable-full-sharding-in-hsdp"),
         switch("--fsdp-db-use-persist-buf-on-alloc-fail"),
-        switch("--fsdp-double-buffer"),
         switch("--fsdp-manual-registration"),
         switch("--init-model-with-meta-device"),
         switch("--megatron-fsdp-enable-fine-grained-param-gather"),
-        value("--megatron-fsdp-grad-comm-dtype", None, "auto", choices=["fp32", "fp16", "bf16", "auto"]),
-        value("--megatron-fsdp-main-grads-dtype", None, "auto", choices=["fp32", "bf16", "fp16", "auto"]),
-        value("--megatron-fsdp-main-params-dtype", None, "fp32", choices=["fp32", "bf16", "fp16", "auto"]),
         switch("--megatron-fsdp-max-pool-double-buffer"),
         off_switch("--no-strict-fsdp-dtensor-load, --disable-strict-fsdp-dtensor-load", "strict_fsdp_dtensor_load"),
         value("--outer-dp-sharding-strategy", str, "no_shard", choices=["no_shard", "optim"]),
         value("--suggested-communication-unit-size", int, None),
         off_switch("--torch-fsdp2-no-reshard-after-forward", "torch_fsdp2_reshard_after_forward"),
-        switch("--use-megatron-fsdp"),
         switch("--use-torch-fsdp2"),
     ),
     not_supported="FSDP (Megatron FSDP / torch FSDP2)",
@@ -546,6 +581,7 @@ FILL_IN_THE_MIDDLE = FlagTable(
 TABLES = (
     CONTEXT_PARALLEL,
     HYBRID_CONTEXT_PARALLEL,
+    MEGATRON_FSDP,
     FSDP,
     COMMUNICATOR_TUNING,
     DISTRIBUTED_OPTIONS,

@@ -502,7 +502,7 @@ def add_distributed_args(parser):
         "data_parallel_sharding_strategy",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
         default="optim_grads_params",
-        help_suffix=" Read only with --use-megatron-fsdp (not supported yet).",
+        help_suffix=" Read only with --use-megatron-fsdp.",
     )
     add_field_argument(group, DistributedDataParallelConfig, "gradient_reduce_div_fusion")
     add_field_argument(group, ModelParallelConfig, "context_parallel_size")

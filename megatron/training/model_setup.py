@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core.public_api import public_api
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_PER_DP_RANK,
     DEFAULT_MIN_BUCKET_SIZE,
@@ -105,7 +106,9 @@ def get_model(
         model = [Float16Module(chunk.config, chunk) for chunk in model]
     if not wrap_with_ddp:
         return model
-    model = wrap_model_chunks_with_ddp(model, None, get_megatron_ddp_config(args), pg_collection=pg_collection)
+    wrapper = FullyShardedDataParallel if args.use_megatron_fsdp else DistributedDataParallel
+    ddp_config = get_megatron_ddp_config(args)
+    model = wrap_model_chunks_with_ddp(model, None, ddp_config, DP=wrapper, pg_collection=pg_collection)
     for chunk in model:
         chunk.broadcast_params()
     return model

@@ -94,10 +94,8 @@ class DistributedDataParallel(MegatronModule):
         self.full_param_layout = full_param_layout
         self.buffers = self._allocate_buffers(dense, self.dp_cp_group, dense_factor)
         self.expert_parallel_buffers = self._allocate_buffers(expert, self.expt_dp_group, expert_factor)
-        self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
-        self.expert_parallel_bucket_groups = partition_buckets(
-            self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing
-        )
+        self.bucket_groups = self._partition_buckets(self.buffers, disable_bucketing)
+        self.expert_parallel_bucket_groups = self._partition_buckets(self.expert_parallel_buffers, disable_bucketing)
         self._all_bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
         for group in self._all_bucket_groups:
             group.iteration = lambda: self.iteration  # named in NaN reports
@@ -171,6 +169,10 @@ class DistributedDataParallel(MegatronModule):
                 )
             )
         return buffers
+
+    def _partition_buckets(self, buffers, disable_bucketing: bool):
+        """The bucket groups (units of communication) of ``buffers``; FSDP builds its own."""
+        return partition_buckets(buffers, force_single_bucket_group=disable_bucketing)
 
     # ---- hooks -----------------------------------------------------------------------------------------------
 

@@ -325,6 +325,15 @@ class _ParamAndGradBuffer:
             param_to_index=param_to_index,
         )
 
+    def param_shard_view(self, param: torch.nn.Parameter, start: int, end: int) -> torch.Tensor:
+        """Flat elements ``[start, end)`` of ``param`` where the distributed optimizer reads and writes them: the
+        parameter itself here (FSDP's buffers keep the shard apart)."""
+        return param.detach().view(-1)[start:end]
+
+    def grad_shard_view(self, param: torch.nn.Parameter, start: int, end: int) -> torch.Tensor:
+        """Flat elements ``[start, end)`` of ``param``'s reduced gradient (its ``main_grad`` here)."""
+        return param.main_grad.view(-1)[start:end]
+
     def scale_gradients(self, scaling_factor) -> None:
         """Multiply every gradient in the buffer by ``scaling_factor`` (a float or a 0-d tensor)."""
         self.grad_data.mul_(scaling_factor)

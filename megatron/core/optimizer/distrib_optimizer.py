@@ -163,7 +163,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     f"data_parallel_group has {dp_size}; pass the group the DDP wrapper reduces over"
                 )
             ranges.update(shard_ranges(buffer, dp_rank))
-        buffered = {param for buffer in self.buffers for param in buffer.param_index_map}
+        # The buffer of each parameter says where its shard lives (FSDP keeps shards apart from the full tensors).
+        self._buffer_of = {param: buffer for buffer in self.buffers for param in buffer.param_index_map}
+        buffered = self._buffer_of
 
         self.shard_groups: List[List[_ShardEntry]] = []
         for group in self.optimizer.param_groups:
@@ -176,7 +178,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     )
                 # A parameter lying wholly in other ranks' shards is stepped by those ranks only.
                 if model_param in ranges:
-                    entries.append(_make_shard_entry(model_param, ranges[model_param], self._main_params_dtype))
+                    shard = ranges[model_param]
+                    view = self._model_shard(model_param, shard)
+                    entries.append(_make_shard_entry(model_param, shard, view, self._main_params_dtype))
             # From here on the torch optimizer steps the shards, not the model parameters.
             group["params"] = [entry.main_param for entry in entries]
             self.shard_groups.append(entries)
@@ -242,6 +246,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _entries(self):
         return (entry for entries in self.shard_groups for entry in entries)
 
+    def _model_shard(self, model_param, shard: ShardRange) -> torch.Tensor:
+        """The model-side storage of ``model_param``'s piece in this rank's shard (its buffer decides where)."""
+        return self._buffer_of[model_param].param_shard_view(model_param, shard.param_start, shard.param_end)
+
+    def _grad_shard(self, model_param, shard: ShardRange) -> torch.Tensor:
+        return self._buffer_of[model_param].grad_shard_view(model_param, shard.param_start, shard.param_end)
+
     def owned_main_params(self) -> List[torch.Tensor]:
         return [entry.main_param for entry in self._entries() if entry.owns_main]
 
@@ -268,7 +279,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_param, main_param, shard, _ in self._entries():
             # Only this slice of main_grad holds the reduce-scattered sum; the rest of the buffer is unreduced.
-            grad = model_param.main_grad.view(-1)[shard.param_start : shard.param_end]
+            grad = self._grad_shard(model_param, shard)
             if self._use_decoupled_grad:
                 # Stored in main_grads_dtype: a view of the buffer when the dtypes agree (no fp32 copy).
                 main_dtype = self.config.main_grads_dtype
@@ -282,7 +293,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             # A non-owned main param is a view of the fp32 model parameter, so the step already updated it.
             if owns_main:
                 # param.data is a view into the DDP parameter buffer: this writes the shard that the all-gather sends.
-                model_param.detach().view(-1)[shard.param_start : shard.param_end].copy_(main_param)
+                self._model_shard(model_param, shard).copy_(main_param)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -303,7 +314,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for model_param, main_param, shard, owns_main in self._entries():
                 # Refresh the fp32 copies from the (e.g. just loaded) model parameters.
                 if owns_main:
-                    main_param.copy_(model_param.detach().view(-1)[shard.param_start : shard.param_end])
+                    main_param.copy_(self._model_shard(model_param, shard))
 
     def state_dict(self):
         """Megatron's: the data-parallel-independent state only (see :meth:`_common_state`); the parameter state
@@ -448,8 +459,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
-def _make_shard_entry(model_param: torch.nn.Parameter, shard: ShardRange, main_dtype: torch.dtype) -> _ShardEntry:
-    model_shard = model_param.detach().view(-1)[shard.param_start : shard.param_end]
+def _make_shard_entry(
+    model_param: torch.nn.Parameter, shard: ShardRange, model_shard: torch.Tensor, main_dtype: torch.dtype
+) -> _ShardEntry:
     if model_param.dtype in _FLOAT16_DTYPES:
         # A master copy of the half-precision shard (fp32 unless the precision-aware optimizer stores it in fp16),
         # so small updates are not lost to rounding.

@@ -174,6 +174,8 @@ def load_parameter_state_from_dp_reshardable(self, state_dict) -> None:
             "(fully_reshardable) to change them, or pass --no-load-optim"
         )
     for index, buffer in enumerate(self.buffers):
+        if index not in state_dict and not any(self.bucket_pieces[index]):
+            continue  # this rank's shard of the buffer is all padding (small FSDP buffers): nothing was saved
         for bucket_state, pieces in zip(state_dict[index][_dtype_key(buffer)], self.bucket_pieces[index]):
             for loaded, piece in zip(bucket_state, pieces):
                 if piece.entry is not None:

@@ -702,11 +702,6 @@ ERRORS = [
         {},
         r"not supported yet: several distributed-optimizer instances \(--num-distributed-optimizer-instances 2\)",
     ),
-    (
-        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-        {},
-        r"not supported yet: FSDP \(Megatron FSDP / torch FSDP2\) \(--use-megatron-fsdp\)",
-    ),
     (["--data-path", BUILTIN_PREFIX, "--data-args-path", "x"], {}, "--data-path and --data-args-path both give"),
     (
         ["--train-data-path", BUILTIN_PREFIX, "--per-split-data-args-path", "x"],

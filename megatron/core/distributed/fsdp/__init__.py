@@ -1,4 +1,4 @@
-"""Megatron FSDP's import path (``megatron.core.distributed.fsdp``); FSDP itself is not built yet."""
+"""Megatron FSDP (``megatron.core.distributed.fsdp``): fully sharded data parallelism over DDP's buffers."""
 
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
