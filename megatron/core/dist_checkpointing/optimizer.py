@@ -38,15 +38,11 @@ def get_param_id_to_sharded_param_map(
     the ``data`` of the model's sharded tensors (built with ``keep_vars=True``, as ``sharded_state_dict`` does).
     """
     model_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    optim_params = list(optim_params_iter)
-    index_of = get_optim_param_to_id_map(optim_params)
-    # An FSDP2 (DTensor) parameter's sharded tensor holds its local shard: match that too.
-    with torch.no_grad():
-        for index, param in enumerate(optim_params):
-            index_of.setdefault(id(to_local_if_dtensor(param)), index)
+    index_of = get_optim_param_to_id_map(optim_params_iter)
     id_to_sharded = {}
     for sharded in nested_values(model_tensors):
-        index = index_of.get(id(sharded.data))
+        # An FSDP2 shard's data is a view of its DTensor parameter's local piece; it names the parameter.
+        index = index_of.get(id(getattr(sharded, "fsdp2_param", sharded.data)))
         if index is not None:
             id_to_sharded[index] = sharded
     return id_to_sharded

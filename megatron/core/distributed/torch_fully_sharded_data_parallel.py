@@ -241,7 +241,7 @@ def _local_shard_entry(entry, dp_rank: int, dp_size: int):
     fragmentations = entry.axis_fragmentations
     if fragmentations is not None:
         fragmentations = tuple(f * dp_size if i == axis else f for i, f in enumerate(fragmentations))
-    return replace(
+    sharded = replace(
         entry,
         data=local,
         local_shape=tuple(local.shape),
@@ -250,6 +250,10 @@ def _local_shard_entry(entry, dp_rank: int, dp_size: int):
         # Each DP rank holds a different piece, so each is its piece's main replica.
         replica_id=(*entry.replica_id[:-1], 0),
     )
+    # The optimizer finds a parameter's sharded tensor by the parameter (see get_param_id_to_sharded_param_map).
+    sharded.is_torch_fsdp2_param = True
+    sharded.fsdp2_param = param
+    return sharded
 
 
 def _is_fsdp2_param(tensor) -> bool:
