@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
+from megatron.training.argument_validation_fsdp import validate_torch_fsdp2_args
 from megatron.training.argument_validation_moe import validate_moe_args
 from megatron.training.flag_tables import DEPRECATED_FLAGS, FLAG_TABLES, TOKENIZER_TYPES, flag_for
 from megatron.training.arguments_support import (
@@ -153,6 +154,7 @@ def validate_args(args, defaults={}):
     _validate_learning_rate(args)
     _validate_weight_decay(args)
     _validate_data_parallel(args)
+    validate_torch_fsdp2_args(args)
     _validate_data(args)
     _validate_tokenizer(args)
     _validate_checkpointing(args)
