@@ -179,9 +179,10 @@ class TorchFullyShardedDataParallel(MegatronModule):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a state dict holding, for each sharded parameter, this rank's shard (as ``sharded_state_dict``
         stores it) or the whole tensor; either becomes the parameter's DTensor shard."""
-        params = dict(self.module.named_parameters())
+        # The module's own state-dict names (a Float16Module wrapper does not add its "module." prefix there).
+        current = self.module.state_dict(keep_vars=True)
         converted = {
-            name: as_dtensor_like(value, params[name]) if name in params and torch.is_tensor(value) else value
+            name: as_dtensor_like(value, current[name]) if name in current and torch.is_tensor(value) else value
             for name, value in state_dict.items()
         }
         return self.module.load_state_dict(converted, strict=strict)
