@@ -3,6 +3,7 @@ with and without resharding after forward; checkpoints that move between FSDP2 a
 configurations it refuses."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -211,3 +212,54 @@ def test_tied_embeddings_are_refused_before_any_collective():
     for message in run_distributed(2, _wrap_tied_model):
         assert message is not None and "share_embeddings_and_output_weights=True" in message
         assert "--untie-embeddings-and-output-weights" in message
+
+
+# ---- the command line -------------------------------------------------------------------------------------------
+
+FSDP2_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights", "--use-torch-fsdp2",
+]  # fmt: skip
+
+
+def _validated(*extra, world_size=4, base=FSDP2_ARGS):
+    from megatron.training.arguments import parse_args_list, validate_args
+
+    args = parse_args_list(list(base) + list(extra))
+    args.world_size = world_size
+    return validate_args(args, {})
+
+
+def test_flags_reach_the_ddp_config():
+    from megatron.training.model_setup import get_megatron_ddp_config
+
+    config = get_megatron_ddp_config(_validated("--torch-fsdp2-no-reshard-after-forward"))
+    assert isinstance(config, TorchFullyShardedDataParallelConfig) and config.reshard_after_forward is False
+    assert get_megatron_ddp_config(_validated()).reshard_after_forward is True
+
+
+@pytest.mark.parametrize(
+    "extra, base, message",
+    [
+        (["--use-distributed-optimizer"], FSDP2_ARGS, "--use-torch-fsdp2 cannot be combined with --use-distributed-"),
+        (["--pipeline-model-parallel-size", "2"], FSDP2_ARGS, "with --pipeline-model-parallel-size 2: use --pipeline"),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+            FSDP2_ARGS,
+            "with --expert-model-parallel-size 2: use --expert-model-parallel-size 1",
+        ),
+        (["--context-parallel-size", "2"], FSDP2_ARGS, "with --context-parallel-size 2: not supported yet here"),
+        (["--ckpt-format", "torch"], FSDP2_ARGS, "with --ckpt-format torch: use --ckpt-format torch_dist"),
+        (["--fp16"], FSDP2_ARGS, "--use-torch-fsdp2 cannot be combined with --fp16: use --bf16 or fp32"),
+        (
+            [],
+            [a for a in FSDP2_ARGS if a != "--untie-embeddings-and-output-weights"],
+            "tied embedding and output weights (no --untie-embeddings-and-output-weights): FSDP2 cannot shard",
+        ),
+    ],
+)
+def test_incompatible_flags_are_refused_naming_both(extra, base, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _validated(*extra, base=base)

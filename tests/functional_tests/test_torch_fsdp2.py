@@ -1,0 +1,33 @@
+"""``pretrain_gpt.py --use-torch-fsdp2`` end to end: the loss curve of plain DDP at DP2 (and at TP2 x DP2), and a
+checkpoint saved under FSDP2 that resumes under plain DDP at another data-parallel size with the same losses."""
+
+import pytest
+
+from tests.functional_tests.configs import EQUIVALENCE_FLAGS, with_flag
+from tests.functional_tests.harness import assert_curves_close, run_pretrain
+from tests.functional_tests.test_layout_equivalence import LOSS_REL_TOL
+
+ITERS = 4
+FLAGS = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(ITERS)) + ["--untie-embeddings-and-output-weights"]
+
+
+@pytest.fixture(scope="module")
+def ddp_dp2_curve(cpu_data_flags):
+    return run_pretrain(FLAGS + cpu_data_flags, nproc=2).curve()
+
+
+def test_fsdp2_trains_like_ddp_and_its_checkpoint_resumes_under_ddp(ddp_dp2_curve, cpu_data_flags, tmp_path):
+    fsdp2 = run_pretrain(
+        FLAGS + cpu_data_flags + ["--use-torch-fsdp2", "--save", tmp_path, "--save-interval", "2"], nproc=2
+    )
+    assert_curves_close(fsdp2.curve(), ddp_dp2_curve, LOSS_REL_TOL, "FSDP2 DP2 vs DDP DP2")
+    resumed = run_pretrain(FLAGS + cpu_data_flags + ["--load", tmp_path, "--ckpt-step", "2"], nproc=1)
+    assert "successfully loaded checkpoint" in resumed.output
+    expected = {i: loss for i, loss in ddp_dp2_curve.items() if i > 2}
+    assert_curves_close(resumed.curve(), expected, LOSS_REL_TOL, "DDP DP1 resumed from the FSDP2 DP2 checkpoint")
+
+
+def test_fsdp2_with_tensor_parallelism_trains_like_ddp(ddp_dp2_curve, cpu_data_flags):
+    tp_flags = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    result = run_pretrain(FLAGS + cpu_data_flags + tp_flags, nproc=4)
+    assert_curves_close(result.curve(), ddp_dp2_curve, LOSS_REL_TOL, "FSDP2 TP2 x DP2 vs DDP DP2")
