@@ -31,3 +31,12 @@ def test_fsdp2_with_tensor_parallelism_trains_like_ddp(ddp_dp2_curve, cpu_data_f
     tp_flags = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     result = run_pretrain(FLAGS + cpu_data_flags + tp_flags, nproc=4)
     assert_curves_close(result.curve(), ddp_dp2_curve, LOSS_REL_TOL, "FSDP2 TP2 x DP2 vs DDP DP2")
+
+
+def test_fsdp2_with_per_token_loss_sums_gradients_like_ddp(cpu_data_flags):
+    # Adam hides a gradient off by a constant factor; the logged grad norm does not.
+    flags = FLAGS + cpu_data_flags + ["--calculate-per-token-loss"]
+    ddp = run_pretrain(flags, nproc=2)
+    fsdp2 = run_pretrain(flags + ["--use-torch-fsdp2"], nproc=2)
+    for key in ("lm loss", "grad norm"):
+        assert_curves_close(fsdp2.curve(key), ddp.curve(key), LOSS_REL_TOL, f"per-token {key}: FSDP2 vs DDP")

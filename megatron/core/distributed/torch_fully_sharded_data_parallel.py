@@ -20,7 +20,7 @@ from typing import Optional, Set
 import torch
 import torch.distributed as dist
 from torch.distributed import DeviceMesh, ProcessGroup
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -90,8 +90,12 @@ class TorchFullyShardedDataParallel(MegatronModule):
                 setattr(param, attribute, value)
             param.is_torch_fsdp2_param = True
         if getattr(config, "calculate_per_token_loss", False):
-            # Gradients are summed here; finalize_model_grads divides them by the global token count.
-            module.set_gradient_divide_factor(1.0)
+            # Gradients are summed here; finalize_model_grads divides them by the global token count. A plain SUM
+            # (not a pre-multiplied one, which gloo lacks) for every unit.
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_gradient_divide_factor(1.0)
+                    unit.set_force_sum_reduction_for_comms(True)
 
     def _units(self, sub_modules_to_wrap: Optional[Set[type]]):
         """The submodules that become FSDP2 units, innermost first is not required: fully_shard skips parameters

@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.utils import to_local_if_dtensor
 from tests.unit_tests.models import gpt_test_helpers as gpt
 from tests.unit_tests.test_utilities import run_distributed
 
@@ -135,6 +136,36 @@ def test_fsdp2_shards_each_transformer_layer_over_data_parallel_ranks():
         assert kind == "DTensor"
         assert local_shape == (global_shape[0] // 2, global_shape[1])
         assert layer_class.startswith("FSDP")  # fully_shard was applied to the layer itself
+
+
+def _bytes_held_after_a_step(fsdp2: bool):
+    """(parameters, gradients, optimizer state) bytes this rank holds after a step, summed from the real tensors."""
+    wrapped = _wrap(_build(1), fsdp2)
+    optimizer = _optimizer(wrapped)
+    _train_step(wrapped, optimizer, 0)
+    with torch.no_grad():
+        params = list(wrapped.module.parameters())
+        param_bytes = sum(to_local_if_dtensor(p).numel() * p.element_size() for p in params)
+        if fsdp2:
+            grad_bytes = sum(to_local_if_dtensor(p.grad).numel() * p.grad.element_size() for p in params)
+        else:
+            grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in wrapped.buffers)
+        state_bytes = sum(
+            to_local_if_dtensor(v).numel() * v.element_size()
+            for state in optimizer.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+    return param_bytes, grad_bytes, state_bytes
+
+
+def test_fsdp2_holds_one_data_parallel_share_of_parameters_gradients_and_optimizer_state():
+    ddp = run_distributed(4, _bytes_held_after_a_step, False)
+    fsdp2 = run_distributed(4, _bytes_held_after_a_step, True)
+    for rank in range(4):
+        # fp32 with Adam: 4 + 4 + 8 = 16 bytes per parameter under DDP, 16 / DP under FSDP2 (every dim divides by 4).
+        assert [b * 4 for b in fsdp2[rank]] == list(ddp[rank]), f"rank {rank}: {fsdp2[rank]} vs {ddp[rank]}"
+        assert ddp[rank][2] == 2 * ddp[rank][0]
 
 
 # ---- checkpoints across DDP <-> FSDP2 ---------------------------------------------------------------------------
