@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DeviceMesh, ProcessGroup
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -76,7 +77,12 @@ class TorchFullyShardedDataParallel(MegatronModule):
             process_group = pg_collection.dp_cp
         self.process_group = process_group
         self.dp_cp_group = process_group
-        self.device_mesh = DeviceMesh.from_group(process_group, get_current_device().type)
+        # DTensor caches layouts by mesh, and meshes compare equal by ranks alone: the group's name in the mesh's
+        # name keeps a mesh over a re-created group (after destroy/initialize_model_parallel) from resolving to
+        # the old, destroyed group.
+        self.device_mesh = DeviceMesh.from_group(
+            process_group, get_current_device().type, mesh_dim_names=(f"dp_cp_{process_group.group_name}",)
+        )
         self._broadcast_full_params()
         saved_attributes = {name: dict(vars(param)) for name, param in module.named_parameters()}
         reshard = getattr(ddp_config, "reshard_after_forward", True)
@@ -98,8 +104,8 @@ class TorchFullyShardedDataParallel(MegatronModule):
                     unit.set_force_sum_reduction_for_comms(True)
 
     def _units(self, sub_modules_to_wrap: Optional[Set[type]]):
-        """The submodules that become FSDP2 units, innermost first is not required: fully_shard skips parameters
-        already owned by a unit nested inside."""
+        """The submodules that become FSDP2 units (a unit nested in another keeps its own parameters: fully_shard
+        leaves those already managed to the inner unit)."""
         classes = tuple(sub_modules_to_wrap) if sub_modules_to_wrap is not None else (TransformerLayer,)
         extra = {id(m) for sub in self.module.modules() for m in getattr(sub, "_fsdp_modules", [])}
         units = []
@@ -262,7 +268,7 @@ def _local_shard_entry(entry, dp_rank: int, dp_size: int):
 
 
 def _is_fsdp2_param(tensor) -> bool:
-    return getattr(tensor, "is_torch_fsdp2_param", False) and to_local_if_dtensor(tensor) is not tensor
+    return isinstance(tensor, DTensor) and getattr(tensor, "is_torch_fsdp2_param", False)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
