@@ -168,6 +168,20 @@ def test_fsdp2_holds_one_data_parallel_share_of_parameters_gradients_and_optimiz
         assert ddp[rank][2] == 2 * ddp[rank][0]
 
 
+def _gather_after_regrouping():
+    """Wrap, re-create the process groups, wrap again: the second wrapper's DTensors must use the new group."""
+    sums = []
+    for _ in range(2):
+        wrapped = _wrap(_build(1), fsdp2=True)
+        sums.append(wrapped.module.output_layer.weight.full_tensor().sum().item())
+    return sums
+
+
+def test_a_wrapper_built_after_the_groups_are_recreated_uses_the_new_group():
+    for first, second in run_distributed(2, _gather_after_regrouping):
+        assert first == second
+
+
 # ---- checkpoints across DDP <-> FSDP2 ---------------------------------------------------------------------------
 
 
