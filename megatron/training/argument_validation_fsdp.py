@@ -24,11 +24,6 @@ def validate_torch_fsdp2_args(args) -> None:
             "use --expert-model-parallel-size 1, or drop --use-torch-fsdp2",
         ),
         (
-            args.context_parallel_size > 1,
-            f"--context-parallel-size {args.context_parallel_size}",
-            "not supported yet here: use --context-parallel-size 1, or drop --use-torch-fsdp2",
-        ),
-        (
             args.use_distributed_optimizer,
             "--use-distributed-optimizer",
             "FSDP2 already shards the optimizer state over the data-parallel ranks; drop --use-distributed-optimizer",

@@ -1,5 +1,6 @@
-"""``pretrain_gpt.py --use-torch-fsdp2`` end to end: the loss curve of plain DDP at DP2 (and at TP2 x DP2), and a
-checkpoint saved under FSDP2 that resumes under plain DDP at another data-parallel size with the same losses."""
+"""``pretrain_gpt.py --use-torch-fsdp2`` end to end: the loss and grad-norm curves of plain DDP at DP2 (also at
+TP2 x DP2 with SP, CP2 x DP2 and with per-token loss), and a checkpoint saved under FSDP2 that resumes under plain
+DDP at another data-parallel size with the same losses."""
 
 import pytest
 
@@ -12,25 +13,34 @@ FLAGS = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(ITERS)) + ["--untie-em
 
 
 @pytest.fixture(scope="module")
-def ddp_dp2_curve(cpu_data_flags):
-    return run_pretrain(FLAGS + cpu_data_flags, nproc=2).curve()
+def ddp_dp2_run(cpu_data_flags):
+    return run_pretrain(FLAGS + cpu_data_flags, nproc=2)
 
 
-def test_fsdp2_trains_like_ddp_and_its_checkpoint_resumes_under_ddp(ddp_dp2_curve, cpu_data_flags, tmp_path):
+def test_fsdp2_trains_like_ddp_and_its_checkpoint_resumes_under_ddp(ddp_dp2_run, cpu_data_flags, tmp_path):
+    ddp_dp2_curve = ddp_dp2_run.curve()
     fsdp2 = run_pretrain(
         FLAGS + cpu_data_flags + ["--use-torch-fsdp2", "--save", tmp_path, "--save-interval", "2"], nproc=2
     )
-    assert_curves_close(fsdp2.curve(), ddp_dp2_curve, LOSS_REL_TOL, "FSDP2 DP2 vs DDP DP2")
+    for key in ("lm loss", "grad norm"):
+        assert_curves_close(fsdp2.curve(key), ddp_dp2_run.curve(key), LOSS_REL_TOL, f"FSDP2 DP2 {key} vs DDP DP2")
     resumed = run_pretrain(FLAGS + cpu_data_flags + ["--load", tmp_path, "--ckpt-step", "2"], nproc=1)
     assert "successfully loaded checkpoint" in resumed.output
     expected = {i: loss for i, loss in ddp_dp2_curve.items() if i > 2}
     assert_curves_close(resumed.curve(), expected, LOSS_REL_TOL, "DDP DP1 resumed from the FSDP2 DP2 checkpoint")
 
 
-def test_fsdp2_with_tensor_parallelism_trains_like_ddp(ddp_dp2_curve, cpu_data_flags):
-    tp_flags = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    result = run_pretrain(FLAGS + cpu_data_flags + tp_flags, nproc=4)
-    assert_curves_close(result.curve(), ddp_dp2_curve, LOSS_REL_TOL, "FSDP2 TP2 x DP2 vs DDP DP2")
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("TP2 x DP2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("CP2 x DP2", ["--context-parallel-size", "2"]),  # FSDP2 shards over the DP x CP group
+    ],
+)
+def test_fsdp2_with_model_parallelism_trains_like_ddp(ddp_dp2_run, cpu_data_flags, name, layout):
+    result = run_pretrain(FLAGS + cpu_data_flags + ["--use-torch-fsdp2"] + layout, nproc=4)
+    for key in ("lm loss", "grad norm"):
+        assert_curves_close(result.curve(key), ddp_dp2_run.curve(key), LOSS_REL_TOL, f"FSDP2 {name} {key} vs DDP DP2")
 
 
 def test_fsdp2_with_per_token_loss_sums_gradients_like_ddp(cpu_data_flags):

@@ -295,7 +295,6 @@ def test_flags_reach_the_ddp_config():
             FSDP2_ARGS,
             "with --expert-model-parallel-size 2: use --expert-model-parallel-size 1",
         ),
-        (["--context-parallel-size", "2"], FSDP2_ARGS, "with --context-parallel-size 2: not supported yet here"),
         (["--ckpt-format", "torch"], FSDP2_ARGS, "with --ckpt-format torch: use --ckpt-format torch_dist"),
         (["--fp16"], FSDP2_ARGS, "--use-torch-fsdp2 cannot be combined with --fp16: use --bf16 or fp32"),
         (
