@@ -75,8 +75,8 @@ TORCH_FSDP2 = FlagTable(
             "--use-torch-fsdp2",
             help="Fully sharded data parallelism through PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) applied "
             "to each transformer layer and the whole model: parameters, gradients and optimizer state sharded over "
-            "the data-parallel (x context-parallel) ranks as DTensors. Needs --untie-embeddings-and-output-weights and --ckpt-format "
-            "torch_dist; not with pipeline or expert parallelism or --use-distributed-optimizer.",
+            "the data-parallel (x context-parallel) ranks as DTensors. Needs --untie-embeddings-and-output-weights "
+            "and --ckpt-format torch_dist; not with pipeline or expert parallelism or --use-distributed-optimizer.",
         ),
     ),
 )
