@@ -212,6 +212,7 @@ def _resume_and_step(fsdp2: bool, tp: int, checkpoint: str):
         ((True, 1, 2), (False, 1, 4)),  # FSDP2 at DP2 -> DDP at DP4
         ((False, 1, 2), (True, 1, 4)),  # DDP at DP2 -> FSDP2 at DP4
         ((True, 2, 2), (True, 1, 2)),  # FSDP2 TP2 x DP2 -> FSDP2 DP2
+        ((False, 2, 1), (True, 2, 2)),  # DDP TP2 -> FSDP2 TP2 x DP2
     ],
 )
 def test_checkpoint_moves_between_ddp_and_fsdp2_at_another_layout(tmp_path, save, load):
