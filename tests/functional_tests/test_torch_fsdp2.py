@@ -1,6 +1,6 @@
 """``pretrain_gpt.py --use-torch-fsdp2`` end to end: the loss and grad-norm curves of plain DDP at DP2 (also at
-TP2 x DP2 with SP, CP2 x DP2, under no_sync and with per-token loss), and a checkpoint saved under FSDP2 that
-resumes under plain DDP at another data-parallel size with the same losses."""
+TP2 x DP2 with SP, CP2 x DP2, under no_sync, with full recompute and with per-token loss), and a checkpoint saved
+under FSDP2 that resumes under plain DDP at another data-parallel size with the same losses."""
 
 import pytest
 
@@ -36,6 +36,11 @@ def test_fsdp2_trains_like_ddp_and_its_checkpoint_resumes_under_ddp(ddp_dp2_run,
         ("TP2 x DP2", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("CP2 x DP2", 4, ["--context-parallel-size", "2"]),  # FSDP2 shards over the DP x CP group
         ("DP2 with no_sync", 2, ["--overlap-grad-reduce"]),  # the schedule runs micro-batch 1 of 2 under no_sync()
+        (
+            "DP2 with full recompute",  # FSDP2 prefetches the previous layer during each layer's backward
+            2,
+            ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        ),
     ],
 )
 def test_fsdp2_in_other_layouts_trains_like_ddp(ddp_dp2_run, cpu_data_flags, name, nproc, layout):

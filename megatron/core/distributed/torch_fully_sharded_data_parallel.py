@@ -86,8 +86,14 @@ class TorchFullyShardedDataParallel(MegatronModule):
         self._broadcast_full_params()
         saved_attributes = {name: dict(vars(param)) for name, param in module.named_parameters()}
         reshard = getattr(ddp_config, "reshard_after_forward", True)
+        previous = None
         for unit in self._units(sub_modules_to_wrap):
             fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard)
+            if getattr(config, "recompute_granularity", None) is not None:
+                # Recomputed forwards during backward would confuse FSDP2's inferred prefetch order: during a unit's
+                # backward, prefetch the unit before it (as Megatron-Core does).
+                unit.set_modules_to_backward_prefetch([previous] if previous is not None else [])
+            previous = unit
         fully_shard(module, mesh=self.device_mesh, reshard_after_forward=reshard)
         # fully_shard replaces every parameter by a new DTensor Parameter: Megatron's attributes (tensor_model_parallel,
         # sequence_parallel, allreduce, shared, ...) are carried over, and the parameter is marked as FSDP2's.
