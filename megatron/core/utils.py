@@ -330,6 +330,27 @@ def get_full_tensor_if_necessary(tensor):
     return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
+def as_dtensor_like(tensor: torch.Tensor, like: Union[torch.Tensor, "DTensor"]) -> torch.Tensor:
+    """``tensor`` as a DTensor laid out like ``like`` (a parameter sharded by FSDP2), from either this rank's local
+    piece or the whole tensor; returned as is when ``like`` is a plain tensor or ``tensor`` already a DTensor. No
+    communication: a whole tensor is cut locally (every rank holds it)."""
+    if not _is_dtensor(like) or _is_dtensor(tensor):
+        return tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    local_shape = like.to_local().shape
+    if tuple(tensor.shape) == tuple(local_shape):
+        return DTensor.from_local(
+            tensor, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+    if tuple(tensor.shape) == tuple(like.shape):
+        return distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
+    raise ValueError(
+        f"a tensor of shape {tuple(tensor.shape)} cannot be loaded into a DTensor of global shape "
+        f"{tuple(like.shape)} whose local piece is {tuple(local_shape)}"
+    )
+
+
 def get_data_parallel_group_if_dtensor(
     tensor: Union[torch.Tensor, "DTensor"], data_parallel_group: "ProcessGroup" = None
 ) -> Optional["ProcessGroup"]:

@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
-from megatron.training.argument_validation_fsdp import validate_megatron_fsdp
+from megatron.training.argument_validation_fsdp import validate_megatron_fsdp, validate_torch_fsdp2_args
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_memory import validate_memory_args
 from megatron.training.argument_validation_moe import validate_moe_args
@@ -156,6 +156,7 @@ def validate_args(args, defaults={}):
     _validate_weight_decay(args)
     _validate_data_parallel(args)
     validate_memory_args(args)
+    validate_torch_fsdp2_args(args)
     _validate_data(args)
     _validate_tokenizer(args)
     _validate_checkpointing(args)

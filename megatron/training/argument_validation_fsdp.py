@@ -1,5 +1,11 @@
-"""Megatron FSDP's flags against the rest of the command line: each conflict is one error naming both flags and
-what to use instead, raised by validate_args before anything is built or communicated."""
+"""The fully sharded data parallel part of ``validate_args``: what ``--use-megatron-fsdp`` and ``--use-torch-fsdp2``
+cannot be combined with, refused before anything is built or communicated, each error naming both flags and what to
+use instead.
+
+Torch FSDP2 keeps Megatron-LM's rules: no pipeline or expert parallelism, not with the distributed optimizer (FSDP2
+shards the optimizer state itself) or Megatron FSDP, untied embedding and output weights, no fp16, and a
+``torch_dist`` checkpoint (Megatron-LM also allows ``torch_dcp``, not supported yet here with FSDP2).
+"""
 
 _SHARDED = ("optim", "optim_grads", "optim_grads_params")
 
@@ -36,3 +42,45 @@ def validate_megatron_fsdp(args) -> None:
             f"--fsdp-double-buffer with --data-parallel-sharding-strategy {strategy}: only optim_grads_params "
             "gathers parameters; use --data-parallel-sharding-strategy optim_grads_params or drop --fsdp-double-buffer"
         )
+
+
+def validate_torch_fsdp2_args(args) -> None:
+    """Refuse flags that ``--use-torch-fsdp2`` cannot be combined with (see the module docstring)."""
+    if not args.use_torch_fsdp2:
+        return
+    conflicts = [
+        (
+            args.pipeline_model_parallel_size > 1,
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+            "use --pipeline-model-parallel-size 1, or drop --use-torch-fsdp2 for DDP with pipeline parallelism",
+        ),
+        (
+            args.expert_model_parallel_size > 1,
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}",
+            "use --expert-model-parallel-size 1, or drop --use-torch-fsdp2",
+        ),
+        (
+            args.use_distributed_optimizer,
+            "--use-distributed-optimizer",
+            "FSDP2 already shards the optimizer state over the data-parallel ranks; drop --use-distributed-optimizer",
+        ),
+        (
+            args.use_megatron_fsdp,
+            "--use-megatron-fsdp",
+            "choose one fully sharded implementation",
+        ),
+        (
+            not args.untie_embeddings_and_output_weights,
+            "tied embedding and output weights (no --untie-embeddings-and-output-weights)",
+            "FSDP2 cannot shard one parameter used by two units; add --untie-embeddings-and-output-weights",
+        ),
+        (args.fp16, "--fp16", "use --bf16 or fp32"),
+        (
+            args.ckpt_format != "torch_dist",
+            f"--ckpt-format {args.ckpt_format}",
+            "use --ckpt-format torch_dist (its checkpoints also load without FSDP2)",
+        ),
+    ]
+    for conflicting, flag, fix in conflicts:
+        if conflicting:
+            raise ValueError(f"--use-torch-fsdp2 cannot be combined with {flag}: {fix}")

@@ -92,10 +92,28 @@ FSDP = FlagTable(
         off_switch("--no-strict-fsdp-dtensor-load, --disable-strict-fsdp-dtensor-load", "strict_fsdp_dtensor_load"),
         value("--outer-dp-sharding-strategy", str, "no_shard", choices=["no_shard", "optim"]),
         value("--suggested-communication-unit-size", int, None),
-        off_switch("--torch-fsdp2-no-reshard-after-forward", "torch_fsdp2_reshard_after_forward"),
-        switch("--use-torch-fsdp2"),
     ),
     not_supported="FSDP (Megatron FSDP / torch FSDP2)",
+)
+
+
+TORCH_FSDP2 = FlagTable(
+    "distributed",
+    (
+        off_switch(
+            "--torch-fsdp2-no-reshard-after-forward",
+            "torch_fsdp2_reshard_after_forward",
+            help="With --use-torch-fsdp2: keep each layer's gathered parameters from its forward until its backward "
+            "instead of freeing them and gathering them again (more memory, one all-gather less per layer).",
+        ),
+        switch(
+            "--use-torch-fsdp2",
+            help="Fully sharded data parallelism through PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) applied "
+            "to each transformer layer and the whole model: parameters, gradients and optimizer state sharded over "
+            "the data-parallel (x context-parallel) ranks as DTensors. Needs --untie-embeddings-and-output-weights "
+            "and --ckpt-format torch_dist; not with pipeline or expert parallelism or --use-distributed-optimizer.",
+        ),
+    ),
 )
 
 
@@ -583,6 +601,7 @@ TABLES = (
     HYBRID_CONTEXT_PARALLEL,
     MEGATRON_FSDP,
     FSDP,
+    TORCH_FSDP2,
     COMMUNICATOR_TUNING,
     DISTRIBUTED_OPTIONS,
     WEIGHT_SHARDING,

@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 from megatron.core.public_api import public_api
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
 from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_PER_DP_RANK,
@@ -106,9 +111,14 @@ def get_model(
         model = [Float16Module(chunk.config, chunk) for chunk in model]
     if not wrap_with_ddp:
         return model
-    wrapper = FullyShardedDataParallel if args.use_megatron_fsdp else DistributedDataParallel
-    ddp_config = get_megatron_ddp_config(args)
-    model = wrap_model_chunks_with_ddp(model, None, ddp_config, DP=wrapper, pg_collection=pg_collection)
+    wrapper = DistributedDataParallel
+    if args.use_megatron_fsdp:
+        wrapper = FullyShardedDataParallel
+    elif args.use_torch_fsdp2:
+        wrapper = TorchFullyShardedDataParallel
+    model = wrap_model_chunks_with_ddp(
+        model, None, get_megatron_ddp_config(args), DP=wrapper, pg_collection=pg_collection
+    )
     for chunk in model:
         chunk.broadcast_params()
     return model
@@ -116,7 +126,10 @@ def get_model(
 
 @public_api("megatron.training.training")
 def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """The DistributedDataParallelConfig of the run's flags (``--overlap-grad-reduce``, ``--ddp-bucket-size``, ...)."""
+    """The DistributedDataParallelConfig of the run's flags (``--overlap-grad-reduce``, ``--ddp-bucket-size``, ...);
+    with ``--use-torch-fsdp2`` a TorchFullyShardedDataParallelConfig (``--torch-fsdp2-no-reshard-after-forward``)."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
     return core_ddp_config_from_args(args)
 
 

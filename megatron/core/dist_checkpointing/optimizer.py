@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+from megatron.core.utils import as_dtensor_like, to_local_if_dtensor
 
 from .dict_utils import nested_values
 from .mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
@@ -40,7 +41,8 @@ def get_param_id_to_sharded_param_map(
     index_of = get_optim_param_to_id_map(optim_params_iter)
     id_to_sharded = {}
     for sharded in nested_values(model_tensors):
-        index = index_of.get(id(sharded.data))
+        # An FSDP2 shard's data is a view of its DTensor parameter's local piece; it names the parameter.
+        index = index_of.get(id(getattr(sharded, "fsdp2_param", sharded.data)))
         if index is not None:
             id_to_sharded[index] = sharded
     return id_to_sharded
@@ -57,6 +59,8 @@ def make_sharded_optimizer_tensor(
     key = f"{prefix}.{model_param.key}"
     if isinstance(model_param, ShardedTensorFactory):
         return replace(model_param, key=key, data=optim_param, **replace_kwargs)
+    with torch.no_grad():
+        optim_param = to_local_if_dtensor(optim_param)  # stored like its FSDP2 parameter: this rank's shard
     if "flattened_range" not in replace_kwargs and tuple(optim_param.shape) != tuple(model_param.local_shape):
         raise ValueError(
             f"optimizer state {key!r} has shape {tuple(optim_param.shape)} but its parameter's local shape is "
@@ -228,3 +232,15 @@ def load_torch_optimizer_state(
         if step is not None:
             state[index]["step"] = torch.tensor(float(step), dtype=torch.float32)
     optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
+    _state_as_dtensors_like_params(optimizer)
+
+
+def _state_as_dtensors_like_params(optimizer: torch.optim.Optimizer) -> None:
+    """Give the per-element state of FSDP2 (DTensor) parameters their parameter's layout: it was loaded as plain
+    local shards (or whole tensors), and torch optimizers cannot mix DTensors with plain tensors."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param_state = optimizer.state.get(param, {})
+            for name, value in param_state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    param_state[name] = as_dtensor_like(value, param)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import to_local_if_dtensor
 
 
 def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
@@ -34,7 +35,11 @@ def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
 
 
 def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    return getattr(param, _get_main_grad_attr(param))
+    """The gradient to reduce: for an FSDP2 (DTensor) parameter this rank's shard, which the TP ranks of one
+    DP coordinate hold alike, so reductions over TP or pipeline groups treat it like a whole gradient."""
+    grad = getattr(param, _get_main_grad_attr(param))
+    with torch.no_grad():
+        return to_local_if_dtensor(grad)
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
@@ -42,7 +47,7 @@ def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
     grad = _grad_of(param)
     if grad is None:
         param.grad = torch.zeros_like(param)
-        grad = param.grad
+        grad = _grad_of(param)
     return grad
 
 

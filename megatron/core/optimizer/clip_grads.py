@@ -16,11 +16,17 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.utils import get_current_device
+from megatron.core.utils import get_current_device, to_local_if_dtensor
 
 
 def _as_list(tensors) -> List[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _local(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """This rank's pieces of DTensor gradients (FSDP2's shards: each is summed over the ranks like a TP piece)."""
+    with torch.no_grad():
+        return [to_local_if_dtensor(t) for t in tensors]
 
 
 def _all_reduce(value: torch.Tensor, op, group) -> None:
@@ -34,7 +40,7 @@ def get_grad_norm_fp32(
     grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> float:
     """The ``norm_type`` norm (2, any p > 0, or inf) of all these gradients across ``grad_stats_parallel_group``."""
-    grads = _as_list(grads_for_norm)
+    grads = _local(_as_list(grads_for_norm))
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (2, any p > 0 or inf), got {norm_type}")
@@ -67,7 +73,7 @@ def clip_grad_by_total_norm_fp32(
     """Scale the gradients of ``parameters`` in place so that a global norm of ``total_norm`` becomes ``max_norm``."""
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
-        grads = _grads_of(parameters, use_decoupled_grad)
+        grads = _local(_grads_of(parameters, use_decoupled_grad))
         if grads:
             torch._foreach_mul_(grads, clip_coeff)
 
@@ -90,6 +96,7 @@ def count_zeros_fp32(
         group = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
         if grad is None or not counts_for_grad_stats(param, group):
             continue
+        grad = to_local_if_dtensor(grad)
         zeros = zeros + (grad.numel() - torch.count_nonzero(grad))
     _all_reduce(zeros, dist.ReduceOp.SUM, grad_stats_parallel_group)
     return zeros.item()

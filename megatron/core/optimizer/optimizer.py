@@ -46,7 +46,7 @@ from megatron.core.optimizer.distrib_optimizer_layouts import (
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
-from megatron.core.utils import get_current_device
+from megatron.core.utils import as_dtensor_like, get_current_device
 
 _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
 # Attributes that decide how a parameter counts in gradient statistics; main copies must carry them too.
@@ -524,7 +524,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         main_params = self.get_parameters()
         with torch.no_grad():
             for index, saved_param in state_dict.get("fp32_from_fp16_params", {}).items():
-                main_params[index].copy_(saved_param)
+                main_params[index].copy_(as_dtensor_like(saved_param, main_params[index]))
 
 
 def _per_param_tensors(loaded_state: Dict) -> Dict[int, Dict[str, torch.Tensor]]:

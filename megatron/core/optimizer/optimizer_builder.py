@@ -294,11 +294,18 @@ def _build_one(
     else:
         wrapped = FP32Optimizer(optimizer, config, init_optimizer_state)
         grad_stats_parallel_group = model_parallel_group
+    if _has_fsdp2_params(param_groups):
+        # FSDP2 leaves each DP rank a different shard of every gradient: sum statistics over every rank.
+        grad_stats_parallel_group = None
     wrapped.grad_stats_parallel_group = grad_stats_parallel_group
     wrapped.tp_group = tp_group
     # The group whose ranks hold the same gradients (the layer-wise distributed optimizer shards over it).
     wrapped.data_parallel_group = data_parallel_group
     return wrapped
+
+
+def _has_fsdp2_params(param_groups: List[Dict]) -> bool:
+    return any(getattr(p, "is_torch_fsdp2_param", False) for group in param_groups for p in group["params"])
 
 
 def _buffers_of(chunk: torch.nn.Module, attribute: str, config: OptimizerConfig) -> list:
