@@ -15,10 +15,12 @@ import ast
 import dataclasses
 import enum
 import functools
+import importlib
 import inspect
 import json
 import re
 import textwrap
+import types
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,6 +36,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 
 _NOT_GIVEN = object()
+
+# Megatron-LM's config-container builders live in config_from_args (they import the config and model packages,
+# which import this module); importable from here, Megatron-LM's path.
+_MOVED = {
+    "pretrain_cfg_container_from_args": "megatron.training.config_from_args",
+    "gpt_config_from_args": "megatron.training.config_from_args",
+    "hybrid_config_from_args": "megatron.training.config_from_args",
+    "inference_cfg_from_args": "megatron.training.config_from_args",
+    "inference_cfg_container_from_args": "megatron.training.config_from_args",
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,6 +163,125 @@ def add_field_argument(
         )
     kwargs.update(argparse_kwargs)
     return group.add_argument(*(flags or [f"--{dashed}"]), **kwargs)
+
+
+class TypeInferenceError(Exception):
+    """A config field whose type cannot become a command-line argument (a Union, a Callable, ...) and that gives
+    no ``argparse_meta`` to say how to parse it."""
+
+
+class ArgumentGroupFactory:
+    """Adds one argparse group to a parser, one flag per field of a config dataclass (Megatron-LM's generator).
+
+    Each field ``name`` becomes ``--name`` (underscores as dashes) with the field's default (its default_factory
+    called), its docstring as help and a type read from its annotation: ``Optional[X]`` as ``X``, ``list[X]`` as
+    ``nargs="+"``, a ``Literal`` as choices, an ``Enum`` by member name. A bool field is a switch: ``--name`` when
+    it defaults to False, ``--no-name`` / ``--disable-name`` when it defaults to True. A field's
+    ``metadata["argparse_meta"]`` dict is applied last, over everything inferred (``arg_names`` sets the flags,
+    the other keys go to ``add_argument``); with it, a field of a type argparse cannot parse is still accepted.
+    Fields named in ``exclude`` and fields with ``init=False`` get no flag.
+    """
+
+    def __init__(self, src_cfg_class: type, exclude: Optional[list] = None) -> None:
+        self.src_cfg_class = src_cfg_class
+        self.field_docstrings = self._get_field_docstrings(src_cfg_class)
+        self.exclude = set(exclude or ())
+
+    def _format_arg_name(self, config_attr_name: str, prefix: Optional[str] = None) -> str:
+        """``learning_rate`` -> ``--learning-rate``; with ``prefix="no"``, ``--no-learning-rate``."""
+        name = f"{prefix}_{config_attr_name}" if prefix else config_attr_name
+        return "--" + name.replace("_", "-")
+
+    def _get_enum_kwargs(self, config_type: type) -> Dict[str, Any]:
+        """An enum flag takes a member name (``SIGINT``) and stores the member."""
+
+        def enum_type_handler(cli_arg):
+            try:
+                return config_type[cli_arg]
+            except KeyError:
+                names = ", ".join(member.name for member in config_type)
+                # A KeyError, as Megatron-LM raises, but one that names the choices.
+                raise KeyError(f"{cli_arg!r} is not a member of {config_type.__name__}; choose from {names}") from None
+
+        return {"type": enum_type_handler, "choices": list(config_type)}
+
+    def _extract_type(self, config_type) -> Dict[str, Any]:
+        """The ``type`` / ``nargs`` / ``choices`` arguments for a field annotated ``config_type``."""
+        origin = typing.get_origin(config_type)
+        members = typing.get_args(config_type)
+        if isinstance(config_type, type) and issubclass(config_type, enum.Enum):
+            return self._get_enum_kwargs(config_type)
+        if origin is None and isinstance(config_type, type):
+            return {"type": config_type}
+        if origin in (typing.Union, types.UnionType):
+            present = [member for member in members if member is not type(None)]
+            if len(present) == 1:
+                return self._extract_type(present[0])
+            raise TypeInferenceError(f"Unions not supported by argparse: {config_type}")
+        if origin is list:
+            if len(members) != 1:
+                raise TypeInferenceError(f"Multi-type lists not supported by argparse: {config_type}")
+            return {**self._extract_type(members[0]), "nargs": "+"}
+        if origin is typing.Literal:
+            choice_types = {type(member) for member in members}
+            if len(choice_types) != 1:
+                raise TypeInferenceError(f"Literal choices of mixed types not supported by argparse: {config_type}")
+            return {"type": choice_types.pop(), "choices": members}
+        raise TypeInferenceError(f"Unsupported type: {config_type}")
+
+    def _build_argparse_kwargs_from_field(self, attribute: dataclasses.Field) -> Dict[str, Any]:
+        """``add_argument`` keyword arguments for one field, plus ``arg_names`` (its flags)."""
+        if attribute.default is dataclasses.MISSING and attribute.default_factory is not dataclasses.MISSING:
+            default = attribute.default_factory()
+        else:
+            default = attribute.default
+        kwargs: Dict[str, Any] = {
+            "arg_names": [self._format_arg_name(attribute.name)],
+            "dest": attribute.name,
+            "help": self.field_docstrings.get(attribute.name, ""),
+            "default": default,
+        }
+        meta = attribute.metadata.get("argparse_meta")
+        try:
+            kwargs.update(self._extract_type(self._annotation(attribute)))
+        except TypeInferenceError as error:
+            if meta is None:
+                raise TypeInferenceError(
+                    f"{self.src_cfg_class.__name__}.{attribute.name}: {error}; give the field "
+                    'metadata={"argparse_meta": {"type": ...}} or exclude it from the ArgumentGroupFactory'
+                ) from None
+        if kwargs.get("type") is bool:
+            del kwargs["type"]
+            if default is True:
+                kwargs["action"] = "store_false"
+                kwargs["arg_names"] = [
+                    self._format_arg_name(attribute.name, prefix="no"),
+                    self._format_arg_name(attribute.name, prefix="disable"),
+                ]
+            else:
+                kwargs["action"] = "store_true"
+        kwargs.update(meta or {})
+        return kwargs
+
+    def _annotation(self, attribute: dataclasses.Field):
+        """The field's annotation as a type, also where the module uses ``from __future__ import annotations``."""
+        if not isinstance(attribute.type, str):
+            return attribute.type
+        return typing.get_type_hints(self.src_cfg_class)[attribute.name]
+
+    def build_group(self, parser: argparse.ArgumentParser, title: Optional[str] = None):
+        """Add the group (titled ``title``, described by the class docstring) and its flags; return the group."""
+        group = parser.add_argument_group(title=title, description=self.src_cfg_class.__doc__)
+        for attribute in dataclasses.fields(self.src_cfg_class):
+            if attribute.name in self.exclude or not attribute.init:
+                continue
+            kwargs = self._build_argparse_kwargs_from_field(attribute)
+            group.add_argument(*kwargs.pop("arg_names"), **kwargs)
+        return group
+
+    def _get_field_docstrings(self, src_cfg_class: type) -> Dict[str, str]:
+        """Every field's docstring (the string literal after it), inherited fields included."""
+        return dict(config_field_docs(src_cfg_class))
 
 
 # ---------------------------------------------------------------------------------------------------------------

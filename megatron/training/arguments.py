@@ -71,6 +71,9 @@ from megatron.training.flag_tables import (  # noqa: F401
 )
 from megatron.training.yaml_config import yaml_settings
 
+# Megatron-LM's private name for the network-size group, which its unit tests call directly.
+_add_network_size_args = add_network_size_args
+
 __all__ = [
     "parse_args",
     "parse_args_list",

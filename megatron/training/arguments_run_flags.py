@@ -238,23 +238,73 @@ PRECISION_AWARE_OPTIMIZER = FlagTable(
 )
 
 
-OTHER_OPTIMIZERS = FlagTable(
+LION_OPTIONS = FlagTable(
     "training",
     (
         value("--lion-beta1", float, 0.95),
         value("--lion-beta2", float, 0.98),
-        value("--muon-coefficient-type", str, "quintic"),
-        value("--muon-extra-scale-factor", float, 1.0),
-        value("--muon-fp32-matmul-prec", str, "medium", choices=["low", "medium", "high"]),
-        value("--muon-momentum", float, 0.9),
-        switch("--muon-nesterov"),
-        off_switch("--muon-no-split-qkv", "muon_split_qkv"),
-        value("--muon-num-ns-steps", int, 5),
-        value("--muon-scalar-optimizer", str, "adam", choices=["adam", "lion"]),
-        value("--muon-scale-mode", str, "spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"]),
-        value("--muon-tp-mode", str, "blockwise", choices=["blockwise", "duplicated", "distributed"]),
     ),
-    not_supported="Muon / Lion optimizers",
+    not_supported="the Lion optimizer",
+)
+
+
+# Read by --optimizer muon / dist_muon (inert with the other optimizers, as in Megatron-LM).
+MUON_OPTIONS = FlagTable(
+    "training",
+    (
+        value(
+            "--muon-coefficient-type",
+            str,
+            "quintic",
+            help="Muon: Newton-Schulz coefficients: quintic (5-step schedule), simple (Keller Jordan's, every step), "
+            "polar_express (8 or more steps) or aol.",
+        ),
+        value(
+            "--muon-extra-scale-factor", float, 1.0, help="Muon: extra factor on the update (0.2 matches AdamW's RMS)."
+        ),
+        value(
+            "--muon-fp32-matmul-prec",
+            str,
+            "medium",
+            choices=["low", "medium", "high"],
+            help="Muon: precision of the Newton-Schulz matmuls: high runs them in fp32, medium and low in bf16.",
+        ),
+        value("--muon-momentum", float, 0.9, help="Muon: momentum (EMA) coefficient."),
+        switch("--muon-nesterov", help="Muon: Nesterov momentum."),
+        off_switch(
+            "--muon-no-split-qkv",
+            "muon_split_qkv",
+            help="Muon: orthogonalise linear_qkv whole instead of as its q, k and v matrices.",
+        ),
+        value(
+            "--muon-num-ns-steps",
+            int,
+            5,
+            help="Muon: Newton-Schulz steps (a multiple of 5 for quintic, of 4 for aol, at least 8 for polar_express).",
+        ),
+        value(
+            "--muon-scalar-optimizer",
+            str,
+            "adam",
+            choices=["adam", "lion"],
+            help="Muon: optimizer of embeddings, output layer, biases and norms (adam; lion is not built yet).",
+        ),
+        value(
+            "--muon-scale-mode",
+            str,
+            "spectral",
+            choices=["spectral", "unit_rms_norm", "shape_scaling"],
+            help="Muon: update scale: sqrt(max(out, in)), sqrt(out / in) or sqrt(max(1, out / in)).",
+        ),
+        value(
+            "--muon-tp-mode",
+            str,
+            "blockwise",
+            choices=["blockwise", "duplicated", "distributed"],
+            help="Muon under tensor parallelism: orthogonalise each shard alone (blockwise), the gathered matrix on "
+            "every rank (duplicated), or with the Newton-Schulz matmuls split over the TP ranks (distributed).",
+        ),
+    ),
 )
 
 
@@ -504,7 +554,8 @@ TABLES = (
     ACTIVATION_OFFLOADING,
     ACTIVATION_OFFLOADING_TUNING,
     PRECISION_AWARE_OPTIMIZER,
-    OTHER_OPTIMIZERS,
+    LION_OPTIONS,
+    MUON_OPTIONS,
     TRAINING_OPTIONS,
     CUDA_PROFILING,
     PYTORCH_PROFILER,

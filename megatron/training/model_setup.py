@@ -148,13 +148,10 @@ def wrap_model_chunks_with_ddp(
     ``config`` is the model config given to DDP (default: each chunk's own); ``bucket_sizes`` (one per chunk)
     replace ``ddp_config.bucket_size`` chunk by chunk; ``disable_bucketing_per_chunk`` (one bool per chunk)
     defaults to bucketing only the first chunk (later virtual-pipeline chunks reduce in one bucket each, as
-    Megatron does). ``use_layer_wise_param_layout`` only applies to the layer-wise distributed optimizer, which is
-    not supported yet.
+    Megatron does). With ``use_layer_wise_distributed_optimizer`` (``--optimizer dist_muon``) the chunks get the
+    same DDP: gradients are all-reduced whole and the LayerWiseDistributedOptimizer shards the step by parameter,
+    so ``use_layer_wise_param_layout`` (Megatron's per-layer bucket order) leaves the numbers unchanged.
     """
-    if use_layer_wise_distributed_optimizer:
-        raise ValueError(
-            "not supported yet: the layer-wise distributed optimizer (use_layer_wise_distributed_optimizer=True)"
-        )
     for name, values in (("bucket_sizes", bucket_sizes), ("disable_bucketing_per_chunk", disable_bucketing_per_chunk)):
         if values is not None and len(values) != len(model_chunks):
             raise ValueError(f"{name} has {len(values)} entries for {len(model_chunks)} model chunks")
@@ -353,12 +350,16 @@ def get_train_valid_test_num_samples():
     """Samples each split must provide (Megatron's formula: enough for every evaluation the run will do)."""
     args = get_args()
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
-    return (
-        train_samples,
-        eval_runs * args.eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
-    )
+    # Evaluation batches are --eval-global-batch-size samples when given (Megatron's ValidationConfig field).
+    eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    if getattr(args, "skip_train", False) or not args.eval_interval:
+        eval_runs = 1
+    else:
+        eval_runs = args.train_iters // args.eval_interval + 1
+        start = getattr(args, "start_eval_at_iter", None)
+        if start is not None:  # evaluations before --start-eval-at-iter do not happen
+            eval_runs = max(0, eval_runs - start // args.eval_interval)
+    return train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch
 
 
 @public_api("megatron.training.training")

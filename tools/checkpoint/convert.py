@@ -131,23 +131,6 @@ def return_freed_tensors_to_the_os() -> None:
         pass
 
 
-def unreadable_safetensors(directory: str) -> str:
-    """The first ``*.safetensors`` file in ``directory`` whose header safetensors cannot read, or the directory when
-    each of them reads (safetensors' own error names no file)."""
-    from safetensors import SafetensorError, safe_open
-
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        if not name.endswith(".safetensors"):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                handle.keys()
-        except (SafetensorError, OSError):
-            return path
-    return directory
-
-
 def convert(args) -> None:
     from megatron.core.models.huggingface import export_megatron_checkpoint_to_hf, save_megatron_checkpoint_from_hf
     from megatron.core.models.huggingface.weights import parse_size
@@ -179,19 +162,10 @@ def convert(args) -> None:
 
 def main(argv=None) -> int:
     """Convert as the flags say; bad input raises an error naming the flag or file (``tool_main`` prints it)."""
-    from safetensors import SafetensorError
-
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     check_args(args)
-    try:
-        convert(args)
-    except SafetensorError as error:
-        directory = args.load_dir if args.loader == "hf" else args.save_dir
-        raise ValueError(
-            f"{unreadable_safetensors(directory)}: not a readable safetensors file ({error}); the file is "
-            "truncated or damaged: copy or save it again"
-        ) from error
+    convert(args)  # a damaged safetensors input is named by the reader's header check (validate_safetensors_header)
     print(f"conversion took {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -7,9 +7,15 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+# Muon orthogonalises the 2-D weights; "dist_muon" is Muon under the layer-wise distributed optimizer.
+MUON_OPTIMIZERS = ("muon", "dist_muon")
+SUPPORTED_OPTIMIZERS = ("adam", "sgd") + MUON_OPTIMIZERS
 # Megatron-LM's other --optimizer choices: optimizers from the emerging-optimizers package, not built here.
-_EMERGING_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
+_EMERGING_OPTIMIZERS = ("lion", "soap", "adaptive_muon")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "aol")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_FP32_MATMUL_PRECISIONS = ("low", "medium", "high")
 # Megatron-LM's command line spells these dtypes as strings.
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,10 +86,11 @@ def _not_supported(feature: str, name: str, value) -> ValueError:
 class OptimizerConfig:
     """Settings read by :func:`megatron.core.optimizer.get_megatron_optimizer`.
 
-    Fields of features not built here (fp8 parameter gathers, emerging optimizers, the layer-wise distributed
-    optimizer, CUDA graphs) are accepted at their defaults and refused otherwise. Hyper-parameters of an optimizer
-    that is not selected (``muon_*``, ``lion_*``, ``soap_*``, the offload fraction and pinning without CPU offload,
-    ``store_param_remainders``) are inert, as in Megatron.
+    Fields of features not built here (fp8 parameter gathers, the Lion/SOAP/adaptive-Muon optimizers, CUDA graphs)
+    are accepted at their defaults and refused otherwise. The layer-wise distributed optimizer is built for Muon only
+    (``optimizer='dist_muon'``). Hyper-parameters of an optimizer that is not selected (``muon_*``, ``lion_*``,
+    ``soap_*``, the offload fraction and pinning without CPU offload, ``store_param_remainders``) are inert, as in
+    Megatron.
     """
 
     # ---- general ----
@@ -126,7 +133,9 @@ class OptimizerConfig:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     """Precision-aware optimizer: dtype of Adam's second moment (as exp_avg_dtype)."""
     optimizer: str = "adam"
-    """'adam' (AdamW-style decoupled weight decay by default) or 'sgd'."""
+    """'adam' (AdamW-style decoupled weight decay by default), 'sgd', 'muon' (Newton-Schulz orthogonalised momentum
+    for 2-D weights, ``muon_scalar_optimizer`` for the rest) or 'dist_muon' (Muon under the layer-wise distributed
+    optimizer)."""
 
     # ---- loss scaling ----
     loss_scale: Optional[float] = None
@@ -194,7 +203,8 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over data-parallel ranks (ZeRO-1); the model must be wrapped in DDP with the same."""
     use_layer_wise_distributed_optimizer: bool = False
-    """Shard emerging optimizers layer by layer (not supported yet: must be False)."""
+    """Shard Muon layer by layer: each parameter is stepped whole on one data-parallel rank, then broadcast
+    (optimizer='dist_muon' implies it; only Muon supports it)."""
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward (mirror of the DDP config's field)."""
     overlap_param_gather_with_optimizer_step: bool = False
@@ -237,6 +247,7 @@ class OptimizerConfig:
                 setattr(self, name, _DTYPE_NAMES[value])
         _check_optimizer_choice(self)
         _check_features_not_built(self)
+        _check_muon(self)
         _check_precision_aware(self)
         _check_cpu_offload(self)
         _check_values(self)
@@ -253,7 +264,6 @@ def _check_optimizer_choice(config: OptimizerConfig) -> None:
 
 _FEATURES_NOT_BUILT = (
     ("reuse_grad_buf_for_mxfp8_param_ag", "mxfp8 parameter all-gather in the gradient buffer"),
-    ("use_layer_wise_distributed_optimizer", "layer-wise distributed optimizer"),
     ("overlap_param_gather_with_optimizer_step", "overlapping the parameter all-gather with the optimizer step"),
     ("optimizer_cuda_graph", "CUDA graph of the optimizer step"),
 )
@@ -319,6 +329,61 @@ def _check_cpu_offload(config: OptimizerConfig) -> None:
         raise ValueError(
             f"OptimizerConfig.optimizer_offload_fraction={config.optimizer_offload_fraction} is outside [0, 1]; "
             "give the fraction of the optimizer state to keep on the host (1.0: all of it)"
+        )
+
+
+# Newton-Schulz step counts each coefficient schedule accepts (a schedule of n sets runs whole cycles, except
+# Polar Express, which runs its 8 sets once and repeats the last).
+_NS_STEPS_RULE = {"quintic": 5, "aol": 4}
+
+
+def _check_muon(config: OptimizerConfig) -> None:
+    if config.optimizer not in MUON_OPTIMIZERS:
+        if config.use_layer_wise_distributed_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.use_layer_wise_distributed_optimizer=True needs optimizer='muon' or 'dist_muon', "
+                f"got optimizer={config.optimizer!r}; use use_distributed_optimizer for Adam/SGD"
+            )
+        return
+    choices = (
+        ("muon_coefficient_type", MUON_COEFFICIENT_TYPES),
+        ("muon_scale_mode", MUON_SCALE_MODES),
+        ("muon_tp_mode", MUON_TP_MODES),
+        ("muon_fp32_matmul_prec", MUON_FP32_MATMUL_PRECISIONS),
+    )
+    for name, allowed in choices:
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"OptimizerConfig.{name}={getattr(config, name)!r} is not one of {allowed}")
+    if config.muon_scalar_optimizer != "adam":
+        raise _not_supported(
+            f"the {config.muon_scalar_optimizer} scalar optimizer of Muon",
+            "muon_scalar_optimizer",
+            config.muon_scalar_optimizer,
+        )
+    steps, coefficients = config.muon_num_ns_steps, config.muon_coefficient_type
+    cycle = _NS_STEPS_RULE.get(coefficients)
+    if steps < 1 or (cycle is not None and steps % cycle) or (coefficients == "polar_express" and steps < 8):
+        need = {"quintic": "a multiple of 5", "aol": "a multiple of 4", "polar_express": "at least 8"}
+        raise ValueError(
+            f"OptimizerConfig.muon_num_ns_steps={steps} does not fit muon_coefficient_type={coefficients!r}: it "
+            f"must be {need.get(coefficients, 'at least 1')}"
+        )
+    if not 0.0 <= config.muon_momentum < 1.0:
+        raise ValueError(f"OptimizerConfig.muon_momentum must be in [0, 1), got {config.muon_momentum}")
+    if config.fp16:
+        raise ValueError(
+            f"OptimizerConfig: optimizer={config.optimizer!r} does not support fp16 (Newton-Schulz has no loss "
+            "scaling); use bf16 or fp32"
+        )
+    if config.use_distributed_optimizer:
+        fix = (
+            "unset use_distributed_optimizer (dist_muon shards its state layer by layer already)"
+            if config.optimizer == "dist_muon"
+            else "use optimizer='dist_muon' (the layer-wise distributed optimizer) instead"
+        )
+        raise ValueError(
+            f"OptimizerConfig: optimizer={config.optimizer!r} cannot shard its state with "
+            f"use_distributed_optimizer=True (Newton-Schulz needs whole matrices); {fix}"
         )
 
 

@@ -234,8 +234,8 @@ class PretrainConfigContainer(ConfigContainerBase):
     """Everything a pretraining run is configured by, one config dataclass per concern.
 
     ``train``, ``model``, ``optimizer``, ``scheduler``, ``logger`` and ``checkpoint`` must be given; the rest
-    have defaults. ``model`` is Megatron-LM's ``GPTModelConfig``/``HybridModelConfig`` (model config plus
-    builder), which this project does not have yet; any config object is accepted and written as it is.
+    have defaults. ``model`` is a ``GPTModelConfig``/``HybridModelConfig`` (``megatron.training.models``: model
+    config plus builder); any other config object is accepted and written as it is.
     """
 
     train: TrainingConfig

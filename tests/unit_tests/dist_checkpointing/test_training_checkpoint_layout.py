@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.core.dist_checkpointing import CheckpointingException, ShardedTensor, load, save
+from megatron.core.dist_checkpointing.checksums import verification
 from megatron.training.checkpointing import (
     find_checkpoint_to_load,
     get_checkpoint_name,
@@ -84,7 +85,9 @@ def test_find_checkpoint_to_load(tmp_path):
     ):
         find_checkpoint_to_load(tmp_path)
     (tmp_path / "iter_0000010" / "metadata.json").write_text("{")
-    with pytest.raises(CheckpointingException, match="metadata.json is not valid JSON"):
+    with pytest.raises(CheckpointingException, match=r"metadata.json is 1 bytes, but \d+ were written"):
+        find_checkpoint_to_load(tmp_path, iteration=10)
+    with verification(False), pytest.raises(CheckpointingException, match="metadata.json is not valid JSON"):
         find_checkpoint_to_load(tmp_path, iteration=10)
 
 

@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing import (
     load_common_state_dict,
     save,
 )
+from megatron.core.dist_checkpointing import checksums
 from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 from megatron.core.dist_checkpointing.validation import parse_strict_flag
 
@@ -84,6 +85,14 @@ def checkpoint(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def unverified(checkpoint):
+    """The checkpoint without checksum records (as Megatron writes it): the tests that edit its files check what the
+    files say, not their bytes (test_checksums.py refuses the same edits earlier, by checksum)."""
+    checksums.remove_records(checkpoint)
+    return checkpoint
+
+
 def test_directory_errors(tmp_path, checkpoint):
     with pytest.raises(CheckpointingException, match="checkpoint directory .*nowhere does not exist"):
         load({}, tmp_path / "nowhere")
@@ -104,18 +113,21 @@ def test_directory_errors(tmp_path, checkpoint):
         ),
     ],
 )
+@pytest.mark.usefixtures("unverified")
 def test_bad_metadata_json(checkpoint, content, match):
     (checkpoint / "metadata.json").write_text(content)
     with pytest.raises(CheckpointingException, match=match):
         load({"a": _piece("a", 4, 0, 1)}, checkpoint)
 
 
+@pytest.mark.usefixtures("unverified")
 def test_megatron_metadata_json_with_only_the_sharded_fields_loads(checkpoint):
     config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     (checkpoint / "metadata.json").write_text(json.dumps(config))
     assert load({"a": _piece("a", 4, 0, 1)}, checkpoint)["a"].shape == (4, 2)
 
 
+@pytest.mark.usefixtures("unverified")
 def test_missing_or_corrupt_files(checkpoint):
     metadata = (checkpoint / ".metadata").read_bytes()
     (checkpoint / ".metadata").write_bytes(b"garbage")
@@ -142,6 +154,7 @@ def test_truncated_shard_file(checkpoint):
         load({"a": _piece("a", 4, 0, 1), "b": _piece("b", 4, 0, 1)}, checkpoint)
 
 
+@pytest.mark.usefixtures("unverified")
 def test_corrupt_bytes_inside_a_shard_file_name_the_file(checkpoint):
     metadata = read_dcp_metadata(checkpoint)
     (index,) = [i for i in metadata.storage_data if i.fqn == "b"]

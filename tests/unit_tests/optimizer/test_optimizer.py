@@ -178,7 +178,7 @@ def test_parameter_state_files_resume_exactly_for_one_and_chained_optimizers(tmp
         assert results == ({k: v[:2] for k, v in expected.items()} if rank else expected)
         # Data-parallel rank 0 reads the file; every rank stops with its error instead of waiting for its broadcast.
         assert "parameter state failed on rank(s) 0: the distributed optimizer's parameter state " in errors[0]
-        assert f"{tmp_path}/missing.pt is corrupt or truncated (FileNotFoundError" in errors[0]
+        assert f"{tmp_path}/missing.pt does not exist: check the path" in errors[0]
         assert f"{tmp_path}/one_of_two.pt holds a list of 1 parameter states, but this run chains 2 " in errors[1]
         assert "the chained optimizers' parameter state " in errors[2] and "missing.pt" in errors[2]
 
@@ -267,9 +267,12 @@ def test_get_megatron_optimizer_rejects_bad_requests():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(optimizer="adagrad"), r"optimizer='adagrad' is not supported; use one of \('adam', 'sgd'\)"),
+        (
+            dict(optimizer="adagrad"),
+            r"optimizer='adagrad' is not supported; use one of \('adam', 'sgd', 'muon', 'dist_muon'\)",
+        ),
         (dict(optimizer="lion"), r"not supported yet: the lion optimizer \(optimizer='lion'\)"),
-        (dict(optimizer="muon"), r"not supported yet: the muon optimizer \(optimizer='muon'\)"),
+        (dict(optimizer="soap"), r"not supported yet: the soap optimizer \(optimizer='soap'\)"),
         (dict(fp16=True, bf16=True), "fp16 and bf16 are both set"),
         (
             dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5),
@@ -280,7 +283,7 @@ def test_get_megatron_optimizer_rejects_bad_requests():
         (dict(main_params_dtype="fp16"), r"main_params_dtype=torch.float16 needs use_precision_aware_optimizer=True"),
         (
             dict(use_layer_wise_distributed_optimizer=True),
-            r"not supported yet: layer-wise distributed optimizer \(use_layer_wise_distributed_optimizer=True\)",
+            r"use_layer_wise_distributed_optimizer=True needs optimizer='muon' or 'dist_muon', got optimizer='adam'",
         ),
         (
             dict(overlap_param_gather_with_optimizer_step=True),

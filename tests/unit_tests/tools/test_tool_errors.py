@@ -98,7 +98,7 @@ def test_converter_names_a_damaged_safetensors_file(hf_dir, tmp_path, damage):
     source, weights = _damaged_copy(hf_dir, tmp_path, damage)
     arguments = ["--model-type", "GPT", "--loader", "hf", "--saver", "core", "--load-dir", source]
     result = run_tool("tools/checkpoint/convert.py", *arguments, "--save-dir", tmp_path / "out")
-    assert_one_line_error(result, f"{weights}: not a readable safetensors file", "save it again")
+    assert_one_line_error(result, f"{weights} is not a valid safetensors file", "convert it again")
     assert not (tmp_path / "out").exists()
 
 

@@ -179,7 +179,7 @@ def test_every_refused_setting_is_named_in_one_error():
     "argv, feature",
     [
         (["--position-embedding-type", "yarn"], "YaRN rotary embeddings"),
-        (["--optimizer", "muon"], "the muon optimizer"),
+        (["--optimizer", "soap"], "the soap optimizer"),
         (["--tokenizer-type", "BertWordPieceCase"], "the BertWordPieceCase"),
         (["--transformer-impl", "inference_optimized"], "inference-optimized layers"),
         (["--rope-type", "yarn"], "multi-latent attention (MLA) and YaRN rotary scaling"),

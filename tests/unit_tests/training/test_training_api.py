@@ -70,8 +70,6 @@ def test_refusals_come_before_any_collective():
         setup_model_and_optimizer(ModelType.encoder_or_decoder)
     with pytest.raises(ValueError, match="not supported yet: a separate inference model"):
         train(None, [], None, None, None, None, None, None, {}, None, inference_model=object())
-    with pytest.raises(ValueError, match="not supported yet: the layer-wise distributed optimizer"):
-        wrap_model_chunks_with_ddp([], None, None, use_layer_wise_distributed_optimizer=True)
     with pytest.raises(ValueError, match="bucket_sizes has 1 entries for 2 model chunks"):
         wrap_model_chunks_with_ddp([None, None], None, None, bucket_sizes=[10])
 

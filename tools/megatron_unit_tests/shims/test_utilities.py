@@ -90,16 +90,13 @@ class Utils:
 
     @staticmethod
     def pretrain_config_from_global_args(args, model_class):
-        from megatron.training.argument_utils import (
-            gpt_config_from_args,
-            hybrid_config_from_args,
-            pretrain_cfg_container_from_args,
-        )
+        # Megatron-LM's path, which both sides have (megatron-lite serves these names from config_from_args).
+        from megatron.training import argument_utils
 
-        builders = {"gpt": gpt_config_from_args, "hybrid": hybrid_config_from_args}
+        builders = {"gpt": argument_utils.gpt_config_from_args, "hybrid": argument_utils.hybrid_config_from_args}
         if model_class not in builders:
             raise ValueError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
-        return pretrain_cfg_container_from_args(args, builders[model_class](args))
+        return argument_utils.pretrain_cfg_container_from_args(args, builders[model_class](args))
 
     @staticmethod
     def fake_initialize_model_parallel(

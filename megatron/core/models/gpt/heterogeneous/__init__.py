@@ -1,0 +1,1 @@
+"""Layer specs of heterogeneous GPT models: not built by megatron-lite."""

@@ -1,0 +1,1 @@
+"""Heterogeneous transformers (layers with different configurations): not built by megatron-lite."""
