@@ -8,6 +8,7 @@ gradient buffer in fp32 unless a row says bf16. Per parameter, with d data-paral
     bf16 moments                                4 + 2 + 2 =  8/d
     fp16 main params + bf16 moments             2 + 2 + 2 =  6/d
     offload fraction f (HybridDeviceOptimizer)  device: 4 + 8 (1 - f), host: (4 + 4 + 8) f   (per d)
+    bf16 moments, offload 1.0                   device: 4,                host: 4 + 4 + 4     (per d)
 
 (the offloaded part keeps a host copy of its main param and a host gradient buffer next to its moments; the device
 keeps the main param shard itself). Bytes are summed from the tensors that exist after a step; "host" counts the
@@ -62,6 +63,12 @@ VARIANTS = (
     ),
     ("offload 0.5", dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5), True, (8, 8)),
     ("offload 1.0", dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0), True, (4, 16)),
+    (
+        "bf16 moments + offload 1.0",
+        dict(use_precision_aware_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, **BF16),
+        True,
+        (4, 12),
+    ),
 )
 
 
