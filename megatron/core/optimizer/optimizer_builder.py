@@ -5,6 +5,7 @@ own torch optimizer and parameter filter (see muon.py)."""
 import re
 from typing import Callable, Dict, List, Optional
 
+import functools
 import torch
 import torch.distributed.checkpoint
 
@@ -178,7 +179,20 @@ def _build_hybrid_device_optimizer(config: OptimizerConfig, param_groups: List[D
     """torch's optimizer on both sides of the offload (``use_torch_optimizer_for_cpu_offload`` asks Megatron for
     that on the device side too; here it is always so), fused kernels on CPU and CUDA."""
     devices = {param.device.type for group in param_groups for param in group["params"]}
-    if config.optimizer == "adam":
+    if config.use_precision_aware_optimizer:
+        # The storage dtypes are the class's own settings (a partial), not param-group hyperparameters.
+        optimizer_class = functools.partial(
+            PrecisionAwareAdam,
+            exp_avg_dtype=config.exp_avg_dtype,
+            exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+            use_decoupled_grad=True,
+        )
+        hyperparameters = dict(
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            decoupled_weight_decay=config.decoupled_weight_decay,
+        )
+    elif config.optimizer == "adam":
         optimizer_class = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         hyperparameters = dict(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     else:

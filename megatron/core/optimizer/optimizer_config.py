@@ -318,10 +318,6 @@ def _check_precision_aware(config: OptimizerConfig) -> None:
                     "or store the moments in bf16"
                 )
             raise _not_supported("fp8 Adam moments (scaled by the fp8 recipe)", name, "fp8")
-    if config.optimizer_cpu_offload:
-        raise _not_supported(
-            "the precision-aware optimizer with CPU offload", "optimizer_cpu_offload", config.optimizer_cpu_offload
-        )
 
 
 def _check_cpu_offload(config: OptimizerConfig) -> None:

@@ -104,3 +104,10 @@ def test_bad_memory_flags_fail_naming_the_flags(flags, message):
     with pytest.raises(ValueError) as error:
         validated(*flags)
     assert message in str(error.value)
+
+
+def test_precision_aware_optimizer_combines_with_cpu_offload():
+    args = validated(*DIST_OPT, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--optimizer-cpu-offload")
+    config = core_optimizer_config_from_args(args)
+    assert config.use_precision_aware_optimizer and config.optimizer_cpu_offload
+    assert config.optimizer_offload_fraction == 1.0  # Megatron-LM's command-line default

@@ -21,7 +21,8 @@ def _loss_and_grads(offload: dict):
     Utils.initialize_model_parallel()
     torch.manual_seed(0)
     config = TransformerConfig(**BASE, attention_dropout=0.0, **offload)
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
+    model = GPTModel(config, spec, VOCAB, SEQ)
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
@@ -44,8 +45,13 @@ def _loss_and_grads(offload: dict):
     return loss.item(), grads, offloaded
 
 
+_OFFLOAD_FIELDS = ("cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading")
+
+
 def _compare(offload: dict):
-    return _loss_and_grads({}), _loss_and_grads(offload)
+    """The same model without and with the offloading fields of ``offload``."""
+    model_only = {key: value for key, value in offload.items() if key not in _OFFLOAD_FIELDS}
+    return _loss_and_grads(model_only), _loss_and_grads(offload)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +64,15 @@ def _compare(offload: dict):
             offload_modules=["attn_norm", "qkv_linear", "mlp_norm"],
             min_offloaded_tensor_size=1024,
         ),
+        dict(
+            fine_grained_activation_offloading=True,
+            offload_modules=["expert_fc1"],
+            num_moe_experts=4,
+            moe_router_topk=2,
+            **NO_MIN_SIZE,
+        ),
     ],
+    ids=["layers", "core_attn+attn_proj", "norms+qkv above 1024 elements", "expert_fc1"],
 )
 def test_offloaded_activations_give_bitwise_equal_gradients(offload):
     (plain, offloaded) = run_distributed(1, _compare, offload)[0]

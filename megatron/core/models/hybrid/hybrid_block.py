@@ -70,6 +70,12 @@ class HybridStack(MegatronModule):
             raise ValueError("not supported yet: building a HybridStack on the meta device (device='meta')")
         if is_mtp_layer:
             raise ValueError("not supported yet: multi-token prediction (HybridStack(is_mtp_layer=True))")
+        if config.cpu_offloading or config.fine_grained_activation_offloading:
+            raise ValueError(
+                "not supported yet: activation offloading in hybrid (Mamba) models (cpu_offloading / "
+                "fine_grained_activation_offloading; --cpu-offloading-num-layers, --fine-grained-activation-"
+                "offloading); GPT models support both"
+            )
         if config.recompute_granularity == "full":
             raise ValueError(
                 "not supported yet: recompute_granularity='full' for hybrid models (--recompute-granularity full); "

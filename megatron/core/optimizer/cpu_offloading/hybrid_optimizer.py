@@ -71,8 +71,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def optimizer_class(self) -> Type[torch.optim.Optimizer]:
-        """The class of the device part (the kind of state every parameter has)."""
-        return self.gpu_optimizer_cls
+        """The class of the device part (the kind of state every parameter has; a partial is unwrapped)."""
+        return getattr(self.gpu_optimizer_cls, "func", self.gpu_optimizer_cls)
+
+    @property
+    def _grad_attribute(self) -> str:
+        """Where the parameters' gradients are: ``decoupled_grad`` for sub-optimizers that read it there (the
+        precision-aware optimizer's, whose main gradient may have another dtype than its parameter)."""
+        return "decoupled_grad" if getattr(self.sub_optimizers[0], "use_decoupled_grad", False) else "grad"
 
     def init_state(self, init_state_fn=None) -> List[torch.optim.Optimizer]:
         """Build the sub-optimizers (once) and let ``init_state_fn(sub_optimizer)`` create their empty state;
@@ -167,12 +173,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._refresh_host_params()
         with stream_context(self._copy_stream):
             wait_stream(self._copy_stream, None)  # the gradients are complete on the current stream
+            grad_attribute = self._grad_attribute
             for param, host_param, host_grad in self.offloaded:
-                if param.grad is None:
-                    host_param.grad = None
-                    continue
-                host_grad.copy_(param.grad, non_blocking=True)
-                host_param.grad = host_grad
+                grad = getattr(param, grad_attribute, None)
+                # A lower-precision gradient is widened into the host buffer (exactly).
+                if grad is not None:
+                    host_grad.copy_(grad, non_blocking=True)
+                setattr(host_param, grad_attribute, None if grad is None else host_grad)
         cpu_optimizer, gpu_optimizer = self.sub_optimizers
         gpu_optimizer.step()  # overlaps the gradient copies when they run on the side stream
         if self._copy_stream is not None:
@@ -189,6 +196,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for _, host_param, _ in self.offloaded:
             host_param.grad = None
+            host_param.decoupled_grad = None
 
     def load_state_dict(self, state_dict):
         """torch's load, then each parameter's state moved to the side that steps it."""

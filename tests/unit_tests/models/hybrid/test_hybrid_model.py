@@ -109,6 +109,16 @@ def _build_error(pattern: str, config_overrides: dict):
             {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
             "not supported yet: recompute_granularity='full' for hybrid models",
         ),
+        (
+            "M*-M-",
+            {"cpu_offloading": True, "cpu_offloading_num_layers": 1},
+            "not supported yet: activation offloading in hybrid (Mamba) models",
+        ),
+        (
+            "M*-M-",
+            {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]},
+            "not supported yet: activation offloading in hybrid (Mamba) models",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_building(pattern, overrides, message):

@@ -130,12 +130,13 @@ def _gpt_run(optimizer_kwargs: dict, distributed: bool, steps: int = 3):
     params = {name: p.detach().clone() for name, p in gpt.named_parameters()}
     hybrid = optimizer.optimizer
     offloaded = hybrid.offloaded_numel if isinstance(hybrid, HybridDeviceOptimizer) else 0
-    return losses, params, offloaded
+    moment_dtypes = sorted({str(state["exp_avg"].dtype) for state in hybrid.state.values() if "exp_avg" in state})
+    return losses, params, offloaded, moment_dtypes
 
 
-def _plain_and_offloaded(distributed: bool, fraction: float):
-    plain = _gpt_run({}, distributed)
-    offload = _gpt_run(dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction), distributed)
+def _plain_and_offloaded(distributed: bool, fraction: float, base: dict = None):
+    plain = _gpt_run(dict(base or {}), distributed)
+    offload = _gpt_run(dict(base or {}, optimizer_cpu_offload=True, optimizer_offload_fraction=fraction), distributed)
     return plain, offload
 
 
@@ -146,6 +147,22 @@ def test_offloaded_gpt_training_equals_the_plain_optimizer(world_size, distribut
         for name, value in plain[1].items():
             assert torch.equal(offload[1][name], value), name
         assert offload[2] > 0
+
+
+def test_offloaded_precision_aware_optimizer_equals_the_device_one():
+    # bf16 moments and bf16 main grads (read from param.decoupled_grad, widened into the host buffer exactly).
+    precision_aware = dict(
+        use_precision_aware_optimizer=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        main_grads_dtype=torch.bfloat16,
+    )
+    for device_only, offload in run_distributed(2, _plain_and_offloaded, True, 0.6, precision_aware):
+        assert offload[0] == device_only[0]
+        for name, value in device_only[1].items():
+            assert torch.equal(offload[1][name], value), name
+        assert offload[2] > 0
+        assert offload[3] == device_only[3] == ["torch.bfloat16"]
 
 
 @pytest.mark.parametrize("sharding_type", ["fully_sharded_model_space", "dp_reshardable"])
