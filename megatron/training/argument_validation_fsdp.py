@@ -4,7 +4,8 @@ use instead.
 
 Torch FSDP2 keeps Megatron-LM's rules: no pipeline or expert parallelism, not with the distributed optimizer (FSDP2
 shards the optimizer state itself) or Megatron FSDP, untied embedding and output weights, no fp16, and a
-``torch_dist`` checkpoint (Megatron-LM also allows ``torch_dcp``, not supported yet here with FSDP2).
+``torch_dist`` checkpoint (Megatron-LM also allows ``torch_dcp``, not supported yet here with FSDP2). Ours: no
+optimizer CPU offload or Muon, which need whole parameters.
 """
 
 _SHARDED = ("optim", "optim_grads", "optim_grads_params")
@@ -79,6 +80,18 @@ def validate_torch_fsdp2_args(args) -> None:
             args.ckpt_format != "torch_dist",
             f"--ckpt-format {args.ckpt_format}",
             "use --ckpt-format torch_dist (its checkpoints also load without FSDP2)",
+        ),
+        (
+            args.optimizer_cpu_offload,
+            "--optimizer-cpu-offload",
+            "the offloaded optimizer steps whole parameters, not DTensor shards; use --use-megatron-fsdp with "
+            "--use-distributed-optimizer for offload with sharding",
+        ),
+        (
+            args.optimizer in ("muon", "dist_muon"),
+            f"--optimizer {args.optimizer}",
+            "Newton-Schulz needs each matrix whole and FSDP2 shards it over data-parallel ranks; use "
+            "--optimizer dist_muon without --use-torch-fsdp2",
         ),
     ]
     for conflicting, flag, fix in conflicts:

@@ -298,6 +298,8 @@ def test_flags_reach_the_ddp_config():
         ),
         (["--ckpt-format", "torch"], FSDP2_ARGS, "with --ckpt-format torch: use --ckpt-format torch_dist"),
         (["--fp16"], FSDP2_ARGS, "--use-torch-fsdp2 cannot be combined with --fp16: use --bf16 or fp32"),
+        (["--optimizer-cpu-offload"], FSDP2_ARGS, "with --optimizer-cpu-offload: the offloaded optimizer steps whole"),
+        (["--optimizer", "muon"], FSDP2_ARGS, "with --optimizer muon: Newton-Schulz needs each matrix whole"),
         (
             [],
             [a for a in FSDP2_ARGS if a != "--untie-embeddings-and-output-weights"],
