@@ -109,6 +109,11 @@ def _build_error(pattern: str, config_overrides: dict):
             {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
             "not supported yet: recompute_granularity='full' for hybrid models",
         ),
+        (
+            "M*-M-",
+            {"pipeline_model_parallel_layout": "Et*5L"},
+            "a hybrid model's pipeline stages come from '|' in its layer pattern (--hybrid-layer-pattern)",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_building(pattern, overrides, message):
