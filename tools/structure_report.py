@@ -49,6 +49,7 @@ FLOORS = [
         "megatron.core.parallel_state",
         "megatron.core.rank_generator",
         "megatron.core.group_creation",
+        "megatron.core.hyper_comm_grid",
         "megatron.core.model_parallel_config",
         "megatron.core.datasets",
         "megatron.core.dist_checkpointing",

@@ -75,7 +75,6 @@ NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
         "mtp_detach_heads",
         "mtp_hybrid_override_pattern",
     ),
-    "custom pipeline layout": ("pipeline_model_parallel_layout",),
     "CPU offloading of weights and its buffering options": (
         "_cpu_offloading_context",
         "cpu_offloading_weights",

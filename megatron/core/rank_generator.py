@@ -69,12 +69,23 @@ def generate_masked_orthogonal_rank_groups(
         )
     if len(mask) != len(parallel_size):
         raise ValueError(f"mask {mask} needs one entry per parallel size {parallel_size}")
+    return enumerate_rank_groups(parallel_size, [i for i, masked in enumerate(mask) if masked])
+
+
+def enumerate_rank_groups(parallel_size: List[int], group_axes: List[int], rank_offset: int = 0) -> List[List[int]]:
+    """Rank groups of a mixed-radix layout (``parallel_size`` first axis fastest), ranks starting at ``rank_offset``.
+
+    Ranks that differ only in the coordinates of ``group_axes`` form a group. Inside a group the coordinates count
+    up with ``group_axes[0]`` fastest, then ``group_axes[1]``, ...; groups are ordered by the other axes, the first
+    of them fastest. The masked-orthogonal groups above list ``group_axes`` in axis order; HyperCommGrid lists
+    them in the order its caller names the dimensions.
+    """
     # Reversed shape puts the first (fastest) axis last in a C-ordered array.
-    ranks = np.arange(world_size).reshape(list(reversed(parallel_size)))
+    ranks = np.arange(rank_offset, rank_offset + prod(parallel_size)).reshape(list(reversed(parallel_size)))
     axis_of = [len(parallel_size) - 1 - i for i in range(len(parallel_size))]
-    outer = [axis_of[i] for i in reversed(range(len(mask))) if not mask[i]]
-    inner = [axis_of[i] for i in reversed(range(len(mask))) if mask[i]]
-    group_size = prod(size for size, masked in zip(parallel_size, mask) if masked)
+    outer = [axis_of[i] for i in reversed(range(len(parallel_size))) if i not in group_axes]
+    inner = [axis_of[i] for i in reversed(group_axes)]
+    group_size = prod(parallel_size[i] for i in group_axes)
     return ranks.transpose(outer + inner).reshape(-1, group_size).tolist()
 
 

@@ -27,6 +27,7 @@ from megatron.training.argument_validation_fsdp import validate_megatron_fsdp, v
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_memory import validate_memory_args
 from megatron.training.argument_validation_moe import validate_moe_args
+from megatron.training.argument_validation_pipeline_layout import validate_pipeline_layout_flag
 from megatron.training.flag_tables import DEPRECATED_FLAGS, FLAG_TABLES, TOKENIZER_TYPES, flag_for
 from megatron.training.arguments_support import (
     FlagTable,
@@ -307,6 +308,9 @@ def _validate_context_parallel(args) -> None:
 
 
 def _validate_pipeline_split(args) -> None:
+    if args.pipeline_model_parallel_layout is not None:
+        validate_pipeline_layout_flag(args)
+        return
     pp = args.pipeline_model_parallel_size
     layers_per_vstage = args.num_layers_per_virtual_pipeline_stage
     vstages_per_rank = args.num_virtual_stages_per_pipeline_rank

@@ -40,6 +40,11 @@ def validate_hybrid_args(args) -> None:
     if pattern is None:
         return
     args.is_hybrid_model = True
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        raise ValueError(
+            "--pipeline-model-parallel-layout places GPT layers; a hybrid model's pipeline stages come from '|' in "
+            "--hybrid-layer-pattern, so drop --pipeline-model-parallel-layout"
+        )
     refuse_layer_types_not_built(pattern, flag="--hybrid-layer-pattern")
     if Symbols.MOE in pattern and not args.num_experts:
         raise ValueError(

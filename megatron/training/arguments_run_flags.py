@@ -378,7 +378,6 @@ TRAINING_OPTIONS = FlagTable(
         value("--mlp-chunks-for-training", int, 1),
         off_switch("--no-use-layer-wise-param-layout", "use_layer_wise_param_layout"),
         switch("--overlap-param-gather-with-optimizer-step"),
-        value("--pipeline-model-parallel-layout", str, None),
         switch("--replication"),
         value("--replication-factor", int, 2),
         value("--replication-jump", int, None),

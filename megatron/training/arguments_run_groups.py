@@ -430,6 +430,14 @@ def add_distributed_args(parser):
         default=None,
         help="Model chunks per pipeline rank for the interleaved schedule.",
     )
+    group.add_argument(
+        "--pipeline-model-parallel-layout",
+        type=str,
+        default=None,
+        help="The layers of every pipeline stage, e.g. 'Et*3|(tt|)*29,m|L': E embedding, t transformer layer, "
+        "m MTP layer, L loss; '|' separates stages, 'x*n' and '(...)*n' repeat, commas are ignored. Stages are "
+        "listed in pipeline order; more stages than --pipeline-model-parallel-size ranks give virtual stages.",
+    )
     add_field_argument(
         group,
         ModelParallelConfig,

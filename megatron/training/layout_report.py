@@ -20,6 +20,7 @@ from megatron.core.rank_generator import (
     default_embedding_ranks,
 )
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.training.argument_validation import layers_per_virtual_stage_naming_flags
 from megatron.training.model_arithmetic import (
     hybrid_layer_parameters,
@@ -85,6 +86,7 @@ class LayoutRequest:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     hybrid_layer_pattern: Optional[str] = None
+    pipeline_model_parallel_layout: Optional[str] = None
 
     @classmethod
     def from_args(cls, args) -> "LayoutRequest":
@@ -105,6 +107,7 @@ class LayoutRequest:
             getattr(args, "account_for_embedding_in_pipeline_split", False),
             getattr(args, "account_for_loss_in_pipeline_split", False),
             getattr(args, "hybrid_layer_pattern", None),
+            getattr(args, "pipeline_model_parallel_layout", None),
         )
 
 
@@ -165,9 +168,11 @@ def parallel_layout(
     account_for_embedding_in_pipeline_split: bool = False,
     account_for_loss_in_pipeline_split: bool = False,
     hybrid_layer_pattern: Optional[str] = None,
+    pipeline_model_parallel_layout: Optional[str] = None,
 ) -> ParallelLayout:
     """The rank groups and layer placement ``initialize_model_parallel`` and the model would create, checked the
-    same way (``etp=None`` means ``etp = tp``). A hybrid pattern with ``|`` gives each virtual stage one segment."""
+    same way (``etp=None`` means ``etp = tp``). A hybrid pattern with ``|`` gives each virtual stage one segment;
+    a pipeline layout string (``--pipeline-model-parallel-layout``) places the layers itself."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     # The check initialize_model_parallel runs, so a layout reported here is one that would start.
@@ -199,6 +204,8 @@ def parallel_layout(
                 f"--hybrid-layer-pattern {hybrid_layer_pattern!r} has {len(segments)} segments for {pp} pipeline "
                 f"stages x {vpp or 1} virtual stages; give one segment per virtual stage"
             )
+    elif pipeline_model_parallel_layout is not None:
+        per_virtual_stage = PipelineParallelLayerLayout(pipeline_model_parallel_layout, pp).layers_per_virtual_stage()
     else:
         per_virtual_stage = layers_per_virtual_stage(
             num_layers,

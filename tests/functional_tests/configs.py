@@ -107,6 +107,8 @@ PARALLEL_LAYOUTS = [
     ("dp4_distopt", 4, ["--use-distributed-optimizer"]),
     ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2_vpp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    # An uneven custom layout: the embedding and one layer on the first stage, three layers and the loss on the last.
+    ("pp2_layout_uneven", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL"]),
     # Context parallelism (ring attention) inside pipeline stages and data-parallel replicas: CP2 x PP2 x DP2.
     ("cp2_pp2_dp2", 8, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 ]

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.transformer.activation_offload import validate_offload_modules
 from megatron.core.transformer.enums import CP_COMM_TYPES
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.utils import init_method_normal, scaled_init_method_normal, warn_once
 
 if TYPE_CHECKING:  # type hints only: transformer_config imports this module
@@ -117,6 +118,58 @@ def require_model_sizes(config: TransformerConfig, module: str, attention: bool 
             f"{module} cannot be built with {', '.join(unset)}: TransformerConfig accepts 0 as 'not set', but a "
             "model needs positive sizes; set them in the config"
         )
+
+
+def _validate_pipeline_layout(config: TransformerConfig) -> None:
+    """``pipeline_model_parallel_layout`` (a string, a list of stages, or a PipelineParallelLayerLayout) becomes a
+    checked PipelineParallelLayerLayout, and gives the virtual pipeline size (Megatron's rules)."""
+    layout = config.pipeline_model_parallel_layout
+    if layout is None:
+        return
+    others = {
+        "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage,
+        "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage,
+        "account_for_embedding_in_pipeline_split": config.account_for_embedding_in_pipeline_split or None,
+        "account_for_loss_in_pipeline_split": config.account_for_loss_in_pipeline_split or None,
+    }
+    conflicts = [f"{name}={value!r}" for name, value in others.items() if value is not None]
+    if conflicts:
+        raise ValueError(
+            "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments "
+            f"({', '.join(conflicts)}); the layout places every layer itself, so unset them"
+        )
+    pp = config.pipeline_model_parallel_size
+    if isinstance(layout, str):
+        layout = PipelineParallelLayerLayout.from_str(layout, pp)
+    elif isinstance(layout, list):
+        layout = PipelineParallelLayerLayout(layout, pp)
+    elif not isinstance(layout, PipelineParallelLayerLayout):
+        raise ValueError(
+            f"pipeline_model_parallel_layout must be a layout string, a list of stages or a "
+            f"PipelineParallelLayerLayout, got {type(layout).__name__}"
+        )
+    if layout.pipeline_model_parallel_size != pp:
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r} was built for pipeline_model_parallel_size="
+            f"{layout.pipeline_model_parallel_size}, but the config has {pp}; build it for {pp}"
+        )
+    detected_vpp = layout.virtual_pipeline_model_parallel_size
+    configured_vpp = config.virtual_pipeline_model_parallel_size
+    if configured_vpp is not None and configured_vpp != detected_vpp:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout "
+            f"(virtual_pipeline_model_parallel_size={configured_vpp}, the layout gives {detected_vpp} stages per "
+            f"pipeline rank); unset virtual_pipeline_model_parallel_size or change the layout"
+        )
+    if detected_vpp > 1 and pp == 1:
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r} has {detected_vpp} stages but pipeline_model_parallel_size "
+            "is 1; virtual stages need pipeline_model_parallel_size > 1, so give one stage per pipeline rank"
+        )
+    layout.validate_layer_layout(num_layers=config.num_layers, mtp_num_layers=config.mtp_num_layers)
+    config.pipeline_model_parallel_layout = layout
+    if detected_vpp > 1:
+        config.virtual_pipeline_model_parallel_size = detected_vpp
 
 
 def _validate_tensor_parallel_split(config: TransformerConfig) -> None:

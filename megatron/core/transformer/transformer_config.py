@@ -16,6 +16,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.config_validation import (
     _apply_matmul_precision,
     _derive_defaults,
+    _validate_pipeline_layout,
     _derive_init_methods,
     _validate_context_parallel,
     _validate_mamba,
@@ -537,6 +538,7 @@ class TransformerConfig(ModelParallelConfig):
         super().__post_init__()
         _validate_shape(self)
         _derive_defaults(self)
+        _validate_pipeline_layout(self)
         _validate_tensor_parallel_split(self)
         _validate_context_parallel(self)
         _validate_mamba(self)

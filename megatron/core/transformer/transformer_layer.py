@@ -120,7 +120,9 @@ def _uneven_layers_per_rank(num_layers: int, pp: int, first: Optional[int], last
 
 
 def _layers_per_virtual_stage(config: TransformerConfig) -> List[int]:
-    """:func:`layers_per_virtual_stage` for ``config``'s fields."""
+    """:func:`layers_per_virtual_stage` for ``config``'s fields, or its pipeline layout's decoder counts."""
+    if config.pipeline_model_parallel_layout is not None:
+        return config.pipeline_model_parallel_layout.layers_per_virtual_stage()
     return layers_per_virtual_stage(
         config.num_layers,
         config.pipeline_model_parallel_size,

@@ -148,6 +148,12 @@ def test_deprecated_ratios_warn_and_make_the_pattern():
             "virtual pipeline stages of a hybrid model are set by '|' in --hybrid-layer-pattern",
         ),
         (
+            ["--hybrid-layer-pattern", "M*|M-", "--pipeline-model-parallel-size", "2"]
+            + ["--pipeline-model-parallel-layout", "EMM|MML"],
+            NO_LAYERS,
+            "--pipeline-model-parallel-layout places GPT layers; a hybrid model's pipeline stages come from '|' in",
+        ),
+        (
             ["--hybrid-layer-pattern", "M*M-", "--recompute-granularity", "full", "--recompute-method", "uniform"],
             NO_LAYERS,
             "not supported yet: --recompute-granularity full for hybrid models",

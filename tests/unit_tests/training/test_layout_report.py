@@ -131,6 +131,13 @@ def test_interleaved_chunks_take_consecutive_slices_in_pipeline_order():
     assert (chunks[-1].pipeline_rank, chunks[-1].virtual_rank) == (3, 1)
 
 
+def test_a_pipeline_layout_places_the_layers():
+    layout = "E|tt|t|tL"
+    chunks = parallel_layout(2, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", 4, vpp=2, pipeline_model_parallel_layout=layout)
+    placed = [(c.pipeline_rank, c.virtual_rank, list(c.layers)) for c in chunks.chunks]
+    assert placed == [(0, 0, []), (0, 1, [2]), (1, 0, [0, 1]), (1, 1, [3])]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

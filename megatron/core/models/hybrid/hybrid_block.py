@@ -81,6 +81,11 @@ class HybridStack(MegatronModule):
                 "not supported yet: recompute_granularity='full' for hybrid models (--recompute-granularity full); "
                 "use 'selective' (attention's core) or no recomputation"
             )
+        if config.pipeline_model_parallel_layout is not None:
+            raise ValueError(
+                "pipeline_model_parallel_layout (--pipeline-model-parallel-layout) places GPT layers; a hybrid "
+                "model's pipeline stages come from '|' in its layer pattern (--hybrid-layer-pattern), so unset it"
+            )
         layer_type_list = list(layer_type_list or [])
         refuse_layer_types_not_built("".join(layer_type_list), flag="layer_type_list")
         if Symbols.MOE in layer_type_list and not config.num_moe_experts:

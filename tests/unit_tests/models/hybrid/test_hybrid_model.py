@@ -119,6 +119,11 @@ def _build_error(pattern: str, config_overrides: dict):
             {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]},
             "not supported yet: activation offloading in hybrid (Mamba) models",
         ),
+        (
+            "M*-M-",
+            {"pipeline_model_parallel_layout": "Et*5L"},
+            "a hybrid model's pipeline stages come from '|' in its layer pattern (--hybrid-layer-pattern)",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_building(pattern, overrides, message):
