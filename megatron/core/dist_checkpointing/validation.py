@@ -232,7 +232,9 @@ def warn_about_common_differences(common_state_dicts: List[Dict[str, Any]]) -> N
 
 
 def _local_metadata(sharded_state_dict: Dict[str, Any]) -> LocalMetadata:
-    return [leaf.without_data() for leaf in nested_values(sharded_state_dict) if isinstance(leaf, ShardedBase)]
+    # Any leaf that can drop its data is a shard (ShardedBase or a stand-in with the same interface); plain values
+    # (the common state) are not exchanged.
+    return [leaf.without_data() for leaf in nested_values(sharded_state_dict) if hasattr(leaf, "without_data")]
 
 
 def determine_global_metadata(
