@@ -17,8 +17,10 @@ import io
 import pathlib
 import pickle
 import signal
+import threading
 import types
 from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import numpy as np
 import torch
@@ -66,6 +68,7 @@ def _allowed_globals() -> List[Tuple[Any, str]]:
         pathlib.PureWindowsPath,
         signal.Signals,  # --exit-signal
         torch.Generator,
+        io.BytesIO,  # a ShardedObject may hold serialized bytes (as Megatron's tests store)
         ModelParallelConfig,
         TransformerConfig,
         OptimizerConfig,
@@ -122,7 +125,8 @@ class SafeUnpickler(pickle.Unpickler):
             allowed = getattr(torch, name)
         if allowed is None:
             raise pickle.UnpicklingError(
-                f"Unsupported global: GLOBAL {qualified} is not in megatron.core.safe_globals' allow-list"
+                f"Refusing to unpickle disallowed class '{qualified}': GLOBAL {qualified} is not in "
+                "megatron.core.safe_globals' allow-list"
             )
         return allowed
 
@@ -132,12 +136,23 @@ def safe_load_from_bytes(b):
     return SafeUnpickler(io.BytesIO(b)).load()
 
 
+def _safe_pickle_load(file, **kwargs):
+    """``pickle.load`` through :class:`SafeUnpickler` (``kwargs`` as for ``pickle.Unpickler``)."""
+    return SafeUnpickler(file, **kwargs).load()
+
+
+# pickle.load is a process-wide name: one lock keeps concurrent safe_numpy_load calls from restoring it under another.
+_pickle_patch_lock = threading.Lock()
+
+
 def safe_numpy_load(path, **kwargs):
-    """``numpy.load`` that never unpickles: object arrays in ``path`` raise instead of running their pickles."""
-    if kwargs.pop("allow_pickle", False):
-        raise ValueError(f"safe_numpy_load({path!r}) does not unpickle; drop allow_pickle=True")
-    return np.load(path, allow_pickle=False, **kwargs)
+    """``numpy.load`` whose pickles (object arrays, with ``allow_pickle=True``) are read with :class:`SafeUnpickler`:
+    allow-listed classes load, any other class raises ``pickle.UnpicklingError`` before it could run."""
+    with _pickle_patch_lock, mock.patch("pickle.load", _safe_pickle_load):
+        return np.load(path, **kwargs)
 
 
 _ALLOWED_BY_NAME: Dict[str, Any] = {name: obj for obj, name in _allowed_globals()}
 _ALLOWED_BY_NAME.update(_dcp_metadata_globals())
+# As Megatron-Core does on import: plain torch.load(..., weights_only=True) accepts the allow-list from here on.
+register_safe_globals()

@@ -32,9 +32,10 @@ def collective_device() -> torch.device:
 
 def all_gather_objects(obj: Any, group=None) -> List[Any]:
     """Every rank's ``obj``, in rank order of ``group`` (one rank without torch.distributed)."""
-    if not dist.is_initialized():
+    # A process group only exists under torch.distributed, so an explicit one always means a real collective.
+    if group is None and not dist.is_initialized():
         return [obj]
-    gathered = [None] * dist.get_world_size(group)
+    gathered = [None] * dist.get_world_size(group=group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
 

@@ -11,7 +11,7 @@ the main replica.
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -150,6 +150,53 @@ class ShardedTensor(ShardedBase):
 
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
+
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """This piece cut to ``data.narrow(dim, start, length)``, as a piece of the correspondingly cut global tensor.
+
+        Every rank cuts its piece the same way, so along ``dim`` (a local axis) the global tensor keeps its number of
+        pieces and each piece shrinks to ``length``. Returns a list (one piece), as Megatron does.
+        """
+        if self.flattened_range is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow() cuts whole pieces; this one has flattened_range "
+                f"{self.flattened_range}"
+            )
+        if not 0 <= dim < len(self.local_shape):
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow() axis {dim} does not exist; the local piece has "
+                f"{len(self.local_shape)} axes"
+            )
+        size = self.local_shape[dim]
+        if start < 0 or length < 0 or start + length > size:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow({dim}, {start}, {length}) leaves the local size {size} "
+                f"of axis {dim}"
+            )
+        axis = dim + self.prepend_axis_num
+        if not self.has_regular_grid and self.global_shape[axis] != size:
+            # Uneven pieces: the other ranks' cut offsets cannot be derived from this piece alone.
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow() on axis {dim}, which is split into uneven pieces "
+                "(axis_fragmentations=None); narrow only regular-grid pieces or whole axes"
+            )
+        pieces = self.global_shape[axis] // size if size else 1
+        piece_index = self.global_offset[axis] // size if size else 0
+        local_shape = list(self.local_shape)
+        local_shape[dim] = length
+        global_shape = list(self.global_shape)
+        global_shape[axis] = pieces * length
+        global_offset = list(self.global_offset)
+        global_offset[axis] = piece_index * length
+        data = None if self.data is None else self.data.narrow(dim, start, length)
+        narrowed = replace(
+            self,
+            data=data,
+            local_shape=tuple(local_shape),
+            global_shape=tuple(global_shape),
+            global_offset=tuple(global_offset),
+        )
+        return [narrowed]
 
     def init_data(self, device: Union[str, torch.device], init_fn=torch.empty) -> None:
         """Allocate ``data`` (when it is None) with the shape this piece has in memory."""

@@ -15,8 +15,8 @@ import torch
 from .core import CheckpointingException
 
 # torch says "Unsupported global: GLOBAL a.B was not an allowed global" or "unsupported GLOBAL os.system whose module
-# posix is blocked"; SafeUnpickler uses the first form.
-_UNSUPPORTED_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)")
+# posix is blocked"; SafeUnpickler says "Refusing to unpickle disallowed class 'a.B'".
+_UNSUPPORTED_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)|disallowed class '([\w.]+)'")
 _GENERIC_ADVICE = ("Weights only load failed", "Check the documentation", "(1)", "(2)")
 
 
@@ -37,7 +37,7 @@ def _reason(error: BaseException) -> str:
 def refused_global(error: BaseException):
     """The ``module.name`` an allow-listed unpickler refused, or None when ``error`` is something else."""
     match = _UNSUPPORTED_GLOBAL.search(str(error))
-    return match.group(1) if match else None
+    return (match.group(1) or match.group(2)) if match else None
 
 
 def _refusal(name: str, what: str) -> CheckpointingException:

@@ -301,7 +301,8 @@ def load(
 
     loaded = _read_shards(sharded_strategy, to_load, checkpoint_dir, process_group)
     merge(common_state_dict, loaded)
-    state_dict = apply_factory_merges(common_state_dict, factories)
+    # A factory's merge_fn gets its pieces nested as its build_fn made them (lists as lists), not as merged.
+    state_dict = apply_factory_merges(_restore_lists(common_state_dict, structure), factories)
     merge(state_dict, dict_list_map_outplace(lambda obj: obj.unwrap(), nonpersistent))
     state_dict = _restore_lists(state_dict, sharded_state_dict)
     if StrictHandling.requires_returning_mismatch_keys(strict):

@@ -232,7 +232,9 @@ def warn_about_common_differences(common_state_dicts: List[Dict[str, Any]]) -> N
 
 
 def _local_metadata(sharded_state_dict: Dict[str, Any]) -> LocalMetadata:
-    return [leaf.without_data() for leaf in nested_values(sharded_state_dict) if isinstance(leaf, ShardedBase)]
+    # Any leaf that can drop its data is a shard (ShardedBase or a stand-in with the same interface); plain values
+    # (the common state) are not exchanged.
+    return [leaf.without_data() for leaf in nested_values(sharded_state_dict) if hasattr(leaf, "without_data")]
 
 
 def determine_global_metadata(
@@ -322,54 +324,75 @@ def verify_checkpoint(checkpoint_dir: str) -> CheckpointingConfig:
     return config
 
 
-# The integrity manifest (this project's file name): size and SHA-256 of every other file of the checkpoint.
-INTEGRITY_MANIFEST_FNAME = "integrity_manifest.json"
+# The integrity manifest, in Megatron-Core's format: {"algorithm": "sha256", "files": {name: hex digest}} covering
+# every other file of the checkpoint directory.
+INTEGRITY_FNAME = "integrity.json"
+_HASH_ALGORITHM = "sha256"
+# Written by earlier versions of this project ({name: {"size": .., "sha256": ..}}); still verified.
+_LEGACY_INTEGRITY_FNAME = "integrity_manifest.json"
 
 
-def _file_digests(checkpoint_dir: Path) -> Dict[str, Dict[str, Any]]:
+def _file_digests(checkpoint_dir: Path) -> Dict[str, str]:
     digests = {}
     for path in sorted(checkpoint_dir.iterdir()):
-        if not path.is_file() or path.name == INTEGRITY_MANIFEST_FNAME:
+        if not path.is_file() or path.name in (INTEGRITY_FNAME, _LEGACY_INTEGRITY_FNAME):
             continue
         sha = hashlib.sha256()
         with open(path, "rb") as file:
             for block in iter(lambda: file.read(1 << 20), b""):
                 sha.update(block)
-        digests[path.name] = {"size": path.stat().st_size, "sha256": sha.hexdigest()}
+        digests[path.name] = sha.hexdigest()
     return digests
 
 
 def save_integrity_manifest(checkpoint_dir: str) -> None:
-    """Write the manifest of ``checkpoint_dir``'s files (one rank, after every file is written)."""
+    """Write ``integrity.json``: the SHA-256 of each of ``checkpoint_dir``'s files (one rank, after every file is
+    written)."""
     checkpoint_dir = Path(checkpoint_dir)
-    path = checkpoint_dir / INTEGRITY_MANIFEST_FNAME
-    digests = _file_digests(checkpoint_dir)
+    path = checkpoint_dir / INTEGRITY_FNAME
+    payload = {"algorithm": _HASH_ALGORITHM, "files": _file_digests(checkpoint_dir)}
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "w") as file:
-        json.dump(digests, file, indent=1)
+        json.dump(payload, file, indent=2)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
 
 
-def verify_integrity_manifest(checkpoint_dir: str) -> None:
-    """Raise, naming the files, unless ``checkpoint_dir``'s files are exactly those its manifest lists, with the
-    same sizes and SHA-256 digests."""
-    checkpoint_dir = Path(checkpoint_dir)
-    path = checkpoint_dir / INTEGRITY_MANIFEST_FNAME
+def _expected_digests(checkpoint_dir: Path) -> Dict[str, str]:
+    path = checkpoint_dir / INTEGRITY_FNAME
+    legacy = checkpoint_dir / _LEGACY_INTEGRITY_FNAME
+    if not path.exists() and legacy.exists():
+        path = legacy
     if not path.exists():
         raise CheckpointingException(
-            f"{path} is missing: the checkpoint was saved without verify_integrity=True, so it cannot be verified"
+            f"{checkpoint_dir / INTEGRITY_FNAME} is missing: the checkpoint was saved without verify_integrity=True, "
+            "so it cannot be verified"
         )
     try:
         with open(path) as file:
-            expected = json.load(file)
+            manifest = json.load(file)
     except ValueError as error:
         raise CheckpointingException(f"{path} is not valid JSON ({error})") from error
+    if path == legacy:
+        return {name: entry["sha256"] for name, entry in manifest.items()}
+    algorithm = manifest.get("algorithm", _HASH_ALGORITHM)
+    if algorithm != _HASH_ALGORITHM:
+        raise CheckpointingException(f"{path} uses hash algorithm {algorithm!r}; only {_HASH_ALGORITHM!r} is supported")
+    if not isinstance(manifest.get("files"), dict):
+        raise CheckpointingException(f'{path} has no "files" mapping of file names to SHA-256 digests')
+    return manifest["files"]
+
+
+def verify_integrity_manifest(checkpoint_dir: str) -> None:
+    """Raise, naming the files, unless every file ``checkpoint_dir``'s manifest lists exists with the same SHA-256
+    digest."""
+    checkpoint_dir = Path(checkpoint_dir)
+    expected = _expected_digests(checkpoint_dir)
     actual = _file_digests(checkpoint_dir)
     problems = [f"{name} is missing" for name in sorted(expected.keys() - actual.keys())]
     problems += [
-        f"{name} differs ({actual[name]['size']} bytes, expected {expected[name]['size']})"
+        f"{name} differs (sha256 {actual[name][:16]}..., expected {expected[name][:16]}...)"
         for name in sorted(expected.keys() & actual.keys())
         if actual[name] != expected[name]
     ]

@@ -59,6 +59,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config, get_pg_rank, get_pg_size, is_te_min_version
 
+# Megatron-Core sets this when the emerging-optimizers package (>= 0.2) is installed and builds Lion & co. from it.
+# This project builds no optimizer from that package (its Muon is built in), so code and tests gated on it skip.
+HAVE_EMERGING_OPTIMIZERS = False
+
 logger = logging.getLogger(__name__)
 
 __all__ = [

@@ -234,3 +234,31 @@ def test_extract_helpers_split_by_type():
     assert sorted(with_factories) == ["f", "w"]
     nonpersistent, _ = extract_nonpersistent(_state())
     assert list(nonpersistent) == ["n"]
+
+
+def test_narrow_cuts_every_piece_the_same_way():
+    piece = ShardedTensor.from_rank_offsets("w", torch.arange(2 * 3 * 4).reshape(2, 3, 4), (0, 1, 5), (2, 2, 3))
+    (whole_axis,) = piece.narrow(1, 1, 2)
+    assert (whole_axis.local_shape, whole_axis.global_shape, whole_axis.global_offset) == (
+        (2, 2, 4),
+        (10, 2, 12),
+        (2, 0, 8),
+    )
+    assert torch.equal(whole_axis.data, piece.data[:, 1:3])
+    (split_axis,) = piece.narrow(2, 1, 3)
+    assert (split_axis.global_shape, split_axis.global_offset) == ((10, 3, 9), (2, 0, 6))
+    assert piece.without_data().narrow(0, 0, 1)[0].data is None
+
+
+def test_narrow_errors_name_the_tensor_and_the_problem():
+    piece = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (1, 1, 2))
+    with pytest.raises(CheckpointingException, match=r"'w': narrow\(\) axis 2 does not exist"):
+        piece.narrow(2, 0, 1)
+    with pytest.raises(CheckpointingException, match=r"'w': narrow\(1, 3, 2\) leaves the local size 4"):
+        piece.narrow(1, 3, 2)
+    uneven = ShardedTensor("u", torch.zeros(3), torch.float32, (3,), (5,), (0,), None)
+    with pytest.raises(CheckpointingException, match="'u': narrow\\(\\) on axis 0, which is split into uneven"):
+        uneven.narrow(0, 0, 2)
+    flat = ShardedTensor.from_rank_offsets_flat("f", torch.zeros(2), (2, 2), flattened_range=slice(0, 2))
+    with pytest.raises(CheckpointingException, match="'f': narrow\\(\\) cuts whole pieces"):
+        flat.narrow(0, 0, 1)

@@ -1,5 +1,6 @@
 """The Megatron-Core 0.19 names of dist_checkpointing, each doing what its name says (one process unless noted)."""
 
+import json
 import io
 import logging
 
@@ -127,7 +128,10 @@ def test_remove_sharded_tensors_drops_them_from_later_loads(tmp_path):
 
 def test_integrity_manifest(tmp_path):
     save(_state(), tmp_path, verify_integrity=True)
-    assert (tmp_path / "integrity_manifest.json").exists()
+    manifest = json.loads((tmp_path / "integrity.json").read_text())  # Megatron-Core's file name and schema
+    assert manifest["algorithm"] == "sha256"
+    assert set(manifest["files"]) == {p.name for p in tmp_path.iterdir() if p.is_file() and p.name != "integrity.json"}
+    assert all(len(digest) == 64 for digest in manifest["files"].values())
     assert load(_state(0.0), str(tmp_path), verify_integrity=True)["iteration"] == 3
     shard_file = next(tmp_path.glob("*.distcp"))
     content = bytearray(shard_file.read_bytes())
@@ -135,16 +139,40 @@ def test_integrity_manifest(tmp_path):
     shard_file.write_bytes(bytes(content))
     with pytest.raises(
         CheckpointingException,
-        match=rf"does not match its integrity manifest: {shard_file.name} "
-        r"differs",
+        match=rf"does not match its integrity manifest: {shard_file.name} differs \(sha256 ",
     ):
         load(_state(), str(tmp_path), verify_integrity=True)
     shard_file.unlink()
     with pytest.raises(CheckpointingException, match=rf"{shard_file.name} is missing"):
         verify_integrity_manifest(str(tmp_path))
-    (tmp_path / "integrity_manifest.json").unlink()
+    (tmp_path / "integrity.json").unlink()
+    with pytest.raises(CheckpointingException, match="integrity.json is missing: the checkpoint was saved without"):
+        verify_integrity_manifest(str(tmp_path))
     save_integrity_manifest(str(tmp_path))  # a manifest of the directory as it is now
     verify_integrity_manifest(str(tmp_path))
+
+
+def test_integrity_manifest_errors_and_the_legacy_file(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    save_integrity_manifest(str(tmp_path))
+    manifest = json.loads((tmp_path / "integrity.json").read_text())
+    (tmp_path / "integrity.json").write_text(json.dumps({**manifest, "algorithm": "md5"}))
+    with pytest.raises(CheckpointingException, match="uses hash algorithm 'md5'; only 'sha256' is supported"):
+        verify_integrity_manifest(str(tmp_path))
+    (tmp_path / "integrity.json").write_text(json.dumps({"algorithm": "sha256"}))
+    with pytest.raises(CheckpointingException, match='has no "files" mapping'):
+        verify_integrity_manifest(str(tmp_path))
+    (tmp_path / "integrity.json").write_text("{")
+    with pytest.raises(CheckpointingException, match="integrity.json is not valid JSON"):
+        verify_integrity_manifest(str(tmp_path))
+    # This project's earlier manifest ({name: {"size", "sha256"}}) is still verified.
+    (tmp_path / "integrity.json").unlink()
+    legacy = {"a.bin": {"size": 3, "sha256": manifest["files"]["a.bin"]}}
+    (tmp_path / "integrity_manifest.json").write_text(json.dumps(legacy))
+    verify_integrity_manifest(str(tmp_path))
+    (tmp_path / "a.bin").write_bytes(b"abd")
+    with pytest.raises(CheckpointingException, match="a.bin differs"):
+        verify_integrity_manifest(str(tmp_path))
 
 
 def test_verify_checkpoint(tmp_path):

@@ -191,8 +191,20 @@ def test_safe_unpickler_and_numpy_loader(tmp_path):
     np.save(tmp_path / "o.npy", np.array([Harmless()], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="allow_pickle"):
         safe_globals.safe_numpy_load(tmp_path / "o.npy")
-    with pytest.raises(ValueError, match="does not unpickle"):
+    # With allow_pickle the object array's pickle goes through the allow-list: a foreign class is refused...
+    with pytest.raises(pickle.UnpicklingError, match=r"Refusing to unpickle disallowed class '.*Harmless'"):
         safe_globals.safe_numpy_load(tmp_path / "o.npy", allow_pickle=True)
+    assert pickle.load is not safe_globals._safe_pickle_load  # and pickle.load is restored after the call
+    # ... and an allow-listed one loads.
+    np.save(tmp_path / "p.npy", np.array([pathlib.PosixPath("/x")], dtype=object), allow_pickle=True)
+    assert safe_globals.safe_numpy_load(tmp_path / "p.npy", allow_pickle=True)[0] == pathlib.PosixPath("/x")
+
+
+def test_importing_safe_globals_registers_the_allow_list(tmp_path):
+    # Megatron-Core registers on import, so a plain torch.load (weights_only=True by default) reads a Namespace.
+    torch.save({"args": argparse.Namespace(lr=0.1), "buffer": io.BytesIO(b"abc")}, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert loaded["args"].lr == 0.1 and loaded["buffer"].getvalue() == b"abc"
 
 
 def test_no_checkpoint_reader_in_the_repository_unpickles_without_weights_only():

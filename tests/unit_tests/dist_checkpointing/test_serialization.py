@@ -1,5 +1,6 @@
 """save/load on one process: what is written, what comes back, and the helpers that read checkpoint metadata."""
 
+import io
 import json
 import os
 
@@ -165,3 +166,36 @@ def test_strategy_tuples_and_unknown_backends(tmp_path):
     save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2))}, tmp_path, sharded_strategy=("torch_dist", 1))
     with pytest.raises(dist_checkpointing.CheckpointingException, match="no save_sharded strategy for backend 'zarr'"):
         save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2))}, tmp_path, sharded_strategy=("zarr", 1))
+
+
+def test_factory_building_a_list_gets_its_pieces_back_as_a_list(tmp_path):
+    # The factory sits in a list and builds a list: merge_fn must see [piece, piece, piece], not {0: .., 1: ..}.
+    def build(key, data, replica_id, flattened_range):
+        return [ShardedTensor.from_rank_offsets(f"{key}.{i}", data + i, replica_id=replica_id) for i in range(3)]
+
+    def merge_pieces(pieces):
+        assert isinstance(pieces, list), pieces
+        return torch.stack(pieces)
+
+    def request(base):
+        return {
+            "all": [
+                ShardedTensor.from_rank_offsets("a", torch.arange(2) + base),
+                ShardedTensorFactory("f", torch.arange(4) + base, build, merge_pieces),
+            ]
+        }
+
+    save(request(0), tmp_path)
+    loaded = load(request(10), tmp_path)
+    assert torch.equal(loaded["all"][0], torch.arange(2))
+    assert torch.equal(loaded["all"][1], torch.stack([torch.arange(4) + i for i in range(3)]))
+
+
+def test_sharded_object_holding_serialized_bytes_round_trips(tmp_path):
+    # io.BytesIO is on the allow-list (as in Megatron-Core): an object stored as bytes loads back as a BytesIO.
+    buffer = io.BytesIO()
+    torch.save({"some": "dict"}, buffer)
+    save({"obj": ShardedObject("blob", buffer, (1,), (0,))}, tmp_path)
+    loaded = load({"obj": ShardedObject("blob", io.BytesIO(), (1,), (0,))}, tmp_path)
+    loaded["obj"].seek(0)
+    assert torch.load(loaded["obj"], weights_only=True) == {"some": "dict"}

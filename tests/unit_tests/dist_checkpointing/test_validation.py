@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing import (
 )
 from megatron.core.dist_checkpointing import checksums
 from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
-from megatron.core.dist_checkpointing.validation import parse_strict_flag
+from megatron.core.dist_checkpointing.validation import determine_global_metadata, parse_strict_flag
 
 
 def _piece(key, rows, offset, parts, replica_id=0, total_cols=2):
@@ -242,3 +242,18 @@ def test_ignore_all_skips_silently(checkpoint, caplog):
 def test_unknown_strict_flag():
     with pytest.raises(ValueError, match="strict='lenient' is not a strictness mode; choose one of 'assume_ok_"):
         parse_strict_flag("lenient")
+
+
+def test_determine_global_metadata_gathers_over_the_given_group(monkeypatch):
+    # An explicit group means a real collective: its size and the gather come from that group.
+    calls = []
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: calls.append(group) or 3)
+    monkeypatch.setattr(
+        torch.distributed, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * 3)
+    )
+    group = object()
+    shard = ShardedTensor.from_rank_offsets("w", torch.zeros(2))
+    local, gathered = determine_global_metadata({"w": shard, "step": 3}, process_group=group)
+    assert calls == [group]
+    assert [s.key for s in local] == ["w"] and local[0].data is None
+    assert gathered == [local, local, local]
