@@ -25,15 +25,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device, get_model_config, get_pg_rank
-from megatron.training.models.base import ModelConfigError
 
-try:  # Megatron-LM's name; Torch FSDP2 wrapping is not built here, so the import finds nothing.
-    from megatron.core.distributed import TorchFullyShardedDataParallel
+from megatron.core.distributed import TorchFullyShardedDataParallel
 
-    HAVE_FSDP2 = True
-except ImportError:
-    TorchFullyShardedDataParallel = None
-    HAVE_FSDP2 = False
+HAVE_FSDP2 = True  # Megatron-LM's flag (it tests for the import); torch FSDP2 is always built here
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +198,6 @@ def _data_parallel_class(use_megatron_fsdp: bool, use_torch_fsdp2: bool):
     if use_megatron_fsdp:
         return FullyShardedDataParallel
     if use_torch_fsdp2:
-        if not HAVE_FSDP2:
-            raise ModelConfigError("use_torch_fsdp2 (--use-torch-fsdp2): Torch FSDP2 is not supported by megatron-lite")
         return TorchFullyShardedDataParallel
     return DistributedDataParallel
 
