@@ -28,7 +28,6 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -50,7 +49,7 @@ RECORD_VERSION = 1
 BIG_WRITE = 256 * 1024  # a write at least this long is a segment of its own (tensor data)
 RUN_BYTES = 1 << 20  # small writes are grouped into segments of about this size
 MAX_SEGMENT = 64 << 20  # large writes are split: a mismatch is located within this many bytes
-_PIECE = 1 << 20  # large reads and writes are checksummed in pieces this size, each while the next one moves
+_PIECE = 1 << 20  # large reads and writes are checksummed in pieces this size, while they are in the CPU cache
 _CACHE_BYTES = 128 << 20  # segments a reader keeps in memory after checking them
 _ADVICE = (
     "restore the file from a copy, load an earlier checkpoint (--ckpt-step <iteration>), or pass --no-ckpt-verify "
@@ -211,34 +210,6 @@ def legacy_root(path: PathLike) -> Path:
 # ---- writing ------------------------------------------------------------------------------------------------------
 
 
-_hasher: Optional[Tuple[int, ThreadPoolExecutor]] = None  # (the pid that started it: a fork has no thread)
-
-
-def _overlapped(
-    checksum: Callable[[object, int], int],
-    view: memoryview,
-    crc: int,
-    transfer: Callable[[int, memoryview], None],
-    reading: bool = True,
-) -> int:
-    """The checksum of ``view`` continued from ``crc``, while ``transfer(offset, piece)`` reads each piece into it
-    (``reading``) or writes each piece out. A background thread checksums one piece while this thread moves the
-    next: CRC-32C and zlib release the GIL, so where a core is free the checksum costs almost no wall time."""
-    global _hasher
-    if _hasher is None or _hasher[0] != os.getpid():
-        _hasher = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-checksums"))
-    pending = None
-    for offset in range(0, len(view), _PIECE):
-        piece = view[offset : offset + _PIECE]
-        if reading:
-            transfer(offset, piece)
-        crc = crc if pending is None else pending.result()
-        pending = _hasher[1].submit(checksum, piece, crc)
-        if not reading:
-            transfer(offset, piece)
-    return crc if pending is None else pending.result()
-
-
 class ChecksumStream(io.RawIOBase):
     """A write-only stream that checksums the bytes it passes to ``raw`` (see the module docstring)."""
 
@@ -261,7 +232,11 @@ class ChecksumStream(io.RawIOBase):
             self._close_run()
             for start in range(0, length, MAX_SEGMENT):
                 piece = view[start : start + MAX_SEGMENT]
-                crc = _overlapped(self._checksum, piece, 0, lambda _, chunk: self._write_all(chunk), reading=False)
+                crc = 0
+                for offset in range(0, len(piece), _PIECE):
+                    # Checksummed then written piece by piece: the write copies bytes still in the CPU cache.
+                    crc = self._checksum(piece[offset : offset + _PIECE], crc)
+                    self._write_all(piece[offset : offset + _PIECE])
                 self._segments.append((self._position + start, len(piece), crc))
             self._run_start = self._position + length
         elif length:
@@ -437,8 +412,11 @@ class VerifiedStream(io.RawIOBase):
             if index not in self._verified:
                 self._streaming[index] = (offset, crc)
             return
-        position = self._position
-        crc = _overlapped(self._checksum, target, crc, lambda at, chunk: self._read_exactly(position + at, chunk))
+        for piece in range(0, len(target), _PIECE):
+            # Piece by piece, so each is checksummed while it is still in the CPU cache after the read.
+            chunk = target[piece : piece + _PIECE]
+            self._read_exactly(self._position + piece, chunk)
+            crc = self._checksum(chunk, crc)
         end = offset + len(target)
         if end < start + length:
             self._streaming[index] = (end, crc)
