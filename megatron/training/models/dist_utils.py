@@ -13,7 +13,12 @@ from typing import Any, Callable
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, FullyShardedDataParallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    FullyShardedDataParallel,
+    TorchFullyShardedDataParallel,
+)
 from megatron.core.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_PER_DP_RANK,
     DEFAULT_MIN_BUCKET_SIZE,
@@ -25,8 +30,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device, get_model_config, get_pg_rank
+from megatron.training.models.base import apply_post_wrap_hooks, compose_hooks
 
-from megatron.core.distributed import TorchFullyShardedDataParallel
 
 HAVE_FSDP2 = True  # Megatron-LM's flag (it tests for the import); torch FSDP2 is always built here
 
@@ -71,6 +76,21 @@ def _check_ddp_config(wrap_with_ddp: bool, ddp_config) -> None:
             "ddp_config is required when wrap_with_ddp is True: pass a DistributedDataParallelConfig, "
             "or wrap_with_ddp=False to get unwrapped model chunks"
         )
+
+
+def build_with_wrap_hooks(builder, pg_collection: ProcessGroupCollection, **options) -> list[MegatronModule]:
+    """What ``ModelBuilder.build_distributed_models`` does for every single-modality builder: ``builder``'s stages
+    through :func:`unimodal_build_distributed_models` with its config's pre-wrap hooks, then its post-wrap hooks
+    (``options``: that function's keyword arguments)."""
+    config = builder._model_config
+    model_list = unimodal_build_distributed_models(
+        builder.build_model,
+        config.transformer,
+        pg_collection,
+        pre_wrap_hook=compose_hooks(config.pre_wrap_hooks),
+        **options,
+    )
+    return apply_post_wrap_hooks(config.post_wrap_hooks, compose_hooks, model_list)
 
 
 def unimodal_build_distributed_models(

@@ -18,11 +18,9 @@ from megatron.training.models.base import (
     ModelBuilder,
     ModelConfig,
     TransformerProxyMixin,
-    apply_post_wrap_hooks,
-    compose_hooks,
     not_supported,
 )
-from megatron.training.models.dist_utils import unimodal_build_distributed_models
+from megatron.training.models.dist_utils import build_with_wrap_hooks
 from megatron.training.models.gpt import finalize_transformer
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
@@ -135,18 +133,15 @@ class HybridModelBuilder(ModelBuilder[HybridModel, HybridModelConfig]):
     ) -> list[HybridModel]:
         """This rank's stages through the pre-wrap hooks, prepared and wrapped (``unimodal_build_distributed_
         models``), then through the post-wrap hooks."""
-        model_list = unimodal_build_distributed_models(
-            self.build_model,
-            self._model_config.transformer,
+        return build_with_wrap_hooks(
+            self,
             pg_collection,
-            ddp_config,
-            overlap_param_gather_with_optimizer_step,
-            use_megatron_fsdp,
-            use_torch_fsdp2,
-            wrap_with_ddp,
-            data_parallel_random_init,
-            mixed_precision_wrapper,
-            compose_hooks(self._model_config.pre_wrap_hooks),
-            model_type,
+            ddp_config=ddp_config,
+            overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
+            use_megatron_fsdp=use_megatron_fsdp,
+            use_torch_fsdp2=use_torch_fsdp2,
+            wrap_with_ddp=wrap_with_ddp,
+            data_parallel_random_init=data_parallel_random_init,
+            mixed_precision_wrapper=mixed_precision_wrapper,
+            model_type=model_type,
         )
-        return apply_post_wrap_hooks(self._model_config.post_wrap_hooks, compose_hooks, model_list)
