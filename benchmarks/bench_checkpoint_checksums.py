@@ -5,7 +5,9 @@ checkpoint and as a legacy ``torch`` file, then loads them into preallocated ten
 (checksummed while written, verified while read); "without" writes through DCP's plain file system (no records) and
 loads with verification off. Runs alternate (with, without, without, with, ...) so both see the same page cache
 and disk; the table gives the best of ``--repeats`` (this is a shared machine) and the overhead. Save times include
-the fsync of every file; loads read from the page cache, right after the save, where checksums weigh most.
+the fsync of every file. Each checkpoint is loaded twice: from the page cache, right after the save, where
+checksums weigh most, and from disk, as a resume in a new job reads it (its pages are dropped from the cache first
+with ``posix_fadvise(DONTNEED)``, which needs no privileges once the files are fsynced).
 
     python benchmarks/bench_checkpoint_checksums.py [--state-mb 1024 --tensor-mb 64 --repeats 5]
 
@@ -68,12 +70,24 @@ def _fresh(directory: Path) -> Path:
     return directory
 
 
+def _drop_from_page_cache(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(descriptor)
+
+
 def _torch_dist_round(root: Path, state: dict, targets: dict, enabled: bool) -> tuple:
     directory = _fresh(root / "torch_dist")
     with _checksums(enabled):
         saved = _timed(lambda: save(state, str(directory)))
         loaded = _timed(lambda: load(targets, str(directory)))
-    return saved, loaded
+        _drop_from_page_cache(directory)
+        loaded_from_disk = _timed(lambda: load(targets, str(directory)))
+    return saved, loaded, loaded_from_disk
 
 
 def _legacy_round(root: Path, plain: dict, enabled: bool) -> tuple:
@@ -96,7 +110,9 @@ def _legacy_round(root: Path, plain: dict, enabled: bool) -> tuple:
         with checksums.verification(enabled):
             checksums.safe_torch_load_verified(str(path), "benchmark")
 
-    return _timed(write), _timed(read)
+    saved, loaded = _timed(write), _timed(read)
+    _drop_from_page_cache(directory.parent)
+    return saved, loaded, _timed(read)
 
 
 def _row(name: str, with_times, without_times) -> dict:
@@ -116,25 +132,28 @@ def main() -> None:
     targets = _state(args.state_mb, args.tensor_mb, torch.zeros)
     plain = {key: shard.data for key, shard in state.items()}
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_checksums_"))
-    times = {key: {True: [], False: []} for key in ("dist_save", "dist_load", "legacy_save", "legacy_load")}
+    keys = ("dist_save", "dist_load", "dist_load_disk", "legacy_save", "legacy_load", "legacy_load_disk")
+    times = {key: {True: [], False: []} for key in keys}
     try:
         for repeat in range(args.repeats):
             # Alternating which goes first, so neither always follows the other's deletes and writes.
             for enabled in (True, False) if repeat % 2 == 0 else (False, True):
-                saved, loaded = _torch_dist_round(root, state, targets, enabled)
-                times["dist_save"][enabled].append(saved)
-                times["dist_load"][enabled].append(loaded)
-                saved, loaded = _legacy_round(root, plain, enabled)
-                times["legacy_save"][enabled].append(saved)
-                times["legacy_load"][enabled].append(loaded)
+                for prefix, round_times in (
+                    ("dist", _torch_dist_round(root, state, targets, enabled)),
+                    ("legacy", _legacy_round(root, plain, enabled)),
+                ):
+                    for suffix, seconds in zip(("_save", "_load", "_load_disk"), round_times):
+                        times[prefix + suffix][enabled].append(seconds)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     names = {
         "dist_save": "torch_dist save",
         "dist_load": "torch_dist load",
+        "dist_load_disk": "  from disk",
         "legacy_save": "torch (legacy) save",
         "legacy_load": "torch (legacy) load",
+        "legacy_load_disk": "  from disk",
     }
     rows = [_row(names[key], value[True], value[False]) for key, value in times.items()]
     print(
