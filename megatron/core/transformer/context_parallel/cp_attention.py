@@ -20,8 +20,9 @@ dropout draws from the tensor-parallel RNG stream, as in the local attention.
 
 Attention backends (``attention_backend``): ``all_gather`` and ``a2a`` attend with the layer's backend (the explicit
 reference for ``unfused`` / ``local``, SDPA otherwise; CP refuses sliding windows, the one case for the Triton
-kernel). The ring (``p2p``, and the ring part of ``a2a+p2p``) computes every block with the explicit fp32 math of
-:mod:`.blockwise` for every backend: merging blocks needs each block's log-sum-exp, which SDPA does not return.
+kernel). The ring (``p2p``, and the ring part of ``a2a+p2p``) merges blocks by their log-sum-exp, which SDPA's
+public API does not return: on CPU without dropout the SDPA backends compute blocks with ATen's fused CPU flash
+kernel (which does), everything else with the explicit fp32 math of :mod:`.blockwise`.
 """
 
 from typing import List, Optional, Sequence
@@ -171,7 +172,8 @@ class ContextParallelAttention:
         groups = key.shape[2]
         q = query.float().permute(1, 2, 0, 3).reshape(b, groups, heads // groups, s, d)
         k, v = (t.float().permute(1, 2, 0, 3).unsqueeze(2) for t in (key, value))
-        out = ring_attention(q, k, v, attention_mask, layout, self.softmax_scale, dropout_p)
+        fused = self.attention_backend not in (AttnBackend.unfused, AttnBackend.local)
+        out = ring_attention(q, k, v, attention_mask, layout, self.softmax_scale, dropout_p, fused)
         return out.reshape(b, heads, s, d).permute(2, 0, 1, 3)
 
     # ---- all_gather -----------------------------------------------------------------------------------------------
