@@ -8,6 +8,7 @@ With ``context_parallel_size > 1`` the work goes to the context-parallel core at
 (:mod:`megatron.core.transformer.context_parallel`, ``cp_comm_type`` picks ring / all-gather / all-to-all), so the
 local layer spec runs CP without any model change."""
 
+import functools
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -18,7 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.fusions.fused_flash_attention import attention_reference, flash_attention
+from megatron.core.fusions.fused_flash_attention import attention_reference, flash_attention, sliding_window_mask
 from megatron.core.transformer.attention_backends import SDPA, TRITON, check_attention_backend, select_implementation
 from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -36,6 +37,8 @@ def _sequence_ids(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
 
 # SDPA's enable_gqa (torch >= 2.5; setup.py allows 2.4) lets shared key/value heads be read in place.
 _SDPA_HAS_ENABLE_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+# Query chunk of windowed SDPA: at least this many queries, or twice the window (docs/attention-backends.md).
+_MIN_WINDOW_CHUNK = 64
 
 
 class DotProductAttention(MegatronModule):
@@ -150,10 +153,17 @@ class DotProductAttention(MegatronModule):
         else:
             if implementation == SDPA and self._upcast_for_cpu_sdpa(q):
                 q, k, v = q.float(), k.float(), v.float()
-            mask, is_causal = self._sdpa_mask(attention_mask, mask_type, attention_bias, sq, k.shape[2], q.device)
+            chunked = implementation == SDPA and self._window_in_chunks(caller_mask, alignment)
+            if chunked:
+                mask, is_causal = None, False
+            else:
+                mask, is_causal = self._sdpa_mask(attention_mask, mask_type, attention_bias, sq, k.shape[2], q.device)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
-            run = self._sdpa if implementation == SDPA else self._unfused
+            if chunked:
+                run = functools.partial(self._sdpa_window_chunks, alignment=alignment)
+            else:
+                run = self._sdpa if implementation == SDPA else self._unfused
             if dropout_p > 0.0 and not self.config.sequence_parallel:
                 # Heads are split over TP ranks, so each rank draws its own masks from the tensor-parallel stream
                 # (under sequence parallelism the whole block already runs inside that stream).
@@ -163,6 +173,31 @@ class DotProductAttention(MegatronModule):
                 context = run(q, k, v, mask, dropout_p, is_causal)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim).to(out_dtype)
+
+    def _window_in_chunks(self, caller_mask: bool, alignment) -> bool:
+        # Only a window bounded on the left leaves each query chunk a short span of keys.
+        return self.window_size is not None and self.window_size[0] >= 0 and not caller_mask and alignment is not None
+
+    def _sdpa_window_chunks(self, q, k, v, _mask, dropout_p, _is_causal, alignment):
+        """Sliding-window attention through SDPA one query chunk at a time, each over only the keys its window
+        reaches: masks of ``[chunk, chunk + left]`` instead of ``[sq, sk]``, and ``O(s * window)`` work."""
+        causal, q_offset = alignment
+        left, right = self.window_size
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        sq, sk = q.shape[2], k.shape[2]
+        chunk = max(2 * left, _MIN_WINDOW_CHUNK)
+        pieces = []
+        for start in range(0, sq, chunk):
+            stop = min(sq, start + chunk)
+            first = max(0, start + q_offset - left)
+            last = sk if right < 0 else min(sk, stop + q_offset + right)
+            masked = sliding_window_mask(
+                stop - start, last - first, start + q_offset - first, causal, (left, right), q.device
+            )
+            keys, values = k[:, :, first:last], v[:, :, first:last]
+            pieces.append(self._sdpa(q[:, :, start:stop], keys, values, ~masked, dropout_p, False))
+        return torch.cat(pieces, dim=2)
 
     def _upcast_for_cpu_sdpa(self, q: torch.Tensor) -> bool:
         # GPU kernels keep the softmax in fp32 internally; the CPU kernel computes in the input dtype.
