@@ -7,12 +7,13 @@ Megatron 0.19 maps ``flash`` / ``fused`` / ``unfused`` / ``auto`` to Transformer
   :func:`~megatron.core.fusions.fused_flash_attention.attention_reference`). Every feature; materialises the
   ``[b, heads, sq, sk]`` scores.
 - ``fused``: PyTorch's ``scaled_dot_product_attention`` (its flash / memory-efficient / cuDNN kernels on CUDA, the
-  fused flash kernel on CPU). A sliding window becomes a materialised ``[sq, sk]`` mask.
+  fused flash kernel on CPU). A sliding window runs one query chunk at a time over the keys it reaches
+  (``DotProductAttention._sdpa_window_chunks``), with a small mask per chunk.
 - ``flash``: a flash kernel that never materialises a mask of its own: SDPA without a window; with a window the
   Triton flash kernel of ours (:mod:`megatron.core.fusions.fused_flash_attention`), which needs CUDA (or the Triton
   interpreter) and has no dropout; a config it cannot serve is refused when the model is built.
 - ``auto`` (the default): SDPA, and the Triton kernel for sliding windows where it can run (CUDA, no attention
-  dropout, no caller mask); otherwise SDPA with a materialised window mask. Always correct, never an error.
+  dropout, no caller mask); otherwise SDPA as ``fused`` runs it. Always correct, never an error.
 
 A caller that hands in an ``attention_mask`` or ``attention_bias`` has materialised it already, so ``flash`` and
 ``auto`` give such calls to SDPA. Context parallelism and inference go through the same choice (see
