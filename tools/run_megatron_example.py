@@ -24,7 +24,7 @@ The overrides (each one that applies is listed in the report):
 - ``GPU_ONLY_FLAGS``: the settings this project refuses because they need NVIDIA-only kernels (the flex token
   dispatcher on DeepEP / HybridEP); they are dropped.
 
-Every other GPU setting (FP8/FP4 recipes, fusions, ``--attention-backend``, ``--use-flash-attn``, ``--transformer-impl
+Every other GPU setting (FP8/FP4 recipes, fusions, ``--use-flash-attn``, ``--transformer-impl
 transformer_engine`` without Transformer Engine, ``--distributed-backend nccl``, NCCL tuning, ``--profile``) is
 passed unchanged: the entry point accepts it and turns it off with one warning, as it would for any user.
 """

@@ -88,7 +88,6 @@ NOT_SUPPORTED_YET: Dict[str, Tuple[str, ...]] = {
         "fine_grained_offloading_max_inflight_offloads",
     ),
     "multi-latent attention": ("multi_latent_attention",),
-    "sliding-window attention": ("window_size", "window_attn_skip_freq"),
     "softmax variants (off-by-one, learnable)": ("softmax_type",),
     "clamped / offset GLU activations": ("glu_linear_offset", "activation_func_clamp_value"),
     "L2 query/key normalisation": ("qk_l2_norm",),

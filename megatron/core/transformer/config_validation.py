@@ -224,6 +224,22 @@ def _validate_context_parallel(config: TransformerConfig) -> None:
                 )
 
 
+def _validate_sliding_window(config: TransformerConfig) -> None:
+    """window_size is (left, right) with each bound an int >= -1; context parallelism has no windowed attention."""
+    window = config.window_size
+    if window is None:
+        return
+    if len(window) != 2 or any(isinstance(bound, bool) or not isinstance(bound, int) or bound < -1 for bound in window):
+        raise ValueError(
+            f"window_size={window!r} (--window-size) must be two integers (left, right), each >= 0 or -1 for unbounded"
+        )
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            f"window_size={tuple(window)} (--window-size): sliding-window attention is not supported with "
+            f"context_parallel_size={config.context_parallel_size}; use context_parallel_size=1 or no window"
+        )
+
+
 def _validate_mamba(config: TransformerConfig) -> None:
     """The Mamba sizes on their own; the mixer checks the sizes it derives (d_inner, heads) when it is built."""
     for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):

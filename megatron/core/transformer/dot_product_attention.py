@@ -1,12 +1,14 @@
 """Core attention: softmax(q k^T * scale + mask) v over tensor-parallel heads.
 
-Runs PyTorch's ``scaled_dot_product_attention``, which picks a flash / memory-efficient kernel on GPU and a fused
-CPU kernel otherwise. Masks are boolean with True = masked out (Megatron's convention); SDPA wants True = keep, so
-the mask is inverted once here. With ``context_parallel_size > 1`` the work goes to the context-parallel core
-attention (:mod:`megatron.core.transformer.context_parallel`, ``cp_comm_type`` picks ring / all-gather / all-to-all),
-so the local layer spec runs CP without any model change.
-"""
+``config.attention_backend`` picks the implementation per call (:mod:`.attention_backends`): the explicit reference
+(``unfused``, ``local``), PyTorch's ``scaled_dot_product_attention`` (``fused``; ``flash`` and ``auto`` without a
+sliding window), or the Triton flash kernel for sliding windows (``flash``; ``auto`` where it can run). Masks are
+boolean with True = masked out (Megatron's convention); SDPA wants True = keep, so the mask is inverted once here.
+With ``context_parallel_size > 1`` the work goes to the context-parallel core attention
+(:mod:`megatron.core.transformer.context_parallel`, ``cp_comm_type`` picks ring / all-gather / all-to-all), so the
+local layer spec runs CP without any model change."""
 
+import functools
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,12 +19,14 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.fusions.fused_flash_attention import attention_reference, flash_attention, sliding_window_mask
+from megatron.core.transformer.attention_backends import SDPA, TRITON, check_attention_backend, select_implementation
 from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_current_device
 
 
 def _sequence_ids(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
@@ -33,6 +37,8 @@ def _sequence_ids(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
 
 # SDPA's enable_gqa (torch >= 2.5; setup.py allows 2.4) lets shared key/value heads be read in place.
 _SDPA_HAS_ENABLE_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+# Query chunk of windowed SDPA: at least this many queries, or twice the window (docs/attention-backends.md).
+_MIN_WINDOW_CHUNK = 64
 
 
 class DotProductAttention(MegatronModule):
@@ -64,6 +70,7 @@ class DotProductAttention(MegatronModule):
             self.window_size = tuple(config.window_size)
         else:
             self.window_size = None
+        check_attention_backend(config.attention_backend, self.window_size, self.dropout_p, get_current_device())
         self.context_parallel = None
         if config.context_parallel_size > 1:
             self.context_parallel = self._context_parallel_attention(cp_comm_type, pg_collection)
@@ -102,6 +109,7 @@ class DotProductAttention(MegatronModule):
             self.num_attention_heads_per_partition,
             self.num_query_groups_per_partition,
             hierarchical,
+            config.attention_backend,
         )
 
     def forward(
@@ -129,33 +137,79 @@ class DotProductAttention(MegatronModule):
             )
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params)
-        groups_repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        # Grouped-query attention: each key/value head serves a group of query heads. Without autograd (inference)
-        # SDPA reads the shared heads in place (enable_gqa, the same numbers); training keeps the explicit copy.
-        enable_gqa = groups_repeat > 1 and not torch.is_grad_enabled() and _SDPA_HAS_ENABLE_GQA
-        if groups_repeat > 1 and not enable_gqa:
-            key = key.repeat_interleave(groups_repeat, dim=2)
-            value = value.repeat_interleave(groups_repeat, dim=2)
         sq, b, heads, head_dim = query.shape
         out_dtype = query.dtype
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if self.config.attention_softmax_in_fp32 and q.device.type == "cpu" and q.dtype != torch.float32:
-            # GPU kernels keep the softmax in fp32 internally; the CPU kernel computes in the input dtype.
-            q, k, v = q.float(), k.float(), v.float()
-        keep_mask, is_causal = self._sdpa_mask(attention_mask, mask_type, attention_bias, sq, k.shape[2], q.device)
-        if keep_mask is not None and keep_mask.is_floating_point():
-            keep_mask = keep_mask.to(q.dtype)
         dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # Heads are split over TP ranks, so each rank draws its own masks from the tensor-parallel stream
-            # (under sequence parallelism the whole block already runs inside that stream).
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal, enable_gqa)
+        caller_mask = attention_mask is not None or attention_bias is not None
+        alignment = self._flash_alignment(mask_type, sq, k.shape[2])
+        implementation = select_implementation(
+            self.config.attention_backend, self.window_size, q.device, dropout_p, caller_mask or alignment is None
+        )
+        if implementation == TRITON:
+            causal, q_offset = alignment
+            context, _ = flash_attention(q, k, v, self.softmax_scale, causal, self.window_size, q_offset=q_offset)
         else:
-            context = self._sdpa(q, k, v, keep_mask, dropout_p, is_causal, enable_gqa)
+            if implementation == SDPA and self._upcast_for_cpu_sdpa(q):
+                q, k, v = q.float(), k.float(), v.float()
+            chunked = implementation == SDPA and self._window_in_chunks(caller_mask, alignment)
+            if chunked:
+                mask, is_causal = None, False
+            else:
+                mask, is_causal = self._sdpa_mask(attention_mask, mask_type, attention_bias, sq, k.shape[2], q.device)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(q.dtype)
+            if chunked:
+                run = functools.partial(self._sdpa_window_chunks, alignment=alignment)
+            else:
+                run = self._sdpa if implementation == SDPA else self._unfused
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                # Heads are split over TP ranks, so each rank draws its own masks from the tensor-parallel stream
+                # (under sequence parallelism the whole block already runs inside that stream).
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    context = run(q, k, v, mask, dropout_p, is_causal)
+            else:
+                context = run(q, k, v, mask, dropout_p, is_causal)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim).to(out_dtype)
+
+    def _window_in_chunks(self, caller_mask: bool, alignment) -> bool:
+        # Only a window bounded on the left leaves each query chunk a short span of keys.
+        return self.window_size is not None and self.window_size[0] >= 0 and not caller_mask and alignment is not None
+
+    def _sdpa_window_chunks(self, q, k, v, _mask, dropout_p, _is_causal, alignment):
+        """Sliding-window attention through SDPA one query chunk at a time, each over only the keys its window
+        reaches: masks of ``[chunk, chunk + left]`` instead of ``[sq, sk]``, and ``O(s * window)`` work."""
+        causal, q_offset = alignment
+        left, right = self.window_size
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        sq, sk = q.shape[2], k.shape[2]
+        chunk = max(2 * left, _MIN_WINDOW_CHUNK)
+        pieces = []
+        for start in range(0, sq, chunk):
+            stop = min(sq, start + chunk)
+            first = max(0, start + q_offset - left)
+            last = sk if right < 0 else min(sk, stop + q_offset + right)
+            masked = sliding_window_mask(
+                stop - start, last - first, start + q_offset - first, causal, (left, right), q.device
+            )
+            keys, values = k[:, :, first:last], v[:, :, first:last]
+            pieces.append(self._sdpa(q[:, :, start:stop], keys, values, ~masked, dropout_p, False))
+        return torch.cat(pieces, dim=2)
+
+    def _upcast_for_cpu_sdpa(self, q: torch.Tensor) -> bool:
+        # GPU kernels keep the softmax in fp32 internally; the CPU kernel computes in the input dtype.
+        return self.config.attention_softmax_in_fp32 and q.device.type == "cpu" and q.dtype != torch.float32
+
+    def _flash_alignment(self, mask_type, sq: int, sk: int) -> Optional[Tuple[bool, int]]:
+        """``(causal, q_offset)`` for the Triton kernel, or None when the mask type and the window disagree on
+        where the queries sit (top-left causal with a bottom-right window, only when ``sq != sk``)."""
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+        if sq != sk and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            return None
+        return causal, sk - sq
 
     def _packed_forward(self, query, key, value, attention_mask, mask_type, attention_bias, packed_seq_params):
         """THD: ``[t, heads, d]`` inputs of concatenated sequences -> ``[t, heads * d]``; a token attends only to
@@ -180,7 +234,12 @@ class DotProductAttention(MegatronModule):
         )
         return context.squeeze(1)
 
-    def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal, enable_gqa=False):
+    def _sdpa(self, q, k, v, keep_mask, dropout_p, is_causal):
+        # Shared key/value heads are read in place (enable_gqa): measured faster than copying them on CPU, forward
+        # and backward (docs/attention-backends.md).
+        groups_repeat = q.shape[1] // k.shape[1]
+        if groups_repeat > 1 and not _SDPA_HAS_ENABLE_GQA:
+            k, v = k.repeat_interleave(groups_repeat, dim=1), v.repeat_interleave(groups_repeat, dim=1)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -189,7 +248,21 @@ class DotProductAttention(MegatronModule):
             dropout_p=dropout_p,
             is_causal=is_causal,
             scale=self.softmax_scale,
-            **({"enable_gqa": True} if enable_gqa else {}),
+            **({"enable_gqa": True} if groups_repeat > 1 and _SDPA_HAS_ENABLE_GQA else {}),
+        )
+
+    def _unfused(self, q, k, v, sdpa_mask, dropout_p, is_causal):
+        """The explicit reference, from the same (keep mask or bias, is_causal) that SDPA takes."""
+        masked, bias = None, None
+        if sdpa_mask is not None and sdpa_mask.dtype == torch.bool:
+            masked = ~sdpa_mask
+        elif sdpa_mask is not None:
+            masked = torch.isneginf(sdpa_mask)
+            bias = sdpa_mask.masked_fill(masked, 0.0)
+        if is_causal:
+            masked = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        return attention_reference(
+            q, k, v, self.softmax_scale, masked, bias, 0.0, dropout_p, self.config.attention_softmax_in_fp32
         )
 
     def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):

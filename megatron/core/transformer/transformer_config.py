@@ -19,6 +19,7 @@ from megatron.core.transformer.config_validation import (
     _validate_pipeline_layout,
     _derive_init_methods,
     _validate_context_parallel,
+    _validate_sliding_window,
     _validate_mamba,
     _validate_mla,
     _validate_activation_offloading,
@@ -63,7 +64,8 @@ class TransformerConfig(ModelParallelConfig):
     num_attention_heads: int = 0
     """Number of attention heads."""
     attention_backend: AttnBackend = AttnBackend.auto
-    """Attention implementation; every backend runs PyTorch's SDPA or the explicit softmax path here."""
+    """Attention implementation: unfused/local the explicit reference, fused PyTorch SDPA, flash SDPA or the Triton
+    flash kernel (sliding windows), auto the fastest that serves the config (docs/attention-backends.md)."""
     flash_attention_version: Optional[int] = None
     """Flash-attention major version for attention_backend=flash (no effect here)."""
     softmax_scale: Optional[float] = None
@@ -107,9 +109,11 @@ class TransformerConfig(ModelParallelConfig):
     rotary_interleaved: bool = False
     """Rotate interleaved pairs instead of the two halves of each head."""
     window_size: Optional[Tuple[int, int]] = None
-    """Sliding-window attention (not supported yet: must be None)."""
+    """Sliding-window attention (left, right): a query sees keys at most ``left`` before and ``right`` after its
+    position; -1 is unbounded. None: full attention."""
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
-    """Which layers use full attention among sliding-window layers (not supported yet: must be None)."""
+    """Which layers use full attention among sliding-window layers: every N-th layer for an int N, or a list of
+    1 (window) / 0 (full) per layer."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm'."""
     qk_layernorm: bool = False
@@ -541,6 +545,7 @@ class TransformerConfig(ModelParallelConfig):
         _validate_pipeline_layout(self)
         _validate_tensor_parallel_split(self)
         _validate_context_parallel(self)
+        _validate_sliding_window(self)
         _validate_mamba(self)
         validate_moe_config(self)
         _validate_recompute(self)

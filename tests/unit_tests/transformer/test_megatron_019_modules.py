@@ -339,10 +339,7 @@ def test_embedding_zero_parameters():
 
 def _sliding_window():
     parallel_state.initialize_model_parallel(1)
-    config = _config(num_layers=4)
-    # The config refuses window_size until sliding-window attention is listed as built there; the module reads
-    # the fields directly.
-    config.window_size, config.window_attn_skip_freq = (1, 0), 2
+    config = _config(num_layers=4, window_size=(1, 0), window_attn_skip_freq=2)
     q, k, v = (torch.randn(5, 1, HEADS, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
     windowed = DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.5)
     full = DotProductAttention(config, 2, AttnMaskType.causal, "self", softmax_scale=0.5)  # every 2nd layer is full

@@ -80,7 +80,11 @@ def test_selective_recompute_defaults_to_core_attention():
             },
             r"distribute_saved_activations cannot be combined with sequence_parallel",
         ),
-        ({"window_size": (4, 0)}, r"not supported yet: sliding-window attention \(window_size=\(4, 0\)\)"),
+        ({"window_size": (4,)}, r"window_size=\(4,\) \(--window-size\) must be two integers \(left, right\)"),
+        (
+            {"window_size": (4, 0), "context_parallel_size": 2},
+            r"sliding-window attention is not supported with context_parallel_size=2",
+        ),
         ({"multi_latent_attention": True}, r"not supported yet: multi-latent attention \(multi_latent_attention=True"),
         ({"fp8": "hybrid"}, r"not supported yet: FP8 training \(fp8='hybrid'\)"),
         ({"sequence_parallel": True}, r"sequence_parallel=True needs tensor_model_parallel_size > 1"),

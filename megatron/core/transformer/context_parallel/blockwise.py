@@ -90,3 +90,59 @@ def block_backward(
     dq = torch.matmul(dscores, k)
     dk = torch.matmul(dscores.transpose(-1, -2), q)
     return dq, dk.sum(dim=2, keepdim=True), dv.sum(dim=2, keepdim=True)
+
+
+# ---- the same two steps through PyTorch's fused CPU flash-attention kernel ------------------------------------------
+#
+# On CPU, ATen's flash kernel returns the log-sum-exp that SDPA's public API drops, and its backward takes the
+# *final* output and log-sum-exp, which is exactly the blockwise backward above. The ring uses it for the SDPA
+# backends (fused, flash, auto) when there is no dropout: its dropout masks cannot be replayed block by block.
+
+
+def fused_blocks_available(device: torch.device, dropout_p: float) -> bool:
+    return (
+        device.type == "cpu"
+        and dropout_p == 0.0
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+def _as_heads(q, k, v, masked):
+    """``[b, g, hpg, m, d]`` queries and ``[b, g, 1, l, d]`` keys/values as 4-D heads, the mask as an additive bias."""
+    b, groups, per_group, m, d = q.shape
+    heads = groups * per_group
+    k, v = (t.expand(b, groups, per_group, t.shape[-2], d).reshape(b, heads, t.shape[-2], d) for t in (k, v))
+    bias = None
+    if masked is not None:
+        bias = torch.zeros(masked.squeeze(2).shape, dtype=q.dtype, device=q.device).masked_fill(
+            masked.squeeze(2), _NEG_INF
+        )
+    return q.reshape(b, heads, m, d), k, v, bias
+
+
+def fused_block_forward(q, k, v, masked, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_forward` (without dropout) through the fused CPU kernel."""
+    q4, k4, v4, bias = _as_heads(q, k, v, masked)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, k4, v4, 0.0, False, attn_mask=bias, scale=scale
+    )
+    lse, out = lse.reshape(q.shape[:-1]), out.reshape(q.shape)
+    if masked is not None:
+        # A row with every key masked: the kernel reports lse 0; block_forward's -inf and zero output merge right.
+        hidden = masked.all(dim=-1)
+        lse = lse.masked_fill(hidden, _NEG_INF)
+        out = out.masked_fill(hidden.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def fused_block_backward(q, k, v, masked, scale: float, dout, out, lse):
+    """:func:`block_backward` (without dropout) through the fused CPU kernel, from the final ``out`` and ``lse``."""
+    q4, k4, v4, bias = _as_heads(q, k, v, masked)
+    heads = q4.shape[1]
+    lse = _finite_or_zero(lse).reshape(q4.shape[:-1])  # rows with nothing visible: zero gradients, not NaN
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.reshape(q4.shape), q4, k4, v4, out.reshape(q4.shape), lse, 0.0, False, attn_mask=bias, scale=scale
+    )
+    per_group = heads // k.shape[1]
+    grouped = (q.shape[0], k.shape[1], per_group, k.shape[-2], q.shape[-1])
+    return dq.reshape(q.shape), dk.reshape(grouped).sum(2, keepdim=True), dv.reshape(grouped).sum(2, keepdim=True)

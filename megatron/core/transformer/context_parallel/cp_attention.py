@@ -17,6 +17,12 @@ with ``C`` ranks the sequence is cut into ``2C`` chunks and rank ``r`` holds chu
 An ``attention_mask`` (True = masked) is this rank's query rows over all keys, ``[b | 1, 1, s/C, s]`` in global key
 order, as the CP split of a ``[b, 1, s, s]`` mask is. Causal mask types are applied by global position. Attention
 dropout draws from the tensor-parallel RNG stream, as in the local attention.
+
+Attention backends (``attention_backend``): ``all_gather`` and ``a2a`` attend with the layer's backend (the explicit
+reference for ``unfused`` / ``local``, SDPA otherwise; CP refuses sliding windows, the one case for the Triton
+kernel). The ring (``p2p``, and the ring part of ``a2a+p2p``) merges blocks by their log-sum-exp, which SDPA's
+public API does not return: on CPU without dropout the SDPA backends compute blocks with ATen's fused CPU flash
+kernel (which does), everything else with the explicit fp32 math of :mod:`.blockwise`.
 """
 
 from typing import List, Optional, Sequence
@@ -29,7 +35,8 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 from megatron.core.transformer.context_parallel.batch import zigzag_chunk_ids
 from megatron.core.transformer.context_parallel.ring_attention import RingLayout, ring_attention
-from megatron.core.transformer.enums import CP_COMM_TYPES, AttnMaskType
+from megatron.core.fusions.fused_flash_attention import attention_reference
+from megatron.core.transformer.enums import CP_COMM_TYPES, AttnBackend, AttnMaskType
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -86,6 +93,7 @@ class ContextParallelAttention:
         num_heads: int,
         num_query_groups: int,
         hierarchical_groups: Optional[List] = None,
+        attention_backend: AttnBackend = AttnBackend.auto,
     ):
         if cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
@@ -95,6 +103,7 @@ class ContextParallelAttention:
         self.cp_rank = dist.get_rank(cp_group)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
+        self.attention_backend = attention_backend
         a2a_size = {"a2a": self.cp_size, "a2a+p2p": None}.get(cp_comm_type, 1)
         if cp_comm_type == "a2a+p2p":
             if not hierarchical_groups or len(hierarchical_groups) != 2:
@@ -163,7 +172,8 @@ class ContextParallelAttention:
         groups = key.shape[2]
         q = query.float().permute(1, 2, 0, 3).reshape(b, groups, heads // groups, s, d)
         k, v = (t.float().permute(1, 2, 0, 3).unsqueeze(2) for t in (key, value))
-        out = ring_attention(q, k, v, attention_mask, layout, self.softmax_scale, dropout_p)
+        fused = self.attention_backend not in (AttnBackend.unfused, AttnBackend.local)
+        out = ring_attention(q, k, v, attention_mask, layout, self.softmax_scale, dropout_p, fused)
         return out.reshape(b, heads, s, d).permute(2, 0, 1, 3)
 
     # ---- all_gather -----------------------------------------------------------------------------------------------
@@ -235,6 +245,11 @@ class ContextParallelAttention:
             masked = (k_pos[None, :] > q_pos[:, None])[None, None]
         if attention_mask is not None:
             masked = attention_mask if masked is None else masked | attention_mask
-        keep = None if masked is None else ~masked
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale)
+        if self.attention_backend in (AttnBackend.unfused, AttnBackend.local):
+            context = attention_reference(q, k, v, self.softmax_scale, masked, dropout_p=dropout_p)
+        else:  # CP refuses sliding windows, so every other backend is SDPA here
+            keep = None if masked is None else ~masked
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale
+            )
         return context.permute(2, 0, 1, 3)

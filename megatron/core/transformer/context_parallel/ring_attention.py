@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.random import get_device_rng_state, set_device_rng_state
-from megatron.core.transformer.context_parallel.blockwise import block_backward, block_forward, merge_into
+from megatron.core.transformer.context_parallel.blockwise import (
+    block_backward,
+    block_forward,
+    fused_block_backward,
+    fused_block_forward,
+    fused_blocks_available,
+    merge_into,
+)
 
 Index = Union[slice, torch.Tensor]
 
@@ -138,8 +145,9 @@ class RingAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attention_mask, layout: RingLayout, scale: float, dropout_p: float):
+    def forward(ctx, q, k, v, attention_mask, layout: RingLayout, scale: float, dropout_p: float, fused: bool):
         ring = _Ring(layout.group)
+        fused = fused and fused_blocks_available(q.device, dropout_p)
         rng_state = get_device_rng_state() if dropout_p > 0.0 else None
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -151,20 +159,21 @@ class RingAttentionFunction(torch.autograd.Function):
             source = (ring.rank - step) % ring.size
             plans[source] = _plans(layout, source, q.device)
             for plan in plans[source]:
-                block_out, block_lse = block_forward(
+                block = (
                     q[..., plan.q_rows, :],
                     _select(kv[0], plan.kv_index),
                     _select(kv[1], plan.kv_index),
                     _block_mask(plan, attention_mask),
                     scale,
-                    dropout_p,
                 )
+                block_out, block_lse = fused_block_forward(*block) if fused else block_forward(*block, dropout_p)
                 merge_into(out[..., plan.q_rows, :], lse[..., plan.q_rows], block_out, block_lse)
             if step + 1 < ring.size:
                 ring.finish(requests)
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse, attention_mask)
         ctx.plans, ctx.group, ctx.scale, ctx.dropout_p, ctx.rng_state = plans, layout.group, scale, dropout_p, rng_state
+        ctx.fused = fused
         return out
 
     @staticmethod
@@ -185,17 +194,21 @@ class RingAttentionFunction(torch.autograd.Function):
             source = (ring.rank - step) % ring.size
             dkv = torch.zeros_like(kv)
             for plan in ctx.plans[source]:
-                block_dq, block_dk, block_dv = block_backward(
+                block = (
                     q[..., plan.q_rows, :],
                     _select(kv[0], plan.kv_index),
                     _select(kv[1], plan.kv_index),
                     _block_mask(plan, attention_mask),
                     ctx.scale,
-                    ctx.dropout_p,
-                    dout[..., plan.q_rows, :],
-                    lse[..., plan.q_rows],
-                    delta[..., plan.q_rows],
                 )
+                rows = plan.q_rows
+                if ctx.fused:
+                    block_grads = fused_block_backward(*block, dout[..., rows, :], out[..., rows, :], lse[..., rows])
+                else:
+                    block_grads = block_backward(
+                        *block, ctx.dropout_p, dout[..., rows, :], lse[..., rows], delta[..., rows]
+                    )
+                block_dq, block_dk, block_dv = block_grads
                 dq[..., plan.q_rows, :] += block_dq
                 _add_at(dkv[0], plan.kv_index, block_dk)
                 _add_at(dkv[1], plan.kv_index, block_dv)
@@ -213,9 +226,12 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv = dkv_received
         if ctx.rng_state is not None:
             set_device_rng_state(live_state)
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
-def ring_attention(q, k, v, attention_mask, layout: RingLayout, scale: float, dropout_p: float) -> torch.Tensor:
-    """:class:`RingAttentionFunction` (see there for shapes)."""
-    return RingAttentionFunction.apply(q, k, v, attention_mask, layout, scale, dropout_p)
+def ring_attention(
+    q, k, v, attention_mask, layout: RingLayout, scale: float, dropout_p: float, fused: bool = False
+) -> torch.Tensor:
+    """:class:`RingAttentionFunction` (see there for shapes). ``fused``: compute blocks with PyTorch's fused CPU
+    flash kernel where it applies (CPU, no dropout; :func:`.blockwise.fused_blocks_available`), else explicitly."""
+    return RingAttentionFunction.apply(q, k, v, attention_mask, layout, scale, dropout_p, fused)
