@@ -111,7 +111,7 @@ _NOT_BUILT_SETTINGS = (
         not_supported="several distributed-optimizer instances",
     ),
 )
-_UNSUPPORTED_OPTIMIZERS = ("lion", "soap", "adaptive_muon")
+_UNSUPPORTED_OPTIMIZERS = ("soap", "adaptive_muon")
 _UNSUPPORTED_POSITION_EMBEDDINGS = {
     "yarn": "YaRN rotary embeddings",
     "mrope": "multimodal rotary embeddings (mrope)",

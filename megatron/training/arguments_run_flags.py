@@ -291,13 +291,13 @@ PRECISION_AWARE_OPTIMIZER = FlagTable(
 )
 
 
+# Read by --optimizer lion and --muon-scalar-optimizer lion (inert with the other optimizers, as in Megatron-LM).
 LION_OPTIONS = FlagTable(
     "training",
     (
-        value("--lion-beta1", float, 0.95),
-        value("--lion-beta2", float, 0.98),
+        value("--lion-beta1", float, 0.95, help="Lion: beta interpolating momentum and gradient for the sign update."),
+        value("--lion-beta2", float, 0.98, help="Lion: decay of the momentum."),
     ),
-    not_supported="the Lion optimizer",
 )
 
 
@@ -340,7 +340,7 @@ MUON_OPTIONS = FlagTable(
             str,
             "adam",
             choices=["adam", "lion"],
-            help="Muon: optimizer of embeddings, output layer, biases and norms (adam; lion is not built yet).",
+            help="Muon: optimizer of embeddings, output layer, biases and norms.",
         ),
         value(
             "--muon-scale-mode",

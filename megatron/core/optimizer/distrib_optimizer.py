@@ -37,6 +37,7 @@ from megatron.core.distributed.param_layout import FullParamLayout, compute_full
 from megatron.core.optimizer import distrib_optimizer_layouts as layouts
 from megatron.core.optimizer.distrib_optimizer_layouts import BUCKET_SPACE_LAYOUTS, SHARDING_TYPES, bucket_pieces
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.lion import Lion
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     _require_keys,
@@ -258,10 +259,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @property
     def optimizer_state_keys(self):
-        """Names of the per-parameter optimizer state the torch optimizer keeps (Adam's moments, SGD's momentum)."""
+        """Names of the per-parameter optimizer state the torch optimizer keeps (Adam's moments, SGD's momentum,
+        Lion's momentum)."""
         # A HybridDeviceOptimizer holds the state of the optimizer class it runs on each side.
-        if issubclass(getattr(self.optimizer, "optimizer_class", type(self.optimizer)), torch.optim.SGD):
+        optimizer_class = getattr(self.optimizer, "optimizer_class", type(self.optimizer))
+        if issubclass(optimizer_class, torch.optim.SGD):
             return ("momentum_buffer",)
+        if issubclass(optimizer_class, Lion):
+            return ("exp_avg",)
         return ("exp_avg", "exp_avg_sq")
 
     def get_grad_stats_parallel_group(self) -> torch.distributed.ProcessGroup:

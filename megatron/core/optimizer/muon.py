@@ -235,8 +235,11 @@ def get_megatron_muon_optimizer(
             mode=config.muon_tp_mode,
         )
 
-    # The scalar optimizer is built by the Adam/SGD path, which picks the torch optimizer from config.optimizer.
-    step_config = dataclasses.replace(config, optimizer="adam", use_layer_wise_distributed_optimizer=False)
+    # The scalar optimizer (muon_scalar_optimizer: Adam or Lion) is built by the plain path, which picks the torch
+    # optimizer from config.optimizer.
+    step_config = dataclasses.replace(
+        config, optimizer=config.muon_scalar_optimizer, use_layer_wise_distributed_optimizer=False
+    )
     muon_optimizers = _build_optimizers(
         step_config,
         model_chunks,

@@ -13,6 +13,7 @@ from megatron.core.extensions.fused_adam import find_fused_adam
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.lion import Lion
 from megatron.core.optimizer.no_local_params_optimizer import NoLocalParamsOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdam
@@ -170,6 +171,10 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[Dict]) ->
             eps=config.adam_eps,
             fused=fused,
         )
+    if config.optimizer == "lion":
+        return Lion(
+            param_groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay
+        )
     return torch.optim.SGD(
         param_groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum, fused=fused
     )
@@ -230,6 +235,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, config: Optional[Opti
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            elif isinstance(optimizer, Lion):
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
                 state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 

@@ -9,9 +9,10 @@ import torch
 
 # Muon orthogonalises the 2-D weights; "dist_muon" is Muon under the layer-wise distributed optimizer.
 MUON_OPTIMIZERS = ("muon", "dist_muon")
-SUPPORTED_OPTIMIZERS = ("adam", "sgd") + MUON_OPTIMIZERS
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion") + MUON_OPTIMIZERS
 # Megatron-LM's other --optimizer choices: optimizers from the emerging-optimizers package, not built here.
-_EMERGING_OPTIMIZERS = ("lion", "soap", "adaptive_muon")
+_EMERGING_OPTIMIZERS = ("soap", "adaptive_muon")
+MUON_SCALAR_OPTIMIZERS = ("adam", "lion")
 MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "aol")
 MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
@@ -133,9 +134,9 @@ class OptimizerConfig:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     """Precision-aware optimizer: dtype of Adam's second moment (as exp_avg_dtype)."""
     optimizer: str = "adam"
-    """'adam' (AdamW-style decoupled weight decay by default), 'sgd', 'muon' (Newton-Schulz orthogonalised momentum
-    for 2-D weights, ``muon_scalar_optimizer`` for the rest) or 'dist_muon' (Muon under the layer-wise distributed
-    optimizer)."""
+    """'adam' (AdamW-style decoupled weight decay by default), 'sgd', 'lion' (sign of interpolated momentum,
+    ``lion_beta1`` / ``lion_beta2``), 'muon' (Newton-Schulz orthogonalised momentum for 2-D weights,
+    ``muon_scalar_optimizer`` for the rest) or 'dist_muon' (Muon under the layer-wise distributed optimizer)."""
 
     # ---- loss scaling ----
     loss_scale: Optional[float] = None
@@ -181,7 +182,7 @@ class OptimizerConfig:
     muon_extra_scale_factor: float = 1.0
     """Muon: extra scale of the update."""
     muon_scalar_optimizer: str = "adam"
-    """Muon: optimizer of the non-matrix parameters."""
+    """Muon: optimizer of the non-matrix parameters ('adam' or 'lion')."""
     lion_beta1: float = 0.95
     """Lion: beta of the sign update."""
     lion_beta2: float = 0.98
@@ -321,6 +322,11 @@ def _check_precision_aware(config: OptimizerConfig) -> None:
 
 
 def _check_cpu_offload(config: OptimizerConfig) -> None:
+    if config.optimizer_cpu_offload and config.optimizer not in ("adam", "sgd"):
+        raise ValueError(
+            f"OptimizerConfig.optimizer_cpu_offload=True runs Adam or SGD on each side of the offload, not "
+            f"optimizer={config.optimizer!r}; use optimizer='adam' or 'sgd', or turn the offload off"
+        )
     if not 0.0 <= config.optimizer_offload_fraction <= 1.0:
         raise ValueError(
             f"OptimizerConfig.optimizer_offload_fraction={config.optimizer_offload_fraction} is outside [0, 1]; "
@@ -350,11 +356,10 @@ def _check_muon(config: OptimizerConfig) -> None:
     for name, allowed in choices:
         if getattr(config, name) not in allowed:
             raise ValueError(f"OptimizerConfig.{name}={getattr(config, name)!r} is not one of {allowed}")
-    if config.muon_scalar_optimizer != "adam":
-        raise _not_supported(
-            f"the {config.muon_scalar_optimizer} scalar optimizer of Muon",
-            "muon_scalar_optimizer",
-            config.muon_scalar_optimizer,
+    if config.muon_scalar_optimizer not in MUON_SCALAR_OPTIMIZERS:
+        raise ValueError(
+            f"OptimizerConfig.muon_scalar_optimizer={config.muon_scalar_optimizer!r} is not one of "
+            f"{MUON_SCALAR_OPTIMIZERS}"
         )
     steps, coefficients = config.muon_num_ns_steps, config.muon_coefficient_type
     cycle = _NS_STEPS_RULE.get(coefficients)
