@@ -63,6 +63,12 @@ def _validate_fsdp_checkpoint_format(args, strategy: str) -> None:
             "distributed optimizer's shards (Megatron-LM always shards with Megatron FSDP); use "
             "--data-parallel-sharding-strategy optim (or optim_grads / optim_grads_params), or --ckpt-format torch_dist"
         )
+    if args.optimizer not in ("adam", "sgd"):
+        raise ValueError(
+            f"--optimizer {args.optimizer} with --ckpt-format fsdp_dtensor: the format stores the distributed "
+            "optimizer's Adam or SGD state (Megatron FSDP runs only those in Megatron-LM); use --optimizer adam or "
+            "sgd, or --ckpt-format torch_dist"
+        )
     if args.async_save:
         raise ValueError(
             "--async-save with --ckpt-format fsdp_dtensor: not supported yet (Megatron-LM needs NVIDIA's "

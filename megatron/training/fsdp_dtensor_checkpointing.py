@@ -26,6 +26,11 @@ FSDP_DTENSOR = "fsdp_dtensor"
 
 
 def _distributed_members(optimizer) -> list:
+    if optimizer is None:
+        raise ValueError(
+            "--ckpt-format fsdp_dtensor stores the model's weights as the distributed optimizer's main parameters; "
+            "build the optimizer to save or load it"
+        )
     members = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     for member in members:
         if not hasattr(member, "sharded_param_state_fsdp_dtensor"):

@@ -55,6 +55,10 @@ ERRORS = [
         "strategy optim .*or --ckpt-format torch_dist",
     ),
     (
+        (*FSDP, "--ckpt-format", "fsdp_dtensor", "--optimizer", "muon"),
+        "--optimizer muon with --ckpt-format fsdp_dtensor: .*use --optimizer adam or sgd, or --ckpt-format torch_dist",
+    ),
+    (
         (*FSDP, "--ckpt-format", "fsdp_dtensor", "--async-save", "--save", "/tmp/x", "--save-interval", "1"),
         "--async-save with --ckpt-format fsdp_dtensor: not supported yet.*drop --async-save",
     ),
