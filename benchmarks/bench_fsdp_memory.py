@@ -12,7 +12,13 @@ shows the largest rank next to the formula in bytes per parameter (p = 2, g = 4,
     FSDP optim_grads         p + (g + 12)/d        = 2 + 16/d
     FSDP optim_grads_params  (p + g + 12)/d        = 18/d
 
-(up to each buffer's padding to a multiple of d). Step time is the median over ``--iters`` steps.
+(up to each buffer's padding to a multiple of d). Step time is the median over ``--iters`` steps, also as a
+ratio to DDP's at the same DP size.
+
+Peak memory during a step: CPU tensors have no allocator statistics, so one more step runs under
+``megatron.core.distributed.fsdp.memory.PeakLiveBytes``, a TorchDispatchMode that after every operation adds up the
+storages alive (the held ones at their current size, FSDP growing and freeing them in place, plus every storage the
+step's operations create, until the last tensor on it is freed); the largest rank's maximum is shown.
 
     python benchmarks/bench_fsdp_memory.py [--dp 1 2 4 --layers 4 --hidden 256 --iters 5]
 
@@ -42,7 +48,7 @@ from megatron.core.distributed import (  # noqa: E402
     finalize_model_grads,
 )
 from megatron.core.distributed.fsdp import FullyShardedDataParallel  # noqa: E402
-from megatron.core.distributed.fsdp.memory import held_bytes  # noqa: E402
+from megatron.core.distributed.fsdp.memory import PeakLiveBytes, held_bytes, held_tensors  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
@@ -102,20 +108,29 @@ def _measure(args, name: str) -> dict:
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, VOCAB, (args.micro_batch, SEQ), generator=generator)
     positions = torch.arange(SEQ).expand(args.micro_batch, SEQ)
-    times = []
-    for step in range(args.warmup + args.iters):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def train_step():
         wrapped.zero_grad_buffer()
         optimizer.zero_grad()
         wrapped(tokens, positions, None, labels=tokens).float().mean().backward()
         finalize_model_grads([wrapped])
         optimizer.step()
+
+    times = []
+    for step in range(args.warmup + args.iters):
+        dist.barrier()
+        start = time.perf_counter()
+        train_step()
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     held = held_bytes([wrapped], optimizer)
-    worst = torch.tensor([held["params"], held["grads"], held["optimizer"], held["total"]], dtype=torch.float64)
+    # Untimed: the dispatch mode slows every operation down.
+    with PeakLiveBytes(held_tensors([wrapped], optimizer)) as peak:
+        train_step()
+    worst = torch.tensor(
+        [held["params"], held["grads"], held["optimizer"], held["total"], peak.peak_bytes], dtype=torch.float64
+    )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     num_params = sum(p.numel() for p in model.parameters())
     return {
@@ -128,6 +143,7 @@ def _measure(args, name: str) -> dict:
         "total_bytes": int(worst[3]),
         "bytes_per_param": worst[3].item() / num_params,
         "formula": formula(name, dist.get_world_size()),
+        "peak_bytes": int(worst[4]),
         "step_ms": 1000 * statistics.median(times),
     }
 
@@ -152,15 +168,18 @@ def _free_port() -> int:
 
 def _table(rows) -> str:
     lines = [
-        "| DP | layout | params MB | grads MB | optimizer MB | bytes/param | formula | step ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| DP | layout | params MB | grads MB | optimizer MB | bytes/param | formula | held MB | peak MB | step ms "
+        "| vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mb = 2**20
+    ddp_ms = {row["dp"]: row["step_ms"] for row in rows if row["layout"] == "DDP"}
     for row in rows:
         lines.append(
             f"| {row['dp']} | {row['layout']} | {row['param_bytes'] / mb:.2f} | {row['grad_bytes'] / mb:.2f} | "
             f"{row['optimizer_bytes'] / mb:.2f} | {row['bytes_per_param']:.3f} | {row['formula']:.3f} | "
-            f"{row['step_ms']:.0f} |"
+            f"{row['total_bytes'] / mb:.2f} | {row['peak_bytes'] / mb:.2f} | {row['step_ms']:.0f} | "
+            f"{row['step_ms'] / ddp_ms[row['dp']]:.2f}x |"
         )
     return "\n".join(lines)
 

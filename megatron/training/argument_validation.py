@@ -36,7 +36,7 @@ from megatron.training.arguments_support import (
     value,
 )
 
-SUPPORTED_CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp")
+SUPPORTED_CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 
 # Arguments that must be integers >= 1 (when set) and >= 0.
@@ -685,7 +685,7 @@ def _validate_checkpointing(args) -> None:
             f"--ckpt-format {args.ckpt_format} is not supported; this project reads and writes "
             f"{', '.join(SUPPORTED_CKPT_FORMATS)}"
         )
-    for fmt in {args.ckpt_format, args.ckpt_convert_format} - {None, "torch_dist"}:
+    for fmt in {args.ckpt_format, args.ckpt_convert_format} - {None, "torch_dist", "fsdp_dtensor"}:
         _validate_plain_ckpt_format(args, fmt)
     if args.ckpt_convert_format is not None:
         if args.ckpt_convert_save is None or args.load is None:

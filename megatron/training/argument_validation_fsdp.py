@@ -6,6 +6,9 @@ Torch FSDP2 keeps Megatron-LM's rules: no pipeline or expert parallelism, not wi
 shards the optimizer state itself) or Megatron FSDP, untied embedding and output weights, no fp16, and a
 ``torch_dist`` checkpoint (Megatron-LM also allows ``torch_dcp``, not supported yet here with FSDP2). Ours: no
 optimizer CPU offload or Muon, which need whole parameters.
+
+Megatron FSDP saves ``fsdp_dtensor`` (Megatron-LM's only format for it) or ``torch_dist`` (ours, loadable without
+FSDP); ``fsdp_dtensor`` needs Megatron FSDP, as in Megatron-LM.
 """
 
 _SHARDED = ("optim", "optim_grads", "optim_grads_params")
@@ -16,6 +19,11 @@ def validate_megatron_fsdp(args) -> None:
     if not getattr(args, "use_megatron_fsdp", False):
         if getattr(args, "fsdp_double_buffer", False):
             raise ValueError("--fsdp-double-buffer needs --use-megatron-fsdp (it double-buffers FSDP's gathers)")
+        if args.ckpt_format == "fsdp_dtensor":
+            raise ValueError(
+                "--ckpt-format fsdp_dtensor holds Megatron FSDP's shards and needs --use-megatron-fsdp (as in "
+                "Megatron-LM); without it use --ckpt-format torch_dist"
+            )
         return
     strategy = args.data_parallel_sharding_strategy
     if getattr(args, "use_torch_fsdp2", False):
@@ -33,15 +41,43 @@ def validate_megatron_fsdp(args) -> None:
             "--use-megatron-fsdp with --data-parallel-sharding-strategy no_shard and --use-distributed-optimizer: "
             "no_shard keeps the optimizer state whole; use --data-parallel-sharding-strategy optim to shard it"
         )
-    if args.ckpt_format != "torch_dist":
-        raise ValueError(
-            f"--use-megatron-fsdp with --ckpt-format {args.ckpt_format}: Megatron FSDP checkpoints are written as "
-            "torch_dist here (fsdp_dtensor is not supported yet); use --ckpt-format torch_dist"
-        )
+    _validate_fsdp_checkpoint_format(args, strategy)
     if args.fsdp_double_buffer and strategy != "optim_grads_params":
         raise ValueError(
             f"--fsdp-double-buffer with --data-parallel-sharding-strategy {strategy}: only optim_grads_params "
             "gathers parameters; use --data-parallel-sharding-strategy optim_grads_params or drop --fsdp-double-buffer"
+        )
+
+
+def _validate_fsdp_checkpoint_format(args, strategy: str) -> None:
+    if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
+        raise ValueError(
+            f"--use-megatron-fsdp with --ckpt-format {args.ckpt_format}: Megatron FSDP checkpoints are written as "
+            "fsdp_dtensor (Megatron-LM's format) or torch_dist; use --ckpt-format fsdp_dtensor or torch_dist"
+        )
+    if args.ckpt_format != "fsdp_dtensor":
+        return
+    if strategy == "no_shard":
+        raise ValueError(
+            "--ckpt-format fsdp_dtensor with --data-parallel-sharding-strategy no_shard: the format stores the "
+            "distributed optimizer's shards (Megatron-LM always shards with Megatron FSDP); use "
+            "--data-parallel-sharding-strategy optim (or optim_grads / optim_grads_params), or --ckpt-format torch_dist"
+        )
+    if args.optimizer not in ("adam", "sgd"):
+        raise ValueError(
+            f"--optimizer {args.optimizer} with --ckpt-format fsdp_dtensor: the format stores the distributed "
+            "optimizer's Adam or SGD state (Megatron FSDP runs only those in Megatron-LM); use --optimizer adam or "
+            "sgd, or --ckpt-format torch_dist"
+        )
+    if args.async_save:
+        raise ValueError(
+            "--async-save with --ckpt-format fsdp_dtensor: not supported yet (Megatron-LM needs NVIDIA's "
+            "resiliency extension for it); drop --async-save, or use --ckpt-format torch_dist"
+        )
+    if args.ckpt_convert_format is not None:
+        raise ValueError(
+            f"--ckpt-convert-format {args.ckpt_convert_format} with --ckpt-format fsdp_dtensor: not supported yet; "
+            "load the checkpoint with --ckpt-format fsdp_dtensor and save it with --ckpt-format torch_dist instead"
         )
 
 

@@ -50,6 +50,7 @@ from megatron.training.checkpoint_args import (  # noqa: F401
     get_load_checkpoint_path_by_args,
     load_args_from_checkpoint,
 )
+from megatron.training.fsdp_dtensor_checkpointing import FSDP_DTENSOR, fsdp_dtensor_state_dict
 from megatron.training.hf_checkpoint import hugging_face_load_dir, load_hf_checkpoint
 from megatron.training.legacy_checkpointing import save_grads  # noqa: F401  (Megatron's public path)
 from megatron.training.plain_checkpointing import (
@@ -65,7 +66,7 @@ from megatron.training.plain_checkpointing import model_key as _model_key
 
 class CheckpointType(enum.Enum):
     """Megatron's kinds of checkpoint: legacy per-rank ``torch`` files, node-local (NVRx), global
-    ``torch_dist``, PyTorch DCP, FSDP DTensor. This project writes and reads LEGACY, GLOBAL and TORCH_DCP ones."""
+    ``torch_dist``, PyTorch DCP, FSDP DTensor. This project writes and reads all but LOCAL ones."""
 
     LEGACY = enum.auto()
     LOCAL = enum.auto()
@@ -261,6 +262,8 @@ def get_rng_state(
     if get_args().data_parallel_random_init:
         states = [None] * dist.get_world_size(dp_group)
         dist.all_gather_object(states, state, group=dp_group)  # DP ranks draw differently: keep each one's
+    if ckpt_format == "fsdp_dtensor":  # one entry per (pipeline, tensor) rank, as Megatron-LM keys it
+        return {f"({dist.get_rank(pp_group)}, {dist.get_rank(tp_group)})": states}
     if ckpt_format != "torch_dist":
         return states
     return ShardedObject(
@@ -452,7 +455,7 @@ def save_checkpoint(
 
     args = get_args()
     tp_group, pp_group, dp_cp_group, dp_group = _groups(tp_group, pp_group, dp_cp_group, dp_group)
-    if args.ckpt_format in PLAIN_FORMATS:
+    if args.ckpt_format in PLAIN_FORMATS + (FSDP_DTENSOR,):
         groups = (tp_group, pp_group, dp_cp_group, dp_group)
         plain_options = dict(release=release, non_persistent=non_persistent_ckpt, data_iterator=train_data_iterator)
         flops = num_floating_point_operations_so_far
@@ -526,7 +529,7 @@ def save_checkpoint(
 def _save_plain(
     args, iteration, model, optimizer, opt_param_scheduler, flops, groups, *, release, non_persistent, data_iterator
 ):
-    """save_checkpoint in the ``torch`` or ``torch_dcp`` format (see plain_checkpointing)."""
+    """save_checkpoint in the ``torch``, ``torch_dcp`` or ``fsdp_dtensor`` format (see plain_checkpointing)."""
     if non_persistent:
         raise ValueError(
             f"not supported yet: non-persistent checkpoints with --ckpt-format {args.ckpt_format} (Megatron-LM "
@@ -538,9 +541,8 @@ def _save_plain(
     print_rank_last(f"saving checkpoint at iteration {iteration:7d} to {args.save} in {args.ckpt_format} format")
     rng_state = None if args.no_save_rng else get_rng_state(args.ckpt_format, *groups)
     rerun_state = get_rerun_state_machine().state_dict(data_iterator, args.ckpt_format)
-    state_dict = generate_state_dict(
-        args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration, rerun_state=rerun_state
-    )
+    build = fsdp_dtensor_state_dict if args.ckpt_format == FSDP_DTENSOR else generate_state_dict
+    state_dict = build(args, model, optimizer, opt_param_scheduler, rng_state, iteration, rerun_state=rerun_state)
     state_dict["num_floating_point_operations_so_far"] = flops
     save_plain_checkpoint(args, state_dict, iteration, release, optimizer, groups[3])
     print_rank_last(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save}")
@@ -621,7 +623,7 @@ def _load_checkpoint(
         return _start_without_checkpoint(args, ddp_model, optimizer, load_arg, load_dir)
     checkpoint_dir, iteration, release = found
     ckpt_format = format_to_load(args, checkpoint_dir)
-    if ckpt_format in PLAIN_FORMATS:
+    if ckpt_format in PLAIN_FORMATS + (FSDP_DTENSOR,):
         groups = (tp_group, pp_group, dp_cp_group, dp_group)
         options = dict(finetune=finetune, strict=strict, skip_load_to_model_and_opt=skip_load_to_model_and_opt)
         return _load_plain(ckpt_format, args, ddp_model, optimizer, opt_param_scheduler, found, groups, **options)

@@ -5,11 +5,12 @@ Both store what ``generate_state_dict`` builds for them: the model chunks' ``sta
 the optimizer's ``state_dict()`` instead of sharded state, beside the same scheduler, RNG list, rerun state machine
 entry, arguments, ``checkpoint_version``, ``iteration`` and ``num_floating_point_operations_so_far`` as
 ``torch_dist``. :mod:`checkpointing` builds the state and dispatches here; the ``latest_checkpointed_iteration.txt``
-tracker moves only after every rank's files are written, as for ``torch_dist``.
+tracker moves only after every rank's files are written, as for ``torch_dist``. Megatron FSDP's ``fsdp_dtensor``
+format (:mod:`fsdp_dtensor_checkpointing`) is a DCP checkpoint too and goes the same way, with its own content.
 
 Which format a checkpoint directory holds is read from its files. As in Megatron-LM, it is detected when
-``--ckpt-format torch_dist`` (the default) or ``--auto-detect-ckpt-format`` is given; with ``--ckpt-format torch`` or
-``torch_dcp`` alone the checkpoint must be in that format.
+``--ckpt-format torch_dist`` (the default), ``fsdp_dtensor`` or ``--auto-detect-ckpt-format`` is given; with
+``--ckpt-format torch`` or ``torch_dcp`` alone the checkpoint must be in that format.
 """
 
 import torch.distributed as dist
@@ -23,6 +24,13 @@ from megatron.core.dist_checkpointing.checkpoint_dir import (
 )
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.training.dcp_checkpointing import load_dcp_checkpoint, save_dcp_checkpoint, stored_keys
+from megatron.training.fsdp_dtensor_checkpointing import (
+    FSDP_DTENSOR,
+    fsdp_dtensor_template,
+    is_fsdp_dtensor_checkpoint,
+    load_optimizer_entries,
+    publish_main_params,
+)
 from megatron.training.legacy_checkpointing import (
     load_distributed_optimizer_state,
     load_legacy_state_dict,
@@ -30,6 +38,8 @@ from megatron.training.legacy_checkpointing import (
 )
 
 PLAIN_FORMATS = ("torch", "torch_dcp")
+# With these --ckpt-format values (or --auto-detect-ckpt-format) a checkpoint in another format is loaded as found.
+DETECTING_FORMATS = ("torch_dist", FSDP_DTENSOR)
 
 
 def model_key(index: int, num_chunks: int) -> str:
@@ -41,10 +51,17 @@ def format_to_load(args, checkpoint_dir: str) -> str:
     """The format of the checkpoint in ``checkpoint_dir`` (a complete one, see ``find_checkpoint_to_load``); a
     format other than ``--ckpt-format`` is refused unless Megatron-LM would detect it (see the module docstring)."""
     found = checkpoint_format(checkpoint_dir) or "torch_dist"
-    if found != args.ckpt_format and not (args.auto_detect_ckpt_format or args.ckpt_format == "torch_dist"):
+    if found == "torch_dcp" and is_fsdp_dtensor_checkpoint(stored_keys(checkpoint_dir)):
+        found = FSDP_DTENSOR
+    if found != args.ckpt_format and not (args.auto_detect_ckpt_format or args.ckpt_format in DETECTING_FORMATS):
         raise CheckpointingException(
             f"checkpoint {checkpoint_dir} is in the {found} format, but --ckpt-format is {args.ckpt_format}; pass "
             f"--auto-detect-ckpt-format (or --ckpt-format {found}) to load it"
+        )
+    if found == FSDP_DTENSOR and not args.use_megatron_fsdp:
+        raise CheckpointingException(
+            f"checkpoint {checkpoint_dir} is in the fsdp_dtensor format, which holds Megatron FSDP's shards: load it "
+            "with --use-megatron-fsdp (and save it with --ckpt-format torch_dist to resume without FSDP)"
         )
     return found
 
@@ -138,6 +155,11 @@ def read_plain_checkpoint(
     ``rng_template`` is this run's RNG list, the shape DCP fills."""
     if ckpt_format == "torch":
         return load_legacy_state_dict(checkpoint_dir, iteration, release)
+    if ckpt_format == FSDP_DTENSOR:
+        stored = stored_keys(checkpoint_dir)
+        loads = _loads_optimizer(args, finetune, release)
+        template = fsdp_dtensor_template(args, stored, ddp_model, optimizer, opt_param_scheduler, rng_template, loads)
+        return load_dcp_checkpoint(template, checkpoint_dir)
     template = _dcp_template(
         args, checkpoint_dir, ddp_model, optimizer, opt_param_scheduler, rng_template, finetune, release
     )
@@ -177,22 +199,30 @@ def apply_plain_checkpoint(
     from megatron.core.num_microbatches_calculator import update_num_microbatches
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    if not skip_load_to_model_and_opt:
+    # fsdp_dtensor's model entries are the optimizer's main weights, loaded in place: published below.
+    fsdp = ckpt_format == FSDP_DTENSOR
+    if not skip_load_to_model_and_opt and not fsdp:
         _load_model_chunks(state_dict, ddp_model, strict, checkpoint_dir)
     if _loads_optimizer(args, finetune, release) and "optimizer" in state_dict:
         legacy_distributed = ckpt_format == "torch" and args.use_distributed_optimizer
         if not skip_load_to_model_and_opt:
-            optimizer.load_state_dict(state_dict["optimizer"])
+            if fsdp:
+                load_optimizer_entries(optimizer, state_dict["optimizer"])
+            else:
+                optimizer.load_state_dict(state_dict["optimizer"])
             if legacy_distributed:
                 load_distributed_optimizer_state(optimizer, checkpoint_dir, iteration, release, args)
         if opt_param_scheduler is not None:  # checkpoints before Megatron-LM's rename say lr_scheduler
             opt_param_scheduler.load_state_dict(state_dict.get("opt_param_scheduler", state_dict.get("lr_scheduler")))
-    elif (args.fp16 or args.bf16) and optimizer is not None and not skip_load_to_model_and_opt:
+    elif (args.fp16 or args.bf16) and optimizer is not None and not skip_load_to_model_and_opt and not fsdp:
         optimizer.reload_model_params()  # fp32 main parameters follow the loaded weights
+    if fsdp and not skip_load_to_model_and_opt:
+        publish_main_params(optimizer)
     if not (finetune or release) and isinstance(state_dict.get("rerun_state_machine"), dict):
         get_rerun_state_machine().load_state_dict(state_dict["rerun_state_machine"])
     if not (args.no_load_rng or finetune or release) and state_dict.get("rng_state"):
-        restore_rng_state(state_dict["rng_state"], dp_group)
+        states = state_dict["rng_state"]  # fsdp_dtensor: {this rank's (pipeline, tensor) key: the list}
+        restore_rng_state(next(iter(states.values())) if isinstance(states, dict) else states, dp_group)
     flops = 0 if finetune else state_dict.get("num_floating_point_operations_so_far", 0)
     if finetune or release:
         return 0, flops

@@ -56,6 +56,7 @@ from megatron.core.optimizer_param_scheduler import (
     param_group_override_to_tuple,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.fsdp_dtensor_checkpoint import get_global_unique_param_name  # noqa: F401
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config, get_pg_rank, get_pg_size, is_te_min_version
 

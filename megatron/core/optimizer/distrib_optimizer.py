@@ -45,11 +45,14 @@ from megatron.core.optimizer.optimizer import (
     copy_optimizer_param_metadata,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.fsdp_dtensor_checkpoint import flat_piece_entries, global_param_names
 from megatron.core.transformer.module import MegatronModule
 
 _FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
 # Megatron's name for storing each optimizer-state slice as part of its model parameter's checkpoint entry.
 _SHARDING_TYPE = "fully_sharded_model_space"
+# Megatron FSDP's layout: per-parameter entries keyed by name (see transformer/fsdp_dtensor_checkpoint.py).
+_FSDP_DTENSOR = "fsdp_dtensor"
 
 
 class Range:
@@ -332,6 +335,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         :meth:`load_parameter_state` (or :meth:`load_parameter_state_from_dp_zero`) to fill."""
         if is_sharded_state(state_dict):
             return self._load_sharded_state_dict(state_dict)
+        if "param_to_group_meta" in state_dict:
+            return self._load_fsdp_dtensor_state(state_dict)
         _require_keys(state_dict, ("optimizer",), type(self).__name__)
         # The state tensors must exist for the torch optimizer to keep them and the parameter state to fill them
         # (init_state_fn leaves existing state alone).
@@ -350,9 +355,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         in Megatron, overrides it), by default ``fully_sharded_model_space`` as in Megatron-Core; megatron.training
         asks for ``dp_reshardable`` or, with --dist-ckpt-optim-fully-reshardable, ``fully_reshardable``."""
         sharding_type = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", _SHARDING_TYPE)
+        if sharding_type == _FSDP_DTENSOR:
+            return self.sharded_param_state_fsdp_dtensor(is_loading)
         if sharding_type not in SHARDING_TYPES:
             raise ValueError(
-                f"DistributedOptimizer: sharding_type={sharding_type!r} is not supported; use one of {SHARDING_TYPES}"
+                f"DistributedOptimizer: sharding_type={sharding_type!r} is not supported; use one of "
+                f"{SHARDING_TYPES + (_FSDP_DTENSOR,)}"
             )
         if is_loading:
             # Create the state tensors first so the sharded entries have tensors of the right shapes to load into.
@@ -435,6 +443,58 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if entry.owns_main:
                 entry.main_param.copy_(fp32_param)
             self.optimizer.state[entry.main_param].update(loaded)
+
+    def _fsdp_dtensor_names(self) -> Dict[torch.nn.Parameter, str]:
+        """Each parameter's name in the ``fsdp_dtensor`` layout: as the model chunks name it, global layer and
+        expert numbers, behind the ``module.`` of Megatron FSDP's wrapper."""
+        return {
+            param: f"module.{name}" for chunk in self.model_chunks for param, name in global_param_names(chunk).items()
+        }
+
+    def _gated(self) -> bool:
+        return bool(self.model_chunks) and getattr(self.model_chunks[0].config, "gated_linear_unit", False)
+
+    def fsdp_dtensor_main_params(self):
+        """``(model parameter, this rank's main-parameter piece, its first element in the flat parameter)`` for
+        every piece this rank steps: the ``fsdp_dtensor`` checkpoint stores these as the model's weights."""
+        return [(entry.model_param, entry.main_param, entry.shard.param_start) for entry in self._entries()]
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        """Megatron's ``fsdp_dtensor`` layout: ``{"state": {name: {"exp_avg": piece, "exp_avg_sq": piece, "step":
+        tensor}}, "param_to_group_meta": {name: the hyperparameters of its group}}`` by parameter name (see
+        ``transformer/fsdp_dtensor_checkpoint.py``); a gated MLP's ``linear_fc1`` state is stored as its ``_w`` and
+        ``_v`` halves. Loading fills the optimizer's own tensors in place, then :meth:`load_state_dict` takes the
+        hyperparameters. The main parameters are the checkpoint's model entries (:meth:`fsdp_dtensor_main_params`)."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        names, gated = self._fsdp_dtensor_names(), self._gated()
+        state, group_meta = {}, {}
+        for group, entries in zip(self.optimizer.param_groups, self.shard_groups):
+            hyperparameters = {key: value for key, value in group.items() if key != "params"}
+            for entry in entries:
+                name, start = names[entry.model_param], entry.shard.param_start
+                group_meta[name] = hyperparameters
+                values = self.optimizer.state[entry.main_param]
+                for key, value in values.items():
+                    if key == "step" or not torch.is_tensor(value):
+                        continue
+                    for part, piece in flat_piece_entries(name, entry.model_param, value, start, gated).items():
+                        state.setdefault(part, {})[key] = piece
+                        if "step" in values:
+                            state[part]["step"] = values["step"]
+        result = {"state": state, "param_to_group_meta": group_meta}
+        if self.grad_scaler is not None:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    def _load_fsdp_dtensor_state(self, state_dict: Dict) -> None:
+        """After DCP filled the state tensors in place: each group's saved hyperparameters and the loss scaler."""
+        names, saved = self._fsdp_dtensor_names(), state_dict["param_to_group_meta"]
+        for group, entries in zip(self.optimizer.param_groups, self.shard_groups):
+            found = next((saved[names[e.model_param]] for e in entries if names[e.model_param] in saved), {})
+            group.update({key: value for key, value in found.items() if key in group and key != "params"})
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def _load_sharded_state_dict(self, state_dict: Dict) -> None:
         sharding_type = state_dict.get("param_state_sharding_type", _SHARDING_TYPE)

@@ -44,10 +44,28 @@ ERRORS = [
         (*FSDP, "--data-parallel-sharding-strategy", "no_shard"),
         "no_shard and --use-distributed-optimizer: .*use --data-parallel-sharding-strategy optim",
     ),
-    ((*FSDP, "--ckpt-format", "torch"), "--use-megatron-fsdp with --ckpt-format torch: .*use --ckpt-format torch_dist"),
     (
-        (*FSDP, "--ckpt-format", "fsdp_dtensor"),
-        "--ckpt-format fsdp_dtensor: .*fsdp_dtensor is not supported yet.*use --ckpt-format torch_dist",
+        (*FSDP, "--ckpt-format", "torch"),
+        "--use-megatron-fsdp with --ckpt-format torch: .*use --ckpt-format fsdp_dtensor or torch_dist",
+    ),
+    (("--ckpt-format", "fsdp_dtensor"), "--ckpt-format fsdp_dtensor .*needs --use-megatron-fsdp"),
+    (
+        ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--ckpt-format", "fsdp_dtensor"),
+        "--ckpt-format fsdp_dtensor with --data-parallel-sharding-strategy no_shard: .*use --data-parallel-sharding-"
+        "strategy optim .*or --ckpt-format torch_dist",
+    ),
+    (
+        (*FSDP, "--ckpt-format", "fsdp_dtensor", "--optimizer", "muon"),
+        "--optimizer muon with --ckpt-format fsdp_dtensor: .*use --optimizer adam or sgd, or --ckpt-format torch_dist",
+    ),
+    (
+        (*FSDP, "--ckpt-format", "fsdp_dtensor", "--async-save", "--save", "/tmp/x", "--save-interval", "1"),
+        "--async-save with --ckpt-format fsdp_dtensor: not supported yet.*drop --async-save",
+    ),
+    (
+        (*FSDP, "--ckpt-format", "fsdp_dtensor", "--ckpt-convert-format", "torch")
+        + ("--load", "/a", "--ckpt-convert-save", "/b"),
+        "--ckpt-convert-format torch with --ckpt-format fsdp_dtensor: not supported yet",
     ),
     (
         (*FSDP, "--data-parallel-sharding-strategy", "optim", "--fsdp-double-buffer"),
@@ -65,6 +83,11 @@ ERRORS = [
 def test_flags_fsdp_cannot_combine_with_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
         validated(*extra)
+
+
+def test_fsdp_dtensor_is_accepted_with_a_sharded_strategy():
+    args = validated(*FSDP, "--ckpt-format", "fsdp_dtensor")
+    assert args.ckpt_format == "fsdp_dtensor"
 
 
 def test_parsing_alone_accepts_the_flags():

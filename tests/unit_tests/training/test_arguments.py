@@ -733,11 +733,6 @@ ERRORS = [
     ([], dict(base=without("--tokenizer-type")), "--tokenizer-type is required"),
     (["--tokenizer-type", "GPT2BPETokenizer"], {}, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], {}, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
-    (
-        ["--ckpt-format", "fsdp_dtensor"],
-        {},
-        "--ckpt-format fsdp_dtensor is not supported; this project reads and writes torch_dist, torch, torch_dcp",
-    ),
     (["--save", "/tmp/ckpt"], {}, "--save needs --save-interval N"),
     (["--use-checkpoint-args"], {}, "--use-checkpoint-args needs --load"),
     (["--wandb-project", "p"], {}, "--wandb-project needs --wandb-exp-name"),

@@ -31,8 +31,22 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer,
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import warn_once
 
 _SHARDED_GRADS = ("optim_grads", "optim_grads_params")
+
+# Megatron FSDP's double buffer is an allocator policy: the gathered parameters of identical units go into one of two
+# persistent, fixed-address buffers, so the CUDA caching allocator does not fragment and NCCL can register them
+# (--nccl-ub). Here a unit's gathered parameters live in the unit's own storage, grown for the gather and shrunk to
+# zero after it, which keeps the parameters' views and autograd's saved tensors attached to it; at most the running
+# unit and the one prefetched are gathered at a time, the peak two buffers would give. Fixed addresses would matter
+# only to the CUDA allocator and NCCL registration, which the gloo/CPU path does not have: the flag is accepted (launch
+# scripts set it) and changes nothing, and says so.
+_DOUBLE_BUFFER_NOTICE = (
+    "fsdp_double_buffer=True (--fsdp-double-buffer) has no effect here: each FSDP unit gathers into its own storage, "
+    "freed after use, and at most two units are gathered at a time already; Megatron's fixed pool of two buffers "
+    "serves the CUDA allocator and NCCL user-buffer registration, which this implementation does not use"
+)
 
 
 class FullyShardedDataParallel(DistributedDataParallel):
@@ -59,6 +73,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         _check_config(ddp_config)
+        if ddp_config.fsdp_double_buffer:
+            warn_once(_DOUBLE_BUFFER_NOTICE)
         del device
         strategy = ddp_config.data_parallel_sharding_strategy
         self.data_parallel_sharding_strategy = strategy

@@ -91,3 +91,24 @@ def test_ddp_config_refuses_bad_fsdp_settings(kwargs, message):
 
 def test_use_custom_fsdp_is_megatrons_old_name():
     assert DistributedDataParallelConfig(use_custom_fsdp=True).use_megatron_fsdp
+
+
+def _double_buffer_notice():
+    import warnings
+
+    from tests.unit_tests.distributed import fsdp_test_helpers as fh
+    from megatron.core.utils import warn_once
+    from tests.unit_tests.models import gpt_test_helpers as gpt
+
+    warn_once.cache_clear()  # the pool's worker may have warned in an earlier test
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fh.wrap(gpt.build_model(1, False, "gpt2"), "optim_grads_params", fsdp_double_buffer=True)
+    return [str(w.message) for w in caught if "fsdp_double_buffer" in str(w.message)]
+
+
+def test_double_buffer_is_accepted_and_says_it_changes_nothing():
+    from tests.unit_tests.test_utilities import run_distributed
+
+    (messages,) = run_distributed(1, _double_buffer_notice)
+    assert len(messages) == 1 and "has no effect here" in messages[0] and "NCCL user-buffer" in messages[0]

@@ -1,11 +1,13 @@
 """HybridDeviceOptimizer (--optimizer-cpu-offload): on a CPU-only machine the offload path runs with host memory on
 both sides and must step exactly as the plain optimizer, at every offload fraction, alone, under the mixed-precision
-wrapper and under the distributed optimizer at DP=1 and DP=2; its state lives on the host side it was assigned to,
+wrapper and under the distributed optimizer at DP=1, DP=2, DP=4 and TP2 x DP2 (where the precision-aware
+optimizer's fp32 storage is checked the same way); its state lives on the host side it was assigned to,
 survives a state_dict round trip, and a fraction outside [0, 1] is refused naming the field."""
 
 import pytest
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -95,10 +97,11 @@ def test_offload_fraction_outside_0_1_is_refused():
         OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True, optimizer_offload_fraction=-0.1)
 
 
-def _gpt_run(optimizer_kwargs: dict, distributed: bool, steps: int = 3):
-    Utils.initialize_model_parallel()
+def _gpt_run(optimizer_kwargs: dict, distributed: bool, steps: int = 3, tp: int = 1):
+    Utils.initialize_model_parallel(tp)
     torch.manual_seed(0)
     config = TransformerConfig(
+        tensor_model_parallel_size=tp,
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
@@ -114,7 +117,7 @@ def _gpt_run(optimizer_kwargs: dict, distributed: bool, steps: int = 3):
     optimizer = get_megatron_optimizer(
         OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=distributed, **optimizer_kwargs), [model]
     )
-    rank = torch.distributed.get_rank()
+    rank = parallel_state.get_data_parallel_rank()  # tensor-parallel ranks share a batch
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
     losses = []
@@ -163,6 +166,28 @@ def test_offloaded_precision_aware_optimizer_equals_the_device_one():
             assert torch.equal(offload[1][name], value), name
         assert offload[2] > 0
         assert offload[3] == device_only[3] == ["torch.bfloat16"]
+
+
+def _plain_offloaded_and_fp32_precision_aware():
+    """At DP4, then TP2 x DP2: (plain distributed optimizer, offloaded, precision-aware with fp32 storage) runs."""
+    runs = {}
+    for layout, tp in (("DP4", 1), ("TP2 x DP2", 2)):
+        plain = _gpt_run({}, True, tp=tp)
+        offload = _gpt_run(dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.6), True, tp=tp)
+        runs[layout] = plain, offload, _gpt_run(dict(use_precision_aware_optimizer=True), True, tp=tp)
+    return runs
+
+
+def test_offload_and_fp32_precision_aware_storage_equal_the_plain_optimizer_at_dp4_and_tp2_dp2():
+    # One 4-rank run checks both layouts against the plain distributed optimizer, bit for bit (the same arithmetic,
+    # only stored elsewhere), on each rank's tensor-parallel shards.
+    for runs in run_distributed(4, _plain_offloaded_and_fp32_precision_aware):
+        for layout, (plain, offload, aware) in runs.items():
+            for name, run in (("offload", offload), ("precision-aware fp32", aware)):
+                assert run[0] == plain[0], f"{layout} {name}"
+                for param, value in plain[1].items():
+                    assert torch.equal(run[1][param], value), f"{layout} {name}: {param}"
+            assert offload[2] > 0 and aware[3] == plain[3] == ["torch.float32"], layout
 
 
 @pytest.mark.parametrize("sharding_type", ["fully_sharded_model_space", "dp_reshardable"])
