@@ -325,7 +325,8 @@ def _check_cpu_offload(config: OptimizerConfig) -> None:
     if config.optimizer_cpu_offload and config.optimizer not in ("adam", "sgd"):
         raise ValueError(
             f"OptimizerConfig.optimizer_cpu_offload=True runs Adam or SGD on each side of the offload, not "
-            f"optimizer={config.optimizer!r}; use optimizer='adam' or 'sgd', or turn the offload off"
+            f"optimizer={config.optimizer!r}; use optimizer='adam' or optimizer='sgd', or set "
+            "optimizer_cpu_offload=False"
         )
     if not 0.0 <= config.optimizer_offload_fraction <= 1.0:
         raise ValueError(

@@ -214,7 +214,7 @@ def test_checkpoint_resume_gives_identical_losses():
         ),
         (dict(muon_coefficient_type="polar_express"), r"muon_num_ns_steps=5 does not fit .*at least 8"),
         (dict(muon_coefficient_type="cubic"), r"muon_coefficient_type='cubic' is not one of"),
-        (dict(muon_scalar_optimizer="lion"), r"not supported yet: the lion scalar optimizer of Muon"),
+        (dict(muon_scalar_optimizer="sgd"), r"muon_scalar_optimizer='sgd' is not one of \('adam', 'lion'\)"),
         (dict(fp16=True), r"optimizer='muon' does not support fp16"),
         (dict(use_distributed_optimizer=True), r"use optimizer='dist_muon'"),
         (dict(optimizer="adam", use_layer_wise_distributed_optimizer=True), r"needs optimizer='muon' or 'dist_muon'"),

@@ -37,10 +37,6 @@ def test_muon_flags_reach_the_optimizer_config():
             "--muon-num-ns-steps 3 does not fit --muon-coefficient-type quintic: it must be a multiple of 5",
         ),
         (
-            ["--optimizer", "muon", "--muon-scalar-optimizer", "lion"],
-            "not supported yet: the lion scalar optimizer of Muon (--muon-scalar-optimizer lion)",
-        ),
-        (
             ["--optimizer", "dist_muon", "--use-distributed-optimizer"],
             "--optimizer dist_muon cannot shard its state with --use-distributed-optimizer (Newton-Schulz needs whole "
             "matrices); unset --use-distributed-optimizer",
@@ -50,7 +46,6 @@ def test_muon_flags_reach_the_optimizer_config():
             "use --optimizer dist_muon (the layer-wise distributed optimizer) instead",
         ),
         (["--optimizer", "muon", "--fp16"], "--optimizer muon does not support fp16"),
-        (["--lion-beta1", "0.5"], "not supported yet: the Lion optimizer (--lion-beta1 0.5)"),
     ],
 )
 def test_bad_muon_settings_name_their_flags(argv, message):
