@@ -15,8 +15,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
-from megatron.core.fusions import fused_layer_norm  # noqa: E402
+from megatron.core.fusions import fused_layer_norm, fused_rope  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin  # noqa: E402
 
 # The PyTorch bodies must not run here: a check that silently fell back to them would compare PyTorch with itself.
 PYTORCH_BODIES = {
@@ -81,6 +82,16 @@ def _cases():
         yield norm, lambda x, w, b, norm=norm: fused_norm(x, w, b, 1e-5, norm), norm_ref, (x, w, b)
     ce = fused_cross_entropy.fused_vocab_parallel_cross_entropy
     yield "cross_entropy", lambda logits: ce(logits, target, None), ce_ref, (logits,)
+    # RoPE on [s, b, heads, head_dim] with partial rotary (12 of 16 channels rotated, 4 passed through).
+    t = torch.randn(5, 2, 3, 16, generator=g)
+    angles = torch.randn(5, 1, 1, 6, generator=g) * 3
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+
+    def rope_ref(t):
+        return apply_rotary_pos_emb_with_cos_sin(t, cos, sin)
+
+    yield "rope", lambda t: fused_rope.fused_apply_rotary_pos_emb(t, cos, sin), rope_ref, (t,)
 
 
 def _forbid_pytorch_bodies():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy, kernel_dispatch
+from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy, fused_rope, kernel_dispatch
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.fusions.fused_layer_norm import fused_norm
 from megatron.core.transformer.mlp import MLP
@@ -122,6 +122,13 @@ def test_a_fusion_on_a_device_without_its_kernel_says_so_once(monkeypatch):
     ]
 
 
+def test_interleaved_rope_on_a_gpu_says_it_runs_unfused(monkeypatch):
+    monkeypatch.setattr(kernel_dispatch, "_noticed", set())
+    with pytest.warns(UserWarning, match="apply_rope_fusion: no kernel for interleaved rotary channels; running the "):
+        assert not fused_rope.fused_rope_available(torch.empty(2, 8, device="meta"), rotary_interleaved=True)
+    assert not fused_rope.fused_rope_available(torch.empty(2, 8), rotary_interleaved=False)  # CPU: PyTorch's code
+
+
 def test_cpu_runs_the_fusions_without_a_notice(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "_noticed", set())
     with warnings.catch_warnings():
@@ -143,7 +150,12 @@ def test_activation_without_a_fused_kernel_gets_one_notice(monkeypatch):
 
 # ---- the model with the fusions on vs off ---------------------------------------------------------------------------
 
-FUSIONS_ON = {"bias_activation_fusion": True, "persist_layer_norm": True, "cross_entropy_loss_fusion": True}
+FUSIONS_ON = {
+    "bias_activation_fusion": True,
+    "persist_layer_norm": True,
+    "cross_entropy_loss_fusion": True,
+    "apply_rope_fusion": True,
+}
 
 
 def _loss_and_grads(tp, variant, overrides):
