@@ -168,12 +168,40 @@ def _loss_and_grads(tp, variant, overrides):
     return loss.detach(), full_gradients(model), fused
 
 
+def _recomputing_cross_entropy_at_tp2():
+    """The Triton path's order (per-rank statistics combined over TP, softmax recomputed in backward), run eagerly
+    on this rank's half of the vocabulary: ``(loss, full logits gradient)`` and F.cross_entropy's."""
+    from megatron.core import parallel_state
+    from tests.unit_tests.models.gpt_test_helpers import gather_logits
+
+    g = torch.Generator().manual_seed(5)
+    logits, target = torch.randn(6, 3, 40, generator=g) * 4, torch.randint(0, 40, (6, 3), generator=g)
+    group = parallel_state.get_tensor_model_parallel_group()
+    shard = logits.chunk(2, dim=-1)[torch.distributed.get_rank(group)].clone().requires_grad_()
+    original = (fused_cross_entropy.compile_cpu_fusions, fused_cross_entropy.cpu_body)
+    fused_cross_entropy.compile_cpu_fusions, fused_cross_entropy.cpu_body = (lambda: True), (lambda fn: fn)
+    try:
+        loss = fused_cross_entropy.fused_vocab_parallel_cross_entropy(shard, target, group)
+    finally:
+        fused_cross_entropy.compile_cpu_fusions, fused_cross_entropy.cpu_body = original
+    weights = torch.rand(6, 3, generator=g)
+    (loss * weights).sum().backward()
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full.reshape(-1, 40), target.reshape(-1), reduction="none").view(6, 3)
+    (expected * weights).sum().backward()
+    return (loss.detach(), gather_logits(shard.grad)), (expected.detach(), full.grad)
+
+
 def _fused_vs_unfused():
     """On each of 2 ranks: Llama (RMSNorm, SwiGLU without bias) at TP=2 fused vs TP=1 unfused; GPT-2 (LayerNorm,
-    GeLU with bias) fused vs unfused with GeLU's tanh approximation (which the fused GeLU computes)."""
+    GeLU with bias) fused vs unfused with GeLU's tanh approximation (which the fused GeLU computes); the recomputing
+    cross entropy at TP=2 vs F.cross_entropy."""
     tanh_gelu = {"activation_func": lambda x: F.gelu(x, approximate="tanh")}
+    llama = (_loss_and_grads(2, "llama", FUSIONS_ON), _loss_and_grads(1, "llama", {}))
+    build_model(2, False, "llama")  # TP=2 groups for the cross entropy
     return {
-        "llama": (_loss_and_grads(2, "llama", FUSIONS_ON), _loss_and_grads(1, "llama", {})),
+        "cross_entropy_tp2": _recomputing_cross_entropy_at_tp2(),
+        "llama": llama,
         "gpt2": (_loss_and_grads(1, "gpt2", FUSIONS_ON), _loss_and_grads(1, "gpt2", tanh_gelu)),
     }
 
@@ -189,3 +217,9 @@ def test_model_with_fusions_matches_unfused(fused_vs_unfused, variant, activatio
     assert fused == (activation, True) and unfused == (None, False)  # the fused paths ran
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=0)
     assert_close_dicts(fused_grads, grads, tolerance=1e-5, what=variant)
+
+
+def test_recomputing_cross_entropy_at_tp2_matches_torch(fused_vs_unfused):
+    (loss, grad), (expected, expected_grad) = fused_vs_unfused["cross_entropy_tp2"]
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
