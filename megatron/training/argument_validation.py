@@ -90,15 +90,12 @@ _NON_NEGATIVE_INTS = (
 )
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
-# Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off.
+# Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off. (The bias
+# activation, layer-norm, RoPE and cross-entropy fusions are megatron.core.fusions and run on every device.)
 _FUSION_SWITCHES = {
     "masked_softmax_fusion": "--no-masked-softmax-fusion",
-    "bias_gelu_fusion": "--no-bias-gelu-fusion",
-    "bias_swiglu_fusion": "--no-bias-swiglu-fusion",
     "bias_dropout_fusion": "--no-bias-dropout-fusion",
-    "apply_rope_fusion": "--no-rope-fusion",
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
-    "cross_entropy_loss_fusion": "no --cross-entropy-loss-fusion",
 }
 
 
@@ -741,9 +738,6 @@ def _turn_off_what_cannot_run_here(args) -> None:
         if getattr(args, dest):
             setattr(args, dest, False)
             switched_off.append((dest, flag))
-    if not args.no_persist_layer_norm:
-        args.no_persist_layer_norm = True
-        switched_off.append(("persist_layer_norm", "--no-persist-layer-norm"))
     if switched_off:
         names = ", ".join(dest for dest, _ in switched_off)
         flags = " ".join(flag for _, flag in switched_off)

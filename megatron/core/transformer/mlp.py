@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.fusions.kernel_dispatch import fallback_notice
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -155,6 +159,25 @@ class MLP(MegatronModule):
             tp_group=self.tp_group,
         )
         self.checkpoint_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
+        self.fused_activation = self._select_fused_activation(config) if config.bias_activation_fusion else None
+
+    def _select_fused_activation(self, config: TransformerConfig):
+        """The fused bias + activation for ``bias_activation_fusion``: SwiGLU (gated SiLU) or GeLU; None, with one
+        notice, for an activation that has no fused kernel (the unfused code computes it)."""
+        if isinstance(self.activation_func, torch.nn.Module):
+            return None  # Transformer Engine's activation module fuses on its own
+        if config.gated_linear_unit and self.activation_func is F.silu:
+            return bias_swiglu_impl
+        if not config.gated_linear_unit and self.activation_func is F.gelu:
+            return bias_gelu_impl
+        name = getattr(self.activation_func, "__name__", repr(self.activation_func))
+        kind = "gated " if config.gated_linear_unit else ""
+        fallback_notice(
+            "bias_activation_fusion",
+            f"no fused kernel for the {kind}activation {name} (only SwiGLU and GeLU have one); running the unfused "
+            "activation. Pass --no-bias-gelu-fusion (bias_activation_fusion=False) to silence this",
+        )
+        return None
 
     @classmethod
     def as_mlp_submodule(
@@ -181,6 +204,8 @@ class MLP(MegatronModule):
         )
 
     def _activation(self, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused_activation is not None:
+            return self.fused_activation(intermediate, bias)
         if bias is not None:
             intermediate = intermediate + bias
         if self.config.gated_linear_unit and not isinstance(self.activation_func, torch.nn.Module):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from megatron.core.fusions.fused_rope import fused_apply_rotary_pos_emb, fused_rope_available
 from megatron.core.public_api import public_api
 from megatron.core.transformer.context_parallel.batch import chunks_of_cp_rank
 
@@ -59,7 +60,8 @@ def apply_rotary_pos_emb(
     With ``cu_seqlens`` ``t`` holds packed sequences ``[total_tokens, heads, head_dim]`` (THD) and every sequence
     restarts at position 0. ``mla_rotary_interleaved`` says ``t``'s rotary channels are stored interleaved
     (multi-latent attention's layout): they are de-interleaved and then rotated non-interleaved. Context-parallel
-    splits of the sequence (``cp_group`` of more than one rank) are not supported yet.
+    splits of the sequence (``cp_group`` of more than one rank) are not supported yet. With
+    ``config.apply_rope_fusion`` the rotation runs through ``megatron.core.fusions.fused_rope`` (our kernel on CUDA).
     """
     if cp_group is not None and cp_group.size() > 1:
         raise ValueError(
@@ -74,7 +76,10 @@ def apply_rotary_pos_emb(
         t_rot = t[..., :rot_dim]
         t = torch.cat((t_rot[..., 0::2], t_rot[..., 1::2], t[..., rot_dim:]), dim=-1)
     interleaved = config.rotary_interleaved and not mla_rotary_interleaved
-    return apply_rotary_pos_emb_with_cos_sin(t, torch.cos(freqs) * mscale, torch.sin(freqs) * mscale, interleaved)
+    cos, sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
+    if config.apply_rope_fusion and fused_rope_available(t, interleaved):
+        return fused_apply_rotary_pos_emb(t, cos, sin)
+    return apply_rotary_pos_emb_with_cos_sin(t, cos, sin, interleaved)
 
 
 @public_api("megatron.core.models.common.embeddings.rope_utils")

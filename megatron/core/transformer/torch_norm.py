@@ -5,6 +5,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_layer_norm import fused_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_current_device
 
@@ -21,12 +22,16 @@ class LayerNormBuilder(Protocol):
     def __call__(self, *, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> LayerNormInterface: ...
 
 
-def normalize(x, normalization: str, weight, bias, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
+def normalize(
+    x, normalization: str, weight, bias, eps: float, zero_centered_gamma: bool = False, fused: bool = False
+) -> torch.Tensor:
     """LayerNorm or RMSNorm of ``x`` over its last axis. With ``zero_centered_gamma`` (Megatron's
     ``--apply-layernorm-1p``) the stored ``weight`` is gamma - 1: it starts at zero, and weight decay pulls gamma
-    towards one rather than zero."""
+    towards one rather than zero. ``fused`` runs it through ``megatron.core.fusions.fused_layer_norm``."""
     if zero_centered_gamma:
         weight = weight + 1
+    if fused:
+        return fused_norm(x, weight, bias, eps, normalization)
     shape = (x.shape[-1],)
     if normalization == "LayerNorm":
         return F.layer_norm(x, shape, weight, bias, eps)
@@ -34,14 +39,16 @@ def normalize(x, normalization: str, weight, bias, eps: float, zero_centered_gam
 
 
 class _ZeroCenteredGamma:
-    """Mixin for torch's LayerNorm / RMSNorm: the weight holds gamma - 1 when ``zero_centered_gamma`` is set."""
+    """Mixin for torch's LayerNorm / RMSNorm: the weight holds gamma - 1 when ``zero_centered_gamma`` is set;
+    ``fused`` (``persist_layer_norm``) routes the norm through the fused kernel."""
 
     _normalization = None
 
-    def __init__(self, *args, zero_centered_gamma: bool = False, **kwargs):
+    def __init__(self, *args, zero_centered_gamma: bool = False, fused: bool = False, **kwargs):
         self.zero_centered_gamma = False  # what torch's __init__ (through reset_parameters) sees
         super().__init__(*args, **kwargs)
         self.zero_centered_gamma = zero_centered_gamma
+        self.fused = fused
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -50,9 +57,10 @@ class _ZeroCenteredGamma:
             torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.zero_centered_gamma:
+        if not (self.zero_centered_gamma or self.fused):
             return super().forward(x)
-        return normalize(x, self._normalization, self.weight, getattr(self, "bias", None), self.eps, True)
+        bias = getattr(self, "bias", None)
+        return normalize(x, self._normalization, self.weight, bias, self.eps, self.zero_centered_gamma, self.fused)
 
 
 class LayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
@@ -71,6 +79,9 @@ class WrappedTorchNorm:
     """Builds a PyTorch LayerNorm or RMSNorm for ``config.normalization``, zero-centred with
     ``config.layernorm_zero_centered_gamma`` (which Megatron-Core's own PyTorch norms refuse; its Transformer
     Engine norms have it).
+
+    With ``config.persist_layer_norm`` (Megatron-LM's default) the norm runs through the fused kernel layer
+    (``megatron.core.fusions.fused_layer_norm``).
 
     Under sequence parallelism each rank normalises a different slice of the sequence, so the norm's parameter
     gradients are partial: the parameters are marked ``sequence_parallel=True`` for gradient finalisation to
@@ -98,7 +109,13 @@ class WrappedTorchNorm:
         else:
             raise ValueError(f"normalization={normalization!r} is not supported; use 'LayerNorm' or 'RMSNorm'")
         zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
-        norm = norm_class(hidden_size, eps=eps, dtype=config.params_dtype, zero_centered_gamma=zero_centered_gamma)
+        norm = norm_class(
+            hidden_size,
+            eps=eps,
+            dtype=config.params_dtype,
+            zero_centered_gamma=zero_centered_gamma,
+            fused=config.persist_layer_norm,
+        )
         norm.to(get_current_device())
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel

@@ -137,6 +137,7 @@ def test_language_model_loss_uses_the_models_tp_group(monkeypatch):
 
     monkeypatch.setattr(language_module_module.tensor_parallel, "vocab_parallel_cross_entropy", recording_cross_entropy)
     group = _OneRankGroup()
-    model = SimpleNamespace(tp_group=group)  # Megatron's test passes only these two attributes
+    # Megatron's test passes only these attributes (the config only says whether the loss is fused).
+    model = SimpleNamespace(tp_group=group, config=SimpleNamespace(cross_entropy_loss_fusion=False))
     loss = LanguageModule.compute_language_model_loss(model, torch.zeros(2, 3, dtype=torch.long), torch.randn(3, 2, 8))
     assert seen["tp_group"] is group and loss.shape == (2, 3)

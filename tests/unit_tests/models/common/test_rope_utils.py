@@ -14,7 +14,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-PLAIN = SimpleNamespace(rotary_interleaved=False)
+PLAIN = SimpleNamespace(rotary_interleaved=False, apply_rope_fusion=False)
 
 
 def test_packed_sequences_restart_positions():

@@ -6,6 +6,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from megatron.core.fusions.kernel_dispatch import fallback_notice
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.parallel_state import tp_group_or_default
@@ -129,7 +131,16 @@ class LanguageModule(MegatronModule):
         labels = labels.transpose(0, 1).contiguous()
         # The cross entropy computes in fp32 whatever the logits' dtype, so fp16_lm_cross_entropy changes nothing
         # here (as in Megatron-Core 0.19).
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
+        if self.config.cross_entropy_loss_fusion:
+            if self.config.cross_entropy_fusion_impl == "te":
+                fallback_notice(
+                    "cross_entropy_loss_fusion",
+                    "--cross-entropy-fusion-impl te needs Transformer Engine, which this build does not use; running "
+                    "the native fused cross entropy (pass --cross-entropy-fusion-impl native to silence this)",
+                )
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
     def setup_embeddings_and_output_layer(self) -> None:

@@ -1,0 +1,164 @@
+"""Per-fusion speed on CPU: forward + backward of each fused op against the unfused PyTorch ops the model runs with
+the fusion off, on the reference model's shapes (1,024 tokens: seq 256 x micro-batch 4; hidden 256, FFN 1024,
+vocab 8192; fp32).
+
+For each fusion three bodies are timed, interleaved round by round so that load on the machine hits them alike:
+
+- ``unfused``: the model's code with the flag off (autograd over the separate ops);
+- ``fused eager``: our autograd function with its PyTorch body (what runs on CPU with the flag on);
+- ``compiled``: the same math through ``torch.compile`` (inductor), with its one-off compile time measured too.
+
+    python benchmarks/bench_fusions.py [--threads 2 --rounds 15]
+
+Prints a table (median ms per forward + backward) and writes benchmarks/results/fusions.json.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
+from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+
+TOKENS, HIDDEN, FFN, VOCAB = 1024, 256, 1024, 8192
+
+
+def _swiglu_unfused(y):
+    gate, up = torch.chunk(y, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gelu_unfused(y, bias):
+    return F.gelu(y + bias)
+
+
+def _ce_compiled_body():
+    stats = torch.compile(fused_cross_entropy.cross_entropy_statistics, dynamic=False)
+    back = torch.compile(fused_cross_entropy.cross_entropy_backward, dynamic=False)
+
+    class _Compiled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target):
+            row_max, sum_exp, target_logit = stats(logits, target, 0)
+            ctx.save_for_backward(logits, target, row_max, sum_exp)
+            return torch.log(sum_exp) + row_max - target_logit
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            logits, target, row_max, sum_exp = ctx.saved_tensors
+            return back(logits, target, row_max, sum_exp, grad_output.contiguous(), 0), None
+
+    return _Compiled.apply
+
+
+def _cases():
+    """name -> (inputs factory, {variant: fn})."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return lambda: torch.randn(*shape, generator=g).requires_grad_()
+
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    norm_ref = {"LayerNorm": F.layer_norm, "RMSNorm": lambda x, s, w, b, eps: F.rms_norm(x, s, w, eps)}
+    cases = {
+        "swiglu (no bias)": (
+            [randn(TOKENS, 2 * FFN)],
+            {
+                "unfused": _swiglu_unfused,
+                "fused eager": lambda y: fused_bias_swiglu.bias_swiglu_impl(y, None),
+                "compiled": torch.compile(_swiglu_unfused, dynamic=False),
+            },
+        ),
+        "bias + gelu": (
+            [randn(TOKENS, FFN), randn(FFN)],
+            {
+                "unfused": _gelu_unfused,
+                "fused eager": lambda y, b: fused_bias_gelu.bias_gelu_impl(y, b),
+                "compiled": torch.compile(lambda y, b: fused_bias_gelu.bias_gelu(b, y), dynamic=False),
+            },
+        ),
+        "cross entropy": (
+            [randn(TOKENS, VOCAB)],
+            {
+                "unfused": lambda x: vocab_parallel_cross_entropy(x, target),
+                "fused eager": lambda x: fused_cross_entropy.fused_vocab_parallel_cross_entropy(x, target, None),
+                "compiled": (lambda f: lambda x: f(x, target))(_ce_compiled_body()),
+            },
+        ),
+    }
+    for norm, ref in norm_ref.items():
+
+        def unfused(x, w, b, ref=ref):
+            return ref(x, (HIDDEN,), w, b, 1e-5)
+
+        cases[norm] = (
+            [randn(TOKENS, HIDDEN), randn(HIDDEN), randn(HIDDEN)],
+            {
+                "unfused": unfused,
+                "fused eager": lambda x, w, b, norm=norm: fused_norm(x, w, b, 1e-5, norm),
+                "compiled": torch.compile(unfused, dynamic=False),
+            },
+        )
+    return cases
+
+
+def _step(fn, inputs):
+    out = fn(*inputs)
+    out.backward(torch.ones_like(out))
+
+
+def run(rounds: int, reps: int) -> dict:
+    results = {}
+    for name, (factories, variants) in _cases().items():
+        inputs = [make() for make in factories]
+        compile_s = time.perf_counter()
+        _step(variants["compiled"], inputs)
+        compile_s = time.perf_counter() - compile_s
+        for fn in variants.values():
+            _step(fn, inputs)  # warm-up
+        times = {variant: [] for variant in variants}
+        for _ in range(rounds):
+            for variant, fn in variants.items():
+                start = time.perf_counter()
+                for _ in range(reps):
+                    _step(fn, inputs)
+                times[variant].append((time.perf_counter() - start) / reps * 1e3)
+        results[name] = {variant: statistics.median(t) for variant, t in times.items()}
+        results[name]["compile_s"] = compile_s
+        print(f"  measured {name}", file=sys.stderr, flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = run(args.rounds, args.reps)
+    print(f"\nfwd+bwd ms per call, median of {args.rounds} rounds, {args.threads} threads, fp32")
+    header = ("unfused", "fused eager", "compiled", "eager/unf", "comp/unf", "compile s")
+    print(f"{'fusion':<18} " + " ".join(f"{h:>11}" for h in header))
+    for name, r in results.items():
+        print(
+            f"{name:<18} {r['unfused']:>11.2f} {r['fused eager']:>11.2f} {r['compiled']:>11.2f} "
+            f"{r['fused eager'] / r['unfused']:>10.2f}x {r['compiled'] / r['unfused']:>10.2f}x {r['compile_s']:>11.1f}"
+        )
+    out = REPO_ROOT / "benchmarks" / "results" / "fusions.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Run every Triton kernel of megatron.core.fusions in Triton's CPU interpreter against its PyTorch reference.
+
+Started as a subprocess by test_triton_kernels.py: TRITON_INTERPRET must be set before Triton is first imported, and
+setting it in the test process would change Triton for every other test. Prints one JSON object mapping each case
+``fusion/dtype`` to None (forward and backward match the reference) or the mismatch message.
+"""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
+from megatron.core.fusions import fused_layer_norm, fused_rope  # noqa: E402
+from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin  # noqa: E402
+
+# The PyTorch bodies must not run here: a check that silently fell back to them would compare PyTorch with itself.
+PYTORCH_BODIES = {
+    fused_bias_swiglu: ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back"),
+    fused_bias_gelu: ("bias_gelu", "bias_gelu_back"),
+    fused_layer_norm: ("_torch_norm",),
+    fused_cross_entropy: ("cross_entropy_statistics", "cross_entropy_backward", "_eager_forward", "_softmax_backward"),
+}
+
+# Storage-precision tolerances: the kernels compute in fp32 and round once when storing.
+TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _compare(kernel_fn, reference_fn, inputs, dtype):
+    """Forward outputs and input gradients of ``kernel_fn`` vs ``reference_fn`` (run in fp32 on the same values)."""
+    ours = [x.detach().to(dtype).requires_grad_(x.is_floating_point()) for x in inputs]
+    ref = [x.detach().to(dtype).float().requires_grad_(x.is_floating_point()) for x in inputs]
+    out, expected = kernel_fn(*ours), reference_fn(*ref)
+    grad = torch.randn_like(expected)
+    out.backward(grad.to(out.dtype))
+    expected.backward(grad)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype], msg=lambda m: f"forward: {m}")
+    for mine, theirs in zip(ours, ref):
+        if mine.grad is not None:
+            scale = theirs.grad.abs().max().clamp_min(1.0)  # bias gradients sum many rows
+            torch.testing.assert_close(
+                mine.grad.float() / scale, theirs.grad / scale, **TOLERANCES[dtype], msg=lambda m: f"backward: {m}"
+            )
+
+
+def _reference_gelu(y, bias):
+    x = y + bias
+    return F.gelu(x, approximate="tanh")
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(6, 2 * 40, generator=g) * 3
+    bias = torch.randn(2 * 40, generator=g)
+    x = torch.randn(2, 3, 48, generator=g) * 2 + 0.5
+    w, b = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    logits = torch.randn(5, 70, generator=g) * 4
+    target = torch.randint(0, 70, (5,), generator=g)
+
+    def swiglu_ref(y, bias=None):
+        a, c = torch.chunk(y if bias is None else y + bias, 2, -1)
+        return F.silu(a) * c
+
+    def ce_ref(logits):
+        return F.cross_entropy(logits, target, reduction="none")
+
+    yield "bias_swiglu", lambda y, bias: fused_bias_swiglu.bias_swiglu_impl(y, bias), swiglu_ref, (y, bias)
+    yield "swiglu", lambda y: fused_bias_swiglu.bias_swiglu_impl(y, None), swiglu_ref, (y,)
+    yield "bias_gelu", lambda y, bias: fused_bias_gelu.bias_gelu_impl(y, bias), _reference_gelu, (y, bias)
+    for norm in ("LayerNorm", "RMSNorm"):
+
+        def norm_ref(x, w, b, norm=norm):
+            if norm == "RMSNorm":
+                return F.rms_norm(x, (48,), w, 1e-5)
+            return F.layer_norm(x, (48,), w, b, 1e-5)
+
+        yield norm, lambda x, w, b, norm=norm: fused_norm(x, w, b, 1e-5, norm), norm_ref, (x, w, b)
+    ce = fused_cross_entropy.fused_vocab_parallel_cross_entropy
+    yield "cross_entropy", lambda logits: ce(logits, target, None), ce_ref, (logits,)
+    # RoPE on [s, b, heads, head_dim] with partial rotary (12 of 16 channels rotated, 4 passed through).
+    t = torch.randn(5, 2, 3, 16, generator=g)
+    angles = torch.randn(5, 1, 1, 6, generator=g) * 3
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+
+    def rope_ref(t):
+        return apply_rotary_pos_emb_with_cos_sin(t, cos, sin)
+
+    yield "rope", lambda t: fused_rope.fused_apply_rotary_pos_emb(t, cos, sin), rope_ref, (t,)
+
+
+def _forbid_pytorch_bodies():
+    for module, names in PYTORCH_BODIES.items():
+        for name in names:
+
+            def forbidden(*args, name=name, **kwargs):
+                raise AssertionError(f"the PyTorch body {name} ran instead of the Triton kernel")
+
+            setattr(module, name, forbidden)
+
+
+def main():
+    _forbid_pytorch_bodies()
+    results = {}
+    for name, kernel_fn, reference_fn, inputs in _cases():
+        for dtype in TOLERANCES:
+            try:
+                _compare(kernel_fn, reference_fn, inputs, dtype)
+                results[f"{name}/{str(dtype).removeprefix('torch.')}"] = None
+            except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
+                results[f"{name}/{str(dtype).removeprefix('torch.')}"] = f"{type(error).__name__}: {error}"
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

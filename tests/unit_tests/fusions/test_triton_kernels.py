@@ -1,0 +1,65 @@
+"""Our Triton kernels without a GPU: each one runs in Triton's interpreter against its PyTorch reference (forward
+and backward, fp32 and bf16), and compiles ahead of time for Hopper (sm_90) and Blackwell (sm_100)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.core.fusions.kernel_dispatch import HAVE_TRITON, triton_interpreting
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install triton)")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope")
+DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    """One interpreter run for all kernels (a subprocess: TRITON_INTERPRET must be set before Triton is imported)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    script = Path(__file__).with_name("interpreter_checks.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_kernel_matches_reference_in_interpreter(interpreter_results, fusion, dtype):
+    case = f"{fusion}/{dtype}"
+    assert case in interpreter_results, f"the interpreter run did not check {case}"
+    assert interpreter_results[case] is None, interpreter_results[case]
+
+
+def _aot_kernels():
+    if not HAVE_TRITON:
+        return []
+    from megatron.core.fusions.kernels import activations, cross_entropy, norm, rope
+
+    kernels = []
+    for module in (activations, norm, cross_entropy, rope):
+        for kernel, signature, constexprs in module.AOT_SIGNATURES:
+            name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+            suffix = "".join(f"-{k}={v}" for k, v in constexprs.items() if k != "BLOCK")
+            kernels.append(pytest.param(kernel, signature, constexprs, id=f"{name}{suffix}"))
+    return kernels
+
+
+@pytest.mark.parametrize("arch", (90, 100), ids=("sm_90", "sm_100"))
+@pytest.mark.parametrize("kernel,signature,constexprs", _aot_kernels())
+def test_kernel_compiles_for_gpu(kernel, signature, constexprs, arch):
+    if triton_interpreting():
+        pytest.skip("TRITON_INTERPRET=1 in this process: Triton builds interpreter functions, which do not compile")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton build has no NVIDIA backend to compile for")
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    assert compiled.asm["cubin"], f"no cubin for sm_{arch}"
