@@ -73,3 +73,11 @@ def test_fsdp_dtensor_checkpoint_resumes_at_another_tensor_and_data_parallel_siz
     assert "rng_state.(0, 1).0.torch_rng_state" in keys and "iteration" in keys
     resumed = _resume(tmp_path, FSDP + ["optim_grads"], 4, cpu_data_flags)
     _assert_continues_reference(resumed, equivalence_reference, "fsdp_dtensor TP2 x DP2 -> FSDP optim_grads DP4")
+
+
+def test_fsdp_with_context_parallelism_trains_like_one_process(equivalence_reference, cpu_data_flags):
+    # Context-parallel ranks hold different tokens of the same samples, so FSDP shards and reduces over the
+    # data x context-parallel group, as the distributed optimizer does.
+    layout = FSDP + ["optim_grads_params", "--context-parallel-size", "2"]
+    flags = with_flag(EQUIVALENCE_FLAGS, "--train-iters", str(EQUIVALENCE_ITERS)) + layout + cpu_data_flags
+    assert_trains_like_reference(run_pretrain(flags, 4), equivalence_reference, "FSDP optim_grads_params CP2 x DP2")

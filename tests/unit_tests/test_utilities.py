@@ -87,7 +87,9 @@ def _worker_main(conn) -> None:
 class _Pool:
     def __init__(self):
         self.context = mp.get_context("forkserver")
-        self.context.set_forkserver_preload(["torch", "torch.distributed"])
+        # Workers fork from a server that has imported these, so a fresh worker (after a failure, or recycled) starts
+        # in a fraction of a second.
+        self.context.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.models.gpt"])
         self.workers = []  # (process, connection)
 
     def _ensure(self, count: int) -> None:
@@ -98,17 +100,21 @@ class _Pool:
             child.close()
             self.workers.append((process, parent))
 
-    def replace(self, indices) -> None:
-        for i in sorted(indices):
-            process, conn = self.workers[i]
+    def restart_all(self) -> None:
+        """Replace every worker. Groups a job leaves behind in a worker (torch keeps some alive after
+        ``destroy_process_group``) stay connected to the other workers; when one of those is killed, their gloo loops
+        spin on the dead sockets, one core-hungry thread per group. So a failure replaces all workers at once, and so
+        does a build-up of leftover threads (:meth:`recycle_if_leaking`)."""
+        for process, conn in self.workers:
             process.kill()
+        for process, conn in self.workers:
             process.join()
             conn.close()
-            parent, child = self.context.Pipe()
-            fresh = self.context.Process(target=_worker_main, args=(child,), daemon=True)
-            fresh.start()
-            child.close()
-            self.workers[i] = (fresh, parent)
+        self.workers = []
+
+    def recycle_if_leaking(self) -> None:
+        if any(_thread_count(process.pid) > _MAX_WORKER_THREADS for process, _ in self.workers):
+            self.close()
 
     def close(self) -> None:
         for process, conn in self.workers:
@@ -156,7 +162,7 @@ class _Pool:
                     errors[rank] = (status, payload)
         hung = [r for r in range(world_size) if r not in results and r not in errors]
         if errors or hung:
-            self.replace(list(errors) + hung)
+            self.restart_all()
             if retries_left and any(status == "init_error" for status, _ in errors.values()):
                 # Joining the process group failed before the test ran (a port taken in the meantime, a peer's
                 # connection refused): nothing of the test has happened yet, so run it again on a fresh port.
@@ -169,7 +175,19 @@ class _Pool:
             elif hung:
                 message.append(f"ranks {hung} were stopped after rank {next(iter(errors))} failed")
             raise DistributedTestError(f"{name} on {world_size} ranks:\n" + "\n".join(message))
+        self.recycle_if_leaking()
         return [results[rank] for rank in range(world_size)]
+
+
+# A fresh worker runs ~5 threads, a job's process groups add 3-4 gloo threads each while they live.
+_MAX_WORKER_THREADS = 150
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # no /proc (not Linux) or the process is gone
+        return 0
 
 
 def _free_port() -> int:

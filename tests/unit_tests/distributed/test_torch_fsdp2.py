@@ -25,7 +25,7 @@ from megatron.core.utils import to_local_if_dtensor
 from tests.unit_tests.models import gpt_test_helpers as gpt
 from tests.unit_tests.test_utilities import run_distributed
 
-STEPS, GLOBAL_BATCH, MICROBATCHES = 2, 4, 2
+STEPS, GLOBAL_BATCH, MICROBATCHES = 2, 8, 2  # two micro-batches per rank up to DP4
 
 # SwiGLU (its fc1 is stored as two tensors), RMSNorm, rotary, grouped-query attention, untied output layer.
 LLAMA_UNTIED = dict(
@@ -110,11 +110,11 @@ def _ddp_and_fsdp2_runs(tp: int, reshard: bool):
     return results[False], results[True]
 
 
-@pytest.mark.parametrize("tp, reshard", [(1, True), (1, False), (2, True)])
-def test_fsdp2_matches_ddp_losses_and_every_gradient(tp, reshard):
-    for rank, (ddp, fsdp2) in enumerate(run_distributed(2 * tp, _ddp_and_fsdp2_runs, tp, reshard)):
+@pytest.mark.parametrize("tp, dp, reshard", [(1, 2, True), (1, 2, False), (2, 2, True), (1, 4, True)])
+def test_fsdp2_matches_ddp_losses_and_every_gradient(tp, dp, reshard):
+    for rank, (ddp, fsdp2) in enumerate(run_distributed(tp * dp, _ddp_and_fsdp2_runs, tp, reshard)):
         for step, ((ddp_loss, ddp_grads, ddp_norm), (loss, grads, norm)) in enumerate(zip(ddp, fsdp2)):
-            what = f"TP{tp} x DP2 reshard={reshard} rank {rank} step {step}"
+            what = f"TP{tp} x DP{dp} reshard={reshard} rank {rank} step {step}"
             assert loss == pytest.approx(ddp_loss, rel=1e-5), what
             assert norm == pytest.approx(ddp_norm, rel=1e-5), what
             gpt.assert_close_dicts(grads, ddp_grads, tolerance=1e-5, what=what)

@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import activation_offload
 from megatron.core.transformer.activation_offload import HostOffloadHooks
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -17,10 +18,12 @@ NO_MIN_SIZE = dict(min_offloaded_tensor_size=0)  # the default (2^20 elements) i
 BASE = dict(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, hidden_dropout=0.0)
 
 
-def _loss_and_grads(offload: dict):
-    Utils.initialize_model_parallel()
+def _loss_and_grads(offload: dict, tp: int = 1):
+    Utils.initialize_model_parallel(tp)
+    model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    config = TransformerConfig(**BASE, attention_dropout=0.0, **offload)
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    config = TransformerConfig(**BASE, attention_dropout=0.0, **parallel, **offload)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
     model = GPTModel(config, spec, VOCAB, SEQ)
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
@@ -48,10 +51,10 @@ def _loss_and_grads(offload: dict):
 _OFFLOAD_FIELDS = ("cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading")
 
 
-def _compare(offload: dict):
+def _compare(offload: dict, tp: int = 1):
     """The same model without and with the offloading fields of ``offload``."""
     model_only = {key: value for key, value in offload.items() if key not in _OFFLOAD_FIELDS}
-    return _loss_and_grads(model_only), _loss_and_grads(offload)
+    return _loss_and_grads(model_only, tp), _loss_and_grads(offload, tp)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +85,17 @@ def test_offloaded_activations_give_bitwise_equal_gradients(offload):
     assert plain[2] == []
     # Something was offloaded, each into its own host buffer.
     assert offloaded[2] and all(offloaded[2])
+
+
+def test_offloading_under_tensor_and_sequence_parallelism_gives_bitwise_equal_gradients():
+    # TP2 x DP2 with sequence parallelism: each rank offloads its own shards (sequence-split activations, head-split
+    # attention), and gets back exactly the gradients of its run without offloading.
+    offload = dict(fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_norm"], **NO_MIN_SIZE)
+    for rank, (plain, offloaded) in enumerate(run_distributed(4, _compare, offload, 2)):
+        assert offloaded[0] == plain[0], f"rank {rank}"
+        for name, grad in plain[1].items():
+            assert torch.equal(offloaded[1][name], grad), f"rank {rank}: {name}"
+        assert offloaded[2] and all(offloaded[2])
 
 
 def test_small_tensors_and_parameters_stay_where_they_are():
