@@ -32,7 +32,9 @@ def test_rotation_of_channel_pairs(interleaved, percent):
     freqs = rope(s)
     assert freqs.shape == (s, 1, 1, rot)
     t = torch.randn(s, 2, 3, d, dtype=torch.float64)
-    out = apply_rotary_pos_emb(t, freqs.double(), SimpleNamespace(rotary_interleaved=interleaved))
+    out = apply_rotary_pos_emb(
+        t, freqs.double(), SimpleNamespace(rotary_interleaved=interleaved, apply_rope_fusion=False)
+    )
     inv_freq = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     angles = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq[None]
     if interleaved:
@@ -47,7 +49,7 @@ def test_rotation_of_channel_pairs(interleaved, percent):
 def test_relative_positions_only():
     """q.k after rotation depends only on the distance between positions (the point of RoPE)."""
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)
-    config = SimpleNamespace(rotary_interleaved=False)
+    config = SimpleNamespace(rotary_interleaved=False, apply_rope_fusion=False)
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
     freqs = rope(10)
 
