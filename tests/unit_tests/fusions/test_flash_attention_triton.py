@@ -72,7 +72,7 @@ def _compile(kernel, arch: int, dtype: str = "bf16"):
 
 @pytest.mark.parametrize("arch", [90, 100])
 def test_kernels_compile_for_gpus_ahead_of_time(arch):
-    from megatron.core.fusions import fused_flash_attention as kernels
+    from megatron.core.fusions.kernels import flash_attention as kernels
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted, not compiled")
