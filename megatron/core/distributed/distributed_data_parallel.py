@@ -18,6 +18,7 @@ Typical step::
 """
 
 import logging
+import weakref
 from contextlib import contextmanager
 from typing import List, Optional
 
@@ -105,8 +106,12 @@ class DistributedDataParallel(MegatronModule):
             current.next_param_gather_bucket_group = following
         self.param_to_bucket_group = {p: group for group in self._all_bucket_groups for p in group.params}
 
+        # The hook reaches this wrapper through a weak reference: a hook held by a parameter is out of the garbage
+        # collector's sight once autograd holds the parameter too, so a strong one would keep the wrapper (and its
+        # process groups, with their threads) alive after the caller drops it.
+        this = weakref.ref(self)
         self._grad_accumulation_hooks = [
-            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+            param.register_post_accumulate_grad_hook(lambda param: this()._accumulate_into_main_grad(param))
             for param in self.param_to_bucket_group
         ]
         self._param_gather_hooks = []

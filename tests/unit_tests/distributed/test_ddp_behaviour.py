@@ -1,6 +1,8 @@
 """DDP details: bucket layout, NaN detection, parameter broadcast, unused parameters, per-token loss, bad configs."""
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -183,3 +185,26 @@ def test_ddp_config_accepts_megatron_defaults_and_harmless_knobs():
         disable_symmetric_registration=True, param_name_patterns_for_fp32_local_accumulation=[]
     )
     assert config.fsdp_all_gather_in_start_param_sync and config.megatron_fsdp_main_params_dtype == torch.float32
+
+
+def _dropped_wrappers_are_freed():
+    Utils.initialize_model_parallel()
+    wrappers = []
+    for ddp_config in (
+        DistributedDataParallelConfig(),
+        DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100),
+    ):
+        model = wrap(TinyLM(), ddp_config)
+        tokens, labels = make_batch(2)
+        model(tokens, labels).backward()
+        model.finish_grad_sync()
+        wrappers.append(weakref.ref(model))
+        del model
+    gc.collect()
+    return [wrapper() is None for wrapper in wrappers]
+
+
+def test_a_dropped_wrapper_is_freed_with_its_buffers():
+    # A wrapper kept alive by its own gradient hooks would keep its buffers and process groups (with their threads)
+    # for the life of the process.
+    assert run_distributed(1, _dropped_wrappers_are_freed)[0] == [True, True]
