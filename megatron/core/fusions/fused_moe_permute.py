@@ -82,7 +82,9 @@ class _FusedUnpermute(torch.autograd.Function):
         permuted = permuted.contiguous()
         probs = None if probs is None else probs.contiguous()
         output, _ = kernels.gather_rows(permuted, row_id_map, weight=probs)
-        ctx.save_for_backward(permuted, row_id_map, probs)
+        # The permuted rows are needed only for the probabilities' gradient: not kept without probabilities.
+        ctx.save_for_backward(None if probs is None else permuted, row_id_map, probs)
+        ctx.num_rows = permuted.shape[0]
         return output
 
     @staticmethod
@@ -91,7 +93,7 @@ class _FusedUnpermute(torch.autograd.Function):
 
         permuted, row_id_map, probs = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        grad_permuted, _ = kernels.scatter_rows(grad_output, row_id_map, permuted.shape[0], weight=probs)
+        grad_permuted, _ = kernels.scatter_rows(grad_output, row_id_map, ctx.num_rows, weight=probs)
         grad_probs = None
         if probs is not None and ctx.needs_input_grad[2]:
             grad_probs = kernels.merging_probs_grad(grad_output, permuted, row_id_map, probs.dtype)
