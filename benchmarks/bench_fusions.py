@@ -42,7 +42,8 @@ def _moe_routing(logits, fused=False):
     return probs.sum(-1) + scores.sum(-1)
 
 
-_MOE_MAP = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, torch.arange(TOKENS * TOPK).view(-1, 2) % 8, True)
+_MOE_EXPERTS = torch.arange(TOKENS * TOPK).view(-1, TOPK) % EXPERTS  # every expert equally loaded
+_MOE_MAP = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, _MOE_EXPERTS, True)
 
 
 def _moe_permute(tokens, probs, fused=False):
