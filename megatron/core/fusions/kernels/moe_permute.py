@@ -41,16 +41,14 @@ def _scatter_rows(
     for expert in range(num_experts):
         entry = token * num_experts + expert
         row = tl.load(row_id_ptr + entry).to(tl.int64)
-        routed = row >= 0
-        # cols < 0 masks the whole block of an entry that goes nowhere
-        routed_cols = cols < tl.where(routed, hidden, 0)
-        y = x
-        if HAS_WEIGHT:
-            y = x * tl.load(weight_ptr + entry).to(tl.float32)
-        tl.store(dst_ptr + tl.where(routed, row, 0) * hidden + cols, y.to(dst_ptr.dtype.element_ty), mask=routed_cols)
-        if HAS_PROBS:
-            prob = tl.load(probs_ptr + entry).to(probs_out_ptr.dtype.element_ty)
-            tl.store(probs_out_ptr + row, prob, mask=routed & (tl.program_id(1) == 0))
+        if row >= 0:  # a whole-program branch: most entries of a row are not routed and cost one load
+            y = x
+            if HAS_WEIGHT:
+                y = x * tl.load(weight_ptr + entry).to(tl.float32)
+            tl.store(dst_ptr + row * hidden + cols, y.to(dst_ptr.dtype.element_ty), mask=in_row)
+            if HAS_PROBS:
+                prob = tl.load(probs_ptr + entry).to(probs_out_ptr.dtype.element_ty)
+                tl.store(probs_out_ptr + row, prob, mask=tl.program_id(1) == 0)
 
 
 @triton.jit
@@ -74,15 +72,15 @@ def _gather_rows(
     for expert in range(num_experts):
         entry = token * num_experts + expert
         row = tl.load(row_id_ptr + entry).to(tl.int64)
-        routed = row >= 0
-        safe_row = tl.where(routed, row, 0)
-        routed_cols = cols < tl.where(routed, hidden, 0)
-        x = tl.load(src_ptr + safe_row * hidden + cols, mask=routed_cols, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            x = x * tl.load(weight_ptr + entry).to(tl.float32)
-        acc += x
-        if HAS_PROBS:
-            grad = tl.load(probs_grad_ptr + safe_row, mask=routed, other=0.0).to(probs_grad_out_ptr.dtype.element_ty)
+        if row >= 0:  # a whole-program branch: most entries of a row are not routed and cost one load
+            x = tl.load(src_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                x = x * tl.load(weight_ptr + entry).to(tl.float32)
+            acc += x
+        if HAS_PROBS:  # every entry's gradient is written: zero where it was not routed
+            routed = row >= 0
+            grad = tl.load(probs_grad_ptr + tl.where(routed, row, 0), mask=routed, other=0.0)
+            grad = grad.to(probs_grad_out_ptr.dtype.element_ty)
             tl.store(probs_grad_out_ptr + entry, grad, mask=tl.program_id(1) == 0)
     tl.store(dst_ptr + token * hidden + cols, acc.to(dst_ptr.dtype.element_ty), mask=in_row)
 
