@@ -29,8 +29,27 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 TOKENS, HIDDEN, FFN, VOCAB = 1024, 256, 1024, 8192
+EXPERTS, TOPK = 8, 2  # MoE rows: 8 experts, top-2 (fused on CPU runs the same code as unfused: see docs/kernels.md)
+
+
+def _moe_routing(logits, fused=False):
+    """Router probabilities plus the aux-loss scores (``--moe-router-fusion``), summed into one output."""
+    probs, _ = moe_utils.topk_routing_with_score_function(logits, TOPK, fused=fused)
+    _, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, TOPK, "softmax", fused=fused)
+    return probs.sum(-1) + scores.sum(-1)
+
+
+_MOE_EXPERTS = torch.arange(TOKENS * TOPK).view(-1, TOPK) % EXPERTS  # every expert equally loaded
+_MOE_MAP = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, _MOE_EXPERTS, True)
+
+
+def _moe_permute(tokens, probs, fused=False):
+    """permute with probabilities, then unpermute weighted by them (``--moe-permute-fusion``)."""
+    permuted, _, mapping, _, _ = moe_utils.permute(tokens, _MOE_MAP, probs, TOKENS * TOPK, fused=fused)
+    return moe_utils.unpermute(permuted, mapping, tokens.shape, probs, _MOE_MAP, fused=fused)
 
 
 def _swiglu_unfused(y):
@@ -93,6 +112,22 @@ def _cases():
                 "unfused": lambda x: vocab_parallel_cross_entropy(x, target),
                 "fused eager": lambda x: fused_cross_entropy.fused_vocab_parallel_cross_entropy(x, target, None),
                 "compiled": (lambda f: lambda x: f(x, target))(_ce_compiled_body()),
+            },
+        ),
+        "moe routing": (
+            [randn(TOKENS, EXPERTS)],
+            {
+                "unfused": _moe_routing,
+                "fused eager": lambda x: _moe_routing(x, fused=True),
+                "compiled": torch.compile(_moe_routing, dynamic=False),
+            },
+        ),
+        "moe permute": (
+            [randn(TOKENS, HIDDEN), randn(TOKENS, EXPERTS)],
+            {
+                "unfused": _moe_permute,
+                "fused eager": lambda x, p: _moe_permute(x, p, fused=True),
+                "compiled": torch.compile(_moe_permute, dynamic=False),
             },
         ),
     }

@@ -62,16 +62,6 @@ MOE = FlagTable(
 )
 
 
-MOE_KERNELS = FlagTable(
-    "moe",
-    (
-        switch("--moe-permute-fusion"),
-        switch("--moe-router-fusion"),
-    ),
-    no_effect="fused MoE permutation / router kernels; the PyTorch implementation runs",
-)
-
-
 MLA = FlagTable(
     "mla",
     (
@@ -445,7 +435,6 @@ CUDA_GRAPHS = FlagTable(
 
 TABLES = (
     MOE,
-    MOE_KERNELS,
     MLA,
     ROPE_TYPE,
     EXPERIMENTAL_ATTENTION,

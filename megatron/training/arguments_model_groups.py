@@ -260,6 +260,8 @@ _MOE_FIELD_FLAGS = (
     ("moe_shared_expert_gate", {}),
     ("moe_shared_expert_overlap", {}),
     ("moe_layer_recompute", {}),
+    ("moe_permute_fusion", {}),
+    ("moe_router_fusion", {}),
     ("moe_per_layer_logging", {}),
     ("moe_apply_probs_on_input", {}),
     ("moe_router_force_load_balancing", {}),

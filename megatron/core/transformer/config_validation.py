@@ -32,7 +32,8 @@ _ROPE_TYPES = ("rope", "yarn")
 
 # Knobs that only select a fused GPU kernel or implementation: accepted at any value, with one warning when set,
 # because the pure-PyTorch code computes the same result. (bias_activation_fusion, persist_layer_norm,
-# apply_rope_fusion and cross_entropy_loss_fusion select megatron.core.fusions, which runs on every device.)
+# apply_rope_fusion, cross_entropy_loss_fusion, moe_permute_fusion and moe_router_fusion select megatron.core.fusions,
+# which runs on every device.)
 _KERNEL_KNOBS = (
     "masked_softmax_fusion",
     "memory_efficient_layer_norm",
@@ -46,8 +47,6 @@ _KERNEL_KNOBS = (
     "use_grouped_gemm_for_dense_mlp",
     "disable_parameter_transpose_cache",
     "symmetric_ar_type",
-    "moe_permute_fusion",
-    "moe_router_fusion",
 )
 
 

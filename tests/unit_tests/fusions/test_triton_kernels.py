@@ -39,10 +39,10 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, fusion, dt
 def _aot_kernels():
     if not HAVE_TRITON:
         return []
-    from megatron.core.fusions.kernels import activations, cross_entropy, norm, rope
+    from megatron.core.fusions.kernels import activations, cross_entropy, moe_permute, moe_router, norm, rope
 
     kernels = []
-    for module in (activations, norm, cross_entropy, rope):
+    for module in (activations, norm, cross_entropy, rope, moe_permute, moe_router):
         for kernel, signature, constexprs in module.AOT_SIGNATURES:
             name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
             suffix = "".join(f"-{k}={v}" for k, v in constexprs.items() if k != "BLOCK")

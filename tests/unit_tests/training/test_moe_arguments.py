@@ -154,10 +154,13 @@ def test_moe_at_tp2_without_sequence_parallel_starts_as_in_megatron_lm():
     assert config.tensor_model_parallel_size == 2 and not config.sequence_parallel
 
 
-def test_moe_kernel_switches_have_no_effect_here():
-    with pytest.warns(UserWarning, match="--moe-permute-fusion has no effect here"):
-        args = validated(*MOE, "--moe-permute-fusion")
-    assert args.moe_permute_fusion is False
+def test_moe_kernel_switches_reach_the_config():
+    """--moe-permute-fusion / --moe-router-fusion select megatron.core.fusions' MoE kernels: kept, not reset."""
+    args = validated(*MOE, "--moe-permute-fusion", "--moe-router-fusion")
+    config = core_transformer_config_from_args(args)
+    assert config.moe_permute_fusion and config.moe_router_fusion
+    default = core_transformer_config_from_args(validated(*MOE))
+    assert not default.moe_permute_fusion and not default.moe_router_fusion
 
 
 @pytest.mark.parametrize(

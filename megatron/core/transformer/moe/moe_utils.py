@@ -2,9 +2,12 @@
 token permutation, the aux-loss scaler and the aux-loss logging tracker.
 
 Formulas are those of Megatron-Core 0.19 (Switch Transformer's load-balancing loss, ST-MoE's z-loss, DeepSeek's
-group-limited routing and aux-loss-free bias update). Everything here is pure PyTorch and runs on CPU and GPU; the
-``fused`` arguments select Transformer Engine kernels in Megatron, which this project does not use, so ``fused=True``
-is refused with a clear error.
+group-limited routing and aux-loss-free bias update). Everything here is PyTorch and runs on every device. The
+``fused`` arguments (Transformer Engine kernels in Megatron) select our own: ``moe_router_fusion`` routes through
+``megatron.core.fusions.fused_moe_router`` and ``moe_permute_fusion`` permutes through
+``megatron.core.fusions.fused_moe_permute``, Triton kernels where they can run (CUDA) and the PyTorch code below
+elsewhere (docs/kernels.md). The load-balancing loss and ``sort_chunks_by_idxs`` have nothing to fuse here (a column
+sum and a scale; chunk copies), so ``fused=True`` runs the same PyTorch code.
 """
 
 from __future__ import annotations
@@ -24,14 +27,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 if TYPE_CHECKING:
     import wandb
     from torch.utils.tensorboard import SummaryWriter
-
-
-def _refuse_fused(what: str, fused: bool) -> None:
-    if fused:
-        raise ValueError(
-            f"{what}(fused=True) needs Transformer Engine's fused MoE kernels, which this project does not use; "
-            "leave moe_router_fusion / moe_permute_fusion off (the PyTorch path computes the same result)"
-        )
 
 
 # ---- load-balancing losses -----------------------------------------------------------------------------------
@@ -55,7 +50,6 @@ def switch_load_balancing_loss_func(
     parallelism): the per-rank losses then add up to the loss of the whole sequence. ``padding_mask`` (True = a
     real token) zeroes the probabilities of padding.
     """
-    _refuse_fused("switch_load_balancing_loss_func", fused)
     if padding_mask is not None:
         probs = probs * padding_mask.unsqueeze(-1)
     summed_probs = probs.sum(dim=0)
@@ -218,13 +212,21 @@ def topk_routing_with_score_function(
     ``scaling_factor`` multiplies the probabilities; ``precomputed_indices`` fixes the chosen experts. Scores are
     computed in fp32; probabilities come back in the logits' dtype.
     """
-    _refuse_fused("topk_routing_with_score_function", fused)
     if router_replay is not None:
         raise ValueError("routing replay (router_replay) is not supported yet; leave moe_enable_routing_replay off")
     if logits.dim() != 2:
         raise ValueError(
             f"topk_routing_with_score_function expects [tokens, experts] logits, got {tuple(logits.shape)}"
         )
+    if fused:
+        if precomputed_indices is not None:
+            raise ValueError("precomputed_indices are not supported with moe_router_fusion (as in Megatron)")
+        from megatron.core.fusions import fused_moe_router
+
+        if fused_moe_router.router_kernel_available(logits, group_topk, dense_output):
+            return fused_moe_router.fused_topk_with_score_function(
+                logits, topk, use_pre_softmax, scaling_factor, score_function, expert_bias
+            )
     num_tokens, num_experts = logits.shape
 
     def choose(scores):
@@ -270,14 +272,20 @@ def compute_routing_scores_for_aux_loss(
     """``(routing map, scores)`` the load-balancing losses use: scores normalised over all experts (softmax, or
     sigmoid / sqrtsoftplus divided by their sum) and the top-k map of those scores, without expert bias or groups.
     ``padding_mask`` (True = padding) zeroes padding rows."""
-    _refuse_fused("compute_routing_scores_for_aux_loss", fused)
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = _score(logits, score_function)
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    _, top_indices = torch.topk(scores, k=topk, dim=1)
-    routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, top_indices, 1).bool()
+    routing_map = None
+    if fused:
+        from megatron.core.fusions import fused_moe_router
+
+        if fused_moe_router.router_kernel_available(logits):
+            routing_map, scores = fused_moe_router.fused_compute_score_for_moe_aux_loss(logits, topk, score_function)
+    if routing_map is None:
+        if score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = _score(logits, score_function)
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        _, top_indices = torch.topk(scores, k=topk, dim=1)
+        routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, top_indices, 1).bool()
     if padding_mask is not None:
         valid = (~padding_mask).unsqueeze(-1)
         routing_map = routing_map & valid
@@ -367,9 +375,17 @@ def permute(
     ``drop_and_pad`` every expert has exactly ``num_out_tokens // experts`` rows (the capacity). Returns
     ``(permuted tokens, permuted probs or None, sorted_indices, None, tokens_per_expert)``: ``sorted_indices[j]`` is
     the token row that permuted row j came from. The pad offsets (None) and ``align_size`` belong to Transformer
-    Engine's fused pad-to-alignment kernel.
+    Engine's fused pad-to-alignment kernel. ``fused`` (``moe_permute_fusion``) permutes with our kernel where it can
+    run; the third value is then a ``row_id_map`` ``[tokens, experts]`` that only ``unpermute(fused=True)`` reads.
     """
-    _refuse_fused("permute", fused)
+    if fused:
+        from megatron.core.fusions import fused_moe_permute
+
+        if fused_moe_permute.permute_kernel_available(tokens):
+            permuted, permuted_probs, row_id_map = fused_moe_permute.fused_permute(
+                tokens, routing_map, probs, num_out_tokens, drop_and_pad
+            )
+            return permuted, permuted_probs, row_id_map, None, tokens_per_expert
     num_tokens = tokens.shape[0]
     num_experts = routing_map.shape[1]
     # Expert-major, like the permuted rows, so positions in the flat routing map index it directly.
@@ -404,8 +420,14 @@ def unpermute(
 ) -> torch.Tensor:
     """Undo :func:`permute`: add each permuted row back into its token's row of a zero ``restore_shape`` tensor
     (a token's k expert outputs are summed). With ``probs`` (``[tokens, experts]``, needs ``routing_map``) each row
-    is first weighted by its routing probability."""
-    _refuse_fused("unpermute", fused)
+    is first weighted by its routing probability. ``fused``: the kernel's weighted sum where ``permute(fused=True)``
+    returned a ``row_id_map``."""
+    if fused and sorted_indices.dim() == 2:
+        # A row_id_map from the fused permute (which ran its kernel); the 1-D sorted indices of the PyTorch
+        # permute (the CPU path of the fusion) take the code below.
+        from megatron.core.fusions import fused_moe_permute
+
+        return fused_moe_permute.fused_unpermute(permuted_tokens, sorted_indices, probs)
     if pad_offsets is not None:
         raise ValueError("unpermute: pad_offsets come from Transformer Engine's fused pad kernel, which is not used")
     input_dtype = permuted_tokens.dtype
@@ -436,7 +458,6 @@ def sort_chunks_by_idxs(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Cut ``input`` (and ``probs``) into chunks of ``split_sizes`` rows along dim 0 and put them back together in
     the order ``sorted_idxs``. Sizes may be tensors or lists (a tensor costs one host sync)."""
-    _refuse_fused("sort_chunks_by_idxs", fused)
     sizes = split_sizes.tolist() if torch.is_tensor(split_sizes) else list(split_sizes)
     order = sorted_idxs.tolist() if torch.is_tensor(sorted_idxs) else list(sorted_idxs)
     chunks = torch.split(input, sizes, dim=0)

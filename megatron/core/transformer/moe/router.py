@@ -339,6 +339,7 @@ class TopKRouter(Router):
                 scaling_factor=self.config.moe_router_topk_scaling_factor,
                 score_function=self.score_function,
                 expert_bias=self.expert_bias,
+                fused=self.config.moe_router_fusion,
             )
         if self.config.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
@@ -352,7 +353,7 @@ class TopKRouter(Router):
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
             # Losses use scores over all experts, free of expert bias and group limits, as in Megatron.
             aux_map, aux_scores = compute_routing_scores_for_aux_loss(
-                logits, self.topk, self.score_function, padding_mask=padding_mask
+                logits, self.topk, self.score_function, fused=self.config.moe_router_fusion, padding_mask=padding_mask
             )
             padded = padding_mask is not None
             probs = self._apply_aux_loss(probs, aux_scores, aux_map, padded)

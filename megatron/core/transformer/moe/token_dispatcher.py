@@ -162,13 +162,22 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         tokens_per_expert = self.local_map.sum(dim=0)
         self.gathered_shape = hidden_states.shape
         permuted, permuted_probs, self.reversed_mapping, _, _ = permute(
-            hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum())
+            hidden_states,
+            self.local_map,
+            probs=local_probs,
+            num_out_tokens=int(tokens_per_expert.sum()),
+            fused=self.config.moe_permute_fusion,
         )
         return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states):
         """Sum each token's local expert outputs back into its row of the gathered tokens."""
-        return unpermute(hidden_states, self.reversed_mapping, restore_shape=self.gathered_shape)
+        return unpermute(
+            hidden_states,
+            self.reversed_mapping,
+            restore_shape=self.gathered_shape,
+            fused=self.config.moe_permute_fusion,
+        )
 
     def token_combine(self, hidden_states):
         """Reduce-scatter over ETP x EP: adds the other ranks' experts (and ETP partial sums) to this rank's
@@ -249,7 +258,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         num_out = self.num_out_tokens if self.drop_and_pad else self.num_out_tokens_local
         self.hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
-            hidden_states, routing_map, probs=probs, num_out_tokens=num_out, drop_and_pad=self.drop_and_pad
+            hidden_states,
+            routing_map,
+            probs=probs,
+            num_out_tokens=num_out,
+            fused=self.config.moe_permute_fusion,
+            drop_and_pad=self.drop_and_pad,
         )
         return permuted, permuted_probs
 
@@ -313,6 +327,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             permutated_local_input_tokens,
             self.reversed_local_input_permutation_mapping,
             restore_shape=self.hidden_shape_before_permute,
+            fused=self.config.moe_permute_fusion,
             drop_and_pad=self.drop_and_pad,
         )
         return output.view(self.hidden_shape)

@@ -13,10 +13,10 @@ from tests.unit_tests.test_utilities import Utils, run_distributed
 from tests.unit_tests.transformer.moe.moe_test_helpers import build_moe_layer, moe_config
 
 
-def test_fused_kernels_and_unsupported_arguments_are_refused():
+def test_unsupported_arguments_are_refused():
     logits = torch.randn(4, 3)
-    with pytest.raises(ValueError, match=r"permute\(fused=True\) needs Transformer Engine's fused MoE kernels"):
-        moe_utils.permute(torch.randn(4, 2), logits > 0, fused=True)
+    with pytest.raises(ValueError, match=r"precomputed_indices are not supported with moe_router_fusion"):
+        moe_utils.topk_routing_with_score_function(logits, 1, fused=True, precomputed_indices=torch.zeros(4, 1).long())
     with pytest.raises(ValueError, match=r"expects \[tokens, experts\] logits, got \(2, 4, 3\)"):
         moe_utils.topk_routing_with_score_function(torch.randn(2, 4, 3), 1)
     with pytest.raises(ValueError, match=r"routing replay \(router_replay\) is not supported yet"):
