@@ -16,9 +16,9 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from megatron.core.fusions.fused_flash_attention import sliding_window_mask
 from megatron.core.fusions.kernel_dispatch import cpu_body, use_triton
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.utils import get_default_causal_mask, get_sliding_window_causal_mask
 
 _FUSION, _FLAG = "masked_softmax_fusion", "--no-masked-softmax-fusion"
 # One program holds a row of scores in registers; longer rows run the PyTorch softmax.
@@ -42,6 +42,12 @@ def scaled_masked_softmax(
     if mask is not None and not causal:
         probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
     return probs.to(input.dtype)
+
+
+def _window_mask(sq: int, sk: int, window_size, device) -> Optional[torch.Tensor]:
+    """Megatron's sliding-window mask (True = masked): queries aligned with the last ``sq`` keys, query ``i`` seeing
+    keys ``j`` with ``-left <= j - (i + sk - sq) <= right`` (-1: unbounded)."""
+    return sliding_window_mask(sq, sk, sk - sq, False, tuple(window_size), device)
 
 
 def scaled_softmax_back(output_grads: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
@@ -194,7 +200,7 @@ class FusedScaleMaskSoftmax(nn.Module):
         scale = self.scale if self.scale is not None else 1.0
         causal = self._causal(mask, sq)
         if self.window_size is not None:
-            mask = get_sliding_window_causal_mask(sq, sk, tuple(self.window_size)).to(input.device)
+            mask = _window_mask(sq, sk, self.window_size, input.device)
         if not use_triton(input, _FUSION, _FLAG):
             return cpu_body(scaled_masked_softmax)(input, mask, scale, causal)
         if causal:
@@ -213,11 +219,11 @@ class FusedScaleMaskSoftmax(nn.Module):
         sq, sk = input.size(2), input.size(3)
         causal = self._causal(mask, sq)
         if self.window_size is not None:
-            mask = get_sliding_window_causal_mask(sq, sk, tuple(self.window_size)).to(input.device)
+            mask = _window_mask(sq, sk, self.window_size, input.device)
         elif causal:
             if sq != sk:
                 raise ValueError(f"a generated causal mask needs sq == sk (self-attention), got sq={sq}, sk={sk}")
-            mask = get_default_causal_mask(sq).to(input.device)
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=input.device).triu(1)
         scores = self.mask_func(input, mask) if mask is not None else input
         if softmax_offset is None:
             probs = torch.softmax(scores, dim=-1)
