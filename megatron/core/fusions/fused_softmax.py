@@ -2,9 +2,9 @@
 
 Megatron's module: three autograd functions (causal upper-triangular mask, a given boolean mask, no mask) and
 ``FusedScaleMaskSoftmax``, which runs them where ``is_kernel_available`` says so and its PyTorch softmax otherwise.
-On CUDA the functions are our Triton kernel (one pass per row in fp32; backward from the saved probabilities); on
-CPU the fused path is ``scaled_masked_softmax`` below under autograd (see ``kernel_dispatch`` for why), which does
-the same operations as the unfused path, so on CPU the flag changes nothing.
+On CUDA the functions are our Triton kernel (one pass per row in fp32; backward from the saved probabilities). On
+CPU the fused path runs the unfused PyTorch ops, measured fastest eagerly (see ``kernel_dispatch``), so there the
+flag changes nothing; ``MEGATRON_LITE_COMPILE_FUSIONS=1`` compiles the fused math (``scaled_masked_softmax``).
 
 Masked keys are left out of the softmax, and a row with every key masked gives zeros (as Megatron's CUDA kernels
 do). The unfused path fills masked scores through ``mask_func`` (Megatron's ``attention_mask_func`` writes -10000,
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from megatron.core.fusions.fused_flash_attention import sliding_window_mask
-from megatron.core.fusions.kernel_dispatch import cpu_body, use_triton
+from megatron.core.fusions.kernel_dispatch import compile_cpu_fusions, cpu_body, use_triton
 from megatron.core.transformer.enums import AttnMaskType
 
 _FUSION, _FLAG = "masked_softmax_fusion", "--no-masked-softmax-fusion"
@@ -194,14 +194,18 @@ class FusedScaleMaskSoftmax(nn.Module):
         return not self._causal(mask, sq) or sq == sk
 
     def forward_fused_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The fused functions (causal, masked by a given or sliding-window mask, or plain) where our kernel runs;
-        on CPU their math in PyTorch under autograd."""
+        """The fused functions (causal, masked by a given or sliding-window mask, or plain) where our kernel runs.
+        Elsewhere eagerly the unfused ops, measured fastest on CPU (they fill the mask in place), or with
+        ``MEGATRON_LITE_COMPILE_FUSIONS=1`` the fused math compiled."""
+        triton = use_triton(input, _FUSION, _FLAG)
+        if not triton and not compile_cpu_fusions():
+            return self.forward_torch_softmax(input, mask)
         b, np, sq, sk = input.size()
         scale = self.scale if self.scale is not None else 1.0
         causal = self._causal(mask, sq)
         if self.window_size is not None:
             mask = _window_mask(sq, sk, self.window_size, input.device)
-        if not use_triton(input, _FUSION, _FLAG):
+        if not triton:
             return cpu_body(scaled_masked_softmax)(input, mask, scale, causal)
         if causal:
             return ScaledUpperTriangMaskedSoftmax.apply(input.reshape(-1, sq, sk), scale).view(b, np, sq, sk)

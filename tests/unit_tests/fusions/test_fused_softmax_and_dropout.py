@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.fusions import fused_bias_dropout, kernel_dispatch
+from megatron.core.fusions import fused_bias_dropout, fused_softmax, kernel_dispatch
 from megatron.core.fusions.fused_softmax import (
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
@@ -33,6 +33,10 @@ def _forward_backward(module, scores, mask):
     return probs, scores.grad
 
 
+def _forbidden(*args, **kwargs):
+    raise AssertionError("the unfused softmax ran instead of the fused math")
+
+
 def _cases():
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 3, 6, 6, generator=g) * 4
@@ -44,18 +48,22 @@ def _cases():
     yield "no mask", AttnMaskType.no_mask, scores, None
 
 
+@pytest.mark.parametrize("body", ("eager", "compiled math"))
 @pytest.mark.parametrize("bf16", (False, True), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("scale", (None, 0.5))
 @pytest.mark.parametrize("case", [c[0] for c in _cases()])
-def test_fused_softmax_on_cpu_equals_unfused_bitwise(case, scale, bf16):
+def test_fused_softmax_on_cpu_equals_unfused_bitwise(monkeypatch, case, scale, bf16, body):
+    if body == "compiled math":  # the body MEGATRON_LITE_COMPILE_FUSIONS=1 compiles, run eagerly
+        monkeypatch.setattr(fused_softmax, "compile_cpu_fusions", lambda: True)
+        monkeypatch.setattr(fused_softmax, "cpu_body", lambda fn: fn)
+        monkeypatch.setattr(FusedScaleMaskSoftmax, "forward_torch_softmax", _forbidden, raising=True)
     _, mask_type, scores, mask = next(c for c in _cases() if c[0] == case)
     scores = scores.bfloat16() if bf16 else scores
     fused, unfused = _softmax(True, mask_type, scale, bf16), _softmax(False, mask_type, scale, bf16)
     assert fused.is_kernel_available(mask, *scores.shape) and not unfused.is_kernel_available(mask, *scores.shape)
-    (probs, grad), (ref_probs, ref_grad) = (
-        _forward_backward(fused, scores, mask),
-        _forward_backward(unfused, scores, mask),
-    )
+    probs, grad = _forward_backward(fused, scores, mask)
+    monkeypatch.undo()
+    ref_probs, ref_grad = _forward_backward(unfused, scores, mask)
     assert probs.dtype == scores.dtype
     assert torch.equal(probs, ref_probs) and torch.equal(grad, ref_grad)
     if mask is not None:
