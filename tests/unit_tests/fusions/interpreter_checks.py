@@ -101,7 +101,8 @@ def _cases():
 
 def _softmax_cases(g):
     """FusedScaleMaskSoftmax with the fusion on: causal (generated mask), a given mask broadcast over heads with one
-    fully masked row (zeros), and no mask; against fp32 PyTorch with masked keys left out."""
+    fully masked row (zeros), a padding mask broadcast over heads and queries, and no mask; against fp32 PyTorch
+    with masked keys left out."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
@@ -119,6 +120,8 @@ def _softmax_cases(g):
 
     yield "softmax_causal", lambda x: module(AttnMaskType.causal)(x, None), lambda x: ref(x, causal), (scores,)
     yield "softmax_masked", lambda x: module(AttnMaskType.padding)(x, mask), lambda x: ref(x, mask), (scores,)
+    padding = mask[:, :, :1]  # [b, 1, 1, sk]: broadcast over heads and queries
+    yield "softmax_padding", lambda x: module(AttnMaskType.padding)(x, padding), lambda x: ref(x, padding), (scores,)
     no_mask = torch.zeros(5, dtype=torch.bool)
     yield "softmax", lambda x: module(AttnMaskType.no_mask)(x, None), lambda x: ref(x, no_mask), (scores,)
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope")
-FUSIONS += ("softmax_causal", "softmax_masked", "softmax", "bias_dropout_add_p0", "bias_dropout_add_inference")
+FUSIONS += ("softmax_causal", "softmax_masked", "softmax_padding", "softmax")
+FUSIONS += ("bias_dropout_add_p0", "bias_dropout_add_inference")
 DTYPES = ("float32", "bfloat16")
 # Checks that are not a comparison per dtype (dropout's mask: kept fraction, scaling, backward, seeds).
 CHECKS = ("bias_dropout_add_p0_exact", "bias_dropout_add_p0.3", "bias_dropout_add_p0.75")
