@@ -176,8 +176,27 @@ def _check_no_dropout_is_exact() -> None:
     assert torch.equal(out, residual + (x + bias)), "p = 0 differs from residual + (x + bias)"
 
 
+def _check_the_rng_tracker_governs_the_mask() -> None:
+    """The kernel's seed comes from the generator a tracker stream forks (the CPU one here, the CUDA one on a GPU):
+    a stream gives the same mask whatever the default generator did, another stream another mask."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    x, residual = torch.ones(8, 2, 32), torch.zeros(8, 2, 32)
+    train = fused_bias_dropout.get_bias_dropout_add(True, True)
+    masks = []
+    for stream_seed, default_seed in ((100, 1), (100, 2), (101, 1)):
+        torch.manual_seed(default_seed)
+        tracker = CudaRNGStatesTracker()
+        tracker.add("model-parallel-rng", stream_seed)
+        with tracker.fork():
+            masks.append(train((x, None), residual, 0.5) != 0)
+    assert torch.equal(masks[0], masks[1]), "the default generator changed the stream's mask"
+    assert not torch.equal(masks[0], masks[2]), "two streams gave the same mask"
+
+
 CHECKS = {
     "bias_dropout_add_p0_exact": _check_no_dropout_is_exact,
+    "bias_dropout_add_rng_tracker": _check_the_rng_tracker_governs_the_mask,
     "bias_dropout_add_p0.3": lambda: _check_dropout(0.3),
     "bias_dropout_add_p0.75": lambda: _check_dropout(0.75),
 }

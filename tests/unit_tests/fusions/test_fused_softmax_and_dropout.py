@@ -184,6 +184,31 @@ def test_eval_without_gradients_adds_in_place_with_the_same_result():
     assert torch.equal(out, expected)
 
 
+def test_the_cuda_seed_and_offset_come_from_the_cuda_generator(monkeypatch):
+    """On CUDA the kernel takes the generator's seed and offset and advances the offset past its numbers (rounded up
+    to PyTorch's 4 per Philox counter), so the next random op, ours or PyTorch's, starts after them."""
+
+    class Generator:
+        def __init__(self):
+            self.offset = 8
+
+        def initial_seed(self):
+            return 2**64 - 5  # a CUDA seed may use all 64 bits; Triton takes a signed 64-bit one
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, offset):
+            self.offset = offset
+
+    generator = Generator()
+    monkeypatch.setattr(torch.cuda, "default_generators", (None, generator))
+    cuda1 = torch.device("cuda", 1)
+    assert fused_bias_dropout._philox_seed_offset(cuda1, 10) == ((2**64 - 5) % 2**63, 8)
+    assert fused_bias_dropout._philox_seed_offset(cuda1, 4) == ((2**64 - 5) % 2**63, 20)
+    assert generator.offset == 24
+
+
 # ---- notices --------------------------------------------------------------------------------------------------------
 
 

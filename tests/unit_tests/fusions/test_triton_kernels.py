@@ -19,7 +19,8 @@ FUSIONS += ("softmax_causal", "softmax_masked", "softmax_padding", "softmax")
 FUSIONS += ("bias_dropout_add_p0", "bias_dropout_add_inference")
 DTYPES = ("float32", "bfloat16")
 # Checks that are not a comparison per dtype (dropout's mask: kept fraction, scaling, backward, seeds).
-CHECKS = ("bias_dropout_add_p0_exact", "bias_dropout_add_p0.3", "bias_dropout_add_p0.75")
+CHECKS = ("bias_dropout_add_p0_exact", "bias_dropout_add_rng_tracker", "bias_dropout_add_p0.3")
+CHECKS += ("bias_dropout_add_p0.75",)
 
 
 @pytest.fixture(scope="module")
