@@ -117,7 +117,7 @@ class ScaledSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, output_grads):
-        return _SoftmaxFunction.backward(ctx, output_grads)[0], None, None
+        return _SoftmaxFunction.backward(ctx, output_grads)[0], None
 
 
 class SoftmaxOne(nn.Module):
