@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
+from megatron.core.fusions import fused_bias_dropout, fused_softmax  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
@@ -50,6 +51,8 @@ def _moe_permute(tokens, probs, fused=False):
     """permute with probabilities, then unpermute weighted by them (``--moe-permute-fusion``)."""
     permuted, _, mapping, _, _ = moe_utils.permute(tokens, _MOE_MAP, probs, TOKENS * TOPK, fused=fused)
     return moe_utils.unpermute(permuted, mapping, tokens.shape, probs, _MOE_MAP, fused=fused)
+
+SEQ, MICRO_BATCH, HEADS, HIDDEN_DROPOUT = 256, 4, 8, 0.1
 
 
 def _swiglu_unfused(y):
@@ -144,7 +147,43 @@ def _cases():
                 "compiled": torch.compile(unfused, dynamic=False),
             },
         )
+    cases.update(_softmax_and_dropout_cases(randn))
     return cases
+
+
+def _softmax_and_dropout_cases(randn):
+    """The attention softmax (causal, scores ``[b, heads, s, s]`` scaled first as DotProductAttention does) and
+    bias + dropout + add (``[s, b, h]``, Megatron's default hidden dropout 0.1)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    def softmax(fusion):
+        module = fused_softmax.FusedScaleMaskSoftmax(
+            False, False, AttnMaskType.causal, fusion, attention_mask_func, True, None
+        )
+        return lambda x: module(x * 0.125, None)
+
+    compiled_softmax = torch.compile(
+        lambda x: fused_softmax.scaled_masked_softmax(x * 0.125, None, 1.0, True), dynamic=False
+    )
+    compiled_bda = torch.compile(
+        lambda x, b, r: fused_bias_dropout._bias_dropout_add_func((x, b), r, HIDDEN_DROPOUT, True), dynamic=False
+    )
+
+    def bda(fused):
+        fn = fused_bias_dropout.get_bias_dropout_add(True, fused)
+        return lambda x, b, r: fn((x, b), r, HIDDEN_DROPOUT)
+
+    return {
+        "masked softmax": (
+            [randn(MICRO_BATCH, HEADS, SEQ, SEQ)],
+            {"unfused": softmax(False), "fused eager": softmax(True), "compiled": compiled_softmax},
+        ),
+        "bias+dropout+add": (
+            [randn(SEQ, MICRO_BATCH, HIDDEN), randn(HIDDEN), randn(SEQ, MICRO_BATCH, HIDDEN)],
+            {"unfused": bda(False), "fused eager": bda(True), "compiled": compiled_bda},
+        ),
+    }
 
 
 def _step(fn, inputs):
@@ -152,9 +191,11 @@ def _step(fn, inputs):
     out.backward(torch.ones_like(out))
 
 
-def run(rounds: int, reps: int) -> dict:
+def run(rounds: int, reps: int, only: list | None = None) -> dict:
     results = {}
     for name, (factories, variants) in _cases().items():
+        if only and not any(word in name for word in only):
+            continue
         inputs = [make() for make in factories]
         compile_s = time.perf_counter()
         _step(variants["compiled"], inputs)
@@ -179,9 +220,10 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", nargs="+", help="time only the fusions whose names contain one of these words")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = run(args.rounds, args.reps)
+    results = run(args.rounds, args.reps, args.only)
     print(f"\nfwd+bwd ms per call, median of {args.rounds} rounds, {args.threads} threads, fp32")
     header = ("unfused", "fused eager", "compiled", "eager/unf", "comp/unf", "compile s")
     print(f"{'fusion':<18} " + " ".join(f"{h:>11}" for h in header))

@@ -91,10 +91,9 @@ _NON_NEGATIVE_INTS = (
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 # Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off. (The bias
-# activation, layer-norm, RoPE and cross-entropy fusions are megatron.core.fusions and run on every device.)
+# activation, layer-norm, RoPE, cross-entropy, masked-softmax and bias-dropout-add fusions are megatron.core.fusions
+# and run on every device.)
 _FUSION_SWITCHES = {
-    "masked_softmax_fusion": "--no-masked-softmax-fusion",
-    "bias_dropout_fusion": "--no-bias-dropout-fusion",
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
 }
 

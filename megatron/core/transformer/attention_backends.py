@@ -3,7 +3,8 @@
 Megatron 0.19 maps ``flash`` / ``fused`` / ``unfused`` / ``auto`` to Transformer Engine's three attention kernels
 (``auto`` lets TE choose among all three) and ``local`` to Megatron's own explicit attention. Here:
 
-- ``unfused`` and ``local``: the explicit reference (scores, mask, softmax, dropout, values;
+- ``unfused`` and ``local``: the explicit path (scores, then mask and softmax through ``FusedScaleMaskSoftmax``,
+  dropout, values; on CPU bit for bit
   :func:`~megatron.core.fusions.fused_flash_attention.attention_reference`). Every feature; materialises the
   ``[b, heads, sq, sk]`` scores.
 - ``fused``: PyTorch's ``scaled_dot_product_attention`` (its flash / memory-efficient / cuDNN kernels on CUDA, the

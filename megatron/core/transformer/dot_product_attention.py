@@ -19,13 +19,18 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.parallel_state import tp_group_or_default
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.fusions.fused_flash_attention import attention_reference, flash_attention, sliding_window_mask
+from megatron.core.fusions.fused_flash_attention import flash_attention, sliding_window_mask
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from megatron.core.transformer.attention_backends import SDPA, TRITON, check_attention_backend, select_implementation
 from megatron.core.transformer.context_parallel import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
+from megatron.core.transformer.utils import (
+    attention_mask_func,
+    get_sliding_window_causal_mask,
+    is_layer_window_attention,
+)
 from megatron.core.utils import divide, get_current_device
 
 
@@ -71,6 +76,18 @@ class DotProductAttention(MegatronModule):
         else:
             self.window_size = None
         check_attention_backend(config.attention_backend, self.window_size, self.dropout_p, get_current_device())
+        # The explicit path's softmax, as in Megatron. The scores reach it already scaled and in the softmax's dtype
+        # (fp32 with attention_softmax_in_fp32), so it neither upcasts nor casts back (input_in_fp16/bf16 False);
+        # the window is part of the mask this module hands it.
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=False,
+            input_in_bf16=False,
+            attn_mask_type=self.attn_mask_type,
+            scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+            mask_func=attention_mask_func,
+            softmax_in_fp32=config.attention_softmax_in_fp32,
+            scale=None,
+        )
         self.context_parallel = None
         if config.context_parallel_size > 1:
             self.context_parallel = self._context_parallel_attention(cp_comm_type, pg_collection)
@@ -252,18 +269,36 @@ class DotProductAttention(MegatronModule):
         )
 
     def _unfused(self, q, k, v, sdpa_mask, dropout_p, is_causal):
-        """The explicit reference, from the same (keep mask or bias, is_causal) that SDPA takes."""
+        """The explicit path (Megatron's local attention): scores ``q k^T * scale`` (+ bias), ``scale_mask_softmax``
+        (fp32 with ``attention_softmax_in_fp32``), dropout, ``· v``; from the same (keep mask or bias, is_causal)
+        that SDPA takes."""
         masked, bias = None, None
         if sdpa_mask is not None and sdpa_mask.dtype == torch.bool:
             masked = ~sdpa_mask
         elif sdpa_mask is not None:
             masked = torch.isneginf(sdpa_mask)
             bias = sdpa_mask.masked_fill(masked, 0.0)
-        if is_causal:
-            masked = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
-        return attention_reference(
-            q, k, v, self.softmax_scale, masked, bias, 0.0, dropout_p, self.config.attention_softmax_in_fp32
-        )
+        sq, sk = q.shape[2], k.shape[2]
+        # The softmax module generates the causal mask itself for a causal layer without a mask: hand it the mask
+        # whenever this call wants something else.
+        generates_causal = self.scale_mask_softmax.attn_mask_type == AttnMaskType.causal and sq > 1
+        if is_causal and not (generates_causal and sq == sk):
+            masked = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        elif not is_causal and masked is None and generates_causal:
+            masked = torch.zeros(1, 1, 1, sk, dtype=torch.bool, device=q.device)
+        heads, groups = q.shape[1], k.shape[1]
+        if heads != groups:
+            k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if self.config.attention_softmax_in_fp32:
+            scores = scores.float()
+        scores = scores * self.softmax_scale
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        probs = self.scale_mask_softmax(scores, masked)
+        if dropout_p > 0.0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs.to(v.dtype), v)
 
     def _sdpa_mask(self, attention_mask, mask_type, attention_bias, sq, sk, device):
         """Turn Megatron's (True = masked) mask and mask type into SDPA's (keep mask or bias, is_causal).

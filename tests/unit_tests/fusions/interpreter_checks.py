@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
 from megatron.core.fusions import fused_layer_norm, fused_rope  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
+from megatron.core.fusions import fused_bias_dropout, fused_softmax  # noqa: E402
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin  # noqa: E402
 
 # The PyTorch bodies must not run here: a check that silently fell back to them would compare PyTorch with itself.
@@ -25,6 +26,8 @@ PYTORCH_BODIES = {
     fused_bias_gelu: ("bias_gelu", "bias_gelu_back"),
     fused_layer_norm: ("_torch_norm",),
     fused_cross_entropy: ("cross_entropy_statistics", "cross_entropy_backward", "_eager_forward", "_softmax_backward"),
+    fused_softmax: ("scaled_masked_softmax", "scaled_softmax_back"),
+    fused_bias_dropout: ("_bias_dropout_add_func",),
 }
 
 # Storage-precision tolerances: the kernels compute in fp32 and round once when storing.
@@ -92,6 +95,111 @@ def _cases():
         return apply_rotary_pos_emb_with_cos_sin(t, cos, sin)
 
     yield "rope", lambda t: fused_rope.fused_apply_rotary_pos_emb(t, cos, sin), rope_ref, (t,)
+    yield from _softmax_cases(g)
+    yield from _bias_dropout_add_cases(g)
+
+
+def _softmax_cases(g):
+    """FusedScaleMaskSoftmax with the fusion on: causal (generated mask), a given mask broadcast over heads with one
+    fully masked row (zeros), a padding mask broadcast over heads and queries, and no mask; against fp32 PyTorch
+    with masked keys left out."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    scores = torch.randn(2, 3, 5, 5, generator=g) * 3
+    mask = torch.rand(2, 1, 5, 5, generator=g) < 0.4
+    mask[1, 0, 2] = True
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+
+    def module(mask_type):
+        return fused_softmax.FusedScaleMaskSoftmax(False, False, mask_type, True, attention_mask_func, True, 0.7)
+
+    def ref(x, hidden):
+        probs = torch.softmax((x * 0.7).masked_fill(hidden, float("-inf")), dim=-1)
+        return probs.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
+
+    yield "softmax_causal", lambda x: module(AttnMaskType.causal)(x, None), lambda x: ref(x, causal), (scores,)
+    yield "softmax_masked", lambda x: module(AttnMaskType.padding)(x, mask), lambda x: ref(x, mask), (scores,)
+    padding = mask[:, :, :1]  # [b, 1, 1, sk]: broadcast over heads and queries
+    yield "softmax_padding", lambda x: module(AttnMaskType.padding)(x, padding), lambda x: ref(x, padding), (scores,)
+    no_mask = torch.zeros(5, dtype=torch.bool)
+    yield "softmax", lambda x: module(AttnMaskType.no_mask)(x, None), lambda x: ref(x, no_mask), (scores,)
+
+
+def _bias_dropout_add_cases(g):
+    """bias + dropout + add without dropout (inference, and training with p = 0): exactly residual + x + bias."""
+    x, bias, residual = torch.randn(4, 2, 24, generator=g), torch.randn(24, generator=g), torch.randn(4, 2, 24)
+
+    def ref(x, bias, residual):
+        return residual + (x + bias)
+
+    train = fused_bias_dropout.get_bias_dropout_add(True, True)
+    infer = fused_bias_dropout.get_bias_dropout_add(False, True)
+    yield "bias_dropout_add_p0", lambda x, b, r: train((x, b), r, 0.0), ref, (x, bias, residual)
+    yield "bias_dropout_add_inference", lambda x, b, r: infer((x, b), r, 0.3), ref, (x, bias, residual)
+
+
+def _check_dropout(p: float) -> None:
+    """With ``p > 0``: about ``1 - p`` of the elements kept, each exactly ``(x + bias) / (1 - p)``; backward hands
+    the gradient through exactly where forward kept (scaled the same) and nowhere else; the same seed gives the same
+    mask, another seed another one."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(64, 2, 48, generator=g) + 1.0  # x + bias >= 1.5: a dropped element is the only out == residual
+    bias = torch.full((48,), 0.5).requires_grad_()
+    residual = torch.randn(64, 2, 48, generator=g).requires_grad_()
+    x.requires_grad_()
+    train = fused_bias_dropout.get_bias_dropout_add(True, True)
+    torch.manual_seed(11)
+    out = train((x, bias), residual, p)
+    kept = out != residual
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    fraction = kept.float().mean().item()
+    assert abs(fraction - (1.0 - p)) < 0.03, f"kept fraction {fraction}, expected about {1.0 - p}"
+    expected = torch.where(kept, (x + bias) * scale, 0.0)
+    torch.testing.assert_close(out - residual, expected, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    assert torch.equal(x.grad, torch.where(kept, grad * scale, 0.0)), "backward used another mask than forward"
+    assert torch.equal(residual.grad, grad)
+    torch.testing.assert_close(bias.grad, torch.where(kept, grad * scale, 0.0).sum((0, 1)))
+    torch.manual_seed(11)
+    assert torch.equal(train((x, bias), residual, p), out), "the same seed gave another mask"
+    torch.manual_seed(12)
+    assert not torch.equal(train((x, bias), residual, p) != residual, kept), "another seed gave the same mask"
+
+
+def _check_no_dropout_is_exact() -> None:
+    """p = 0 in fp32: bitwise residual + (x + bias), PyTorch's order of the two fp32 additions."""
+    g = torch.Generator().manual_seed(8)
+    x, bias, residual = torch.randn(3, 2, 40, generator=g), torch.randn(40, generator=g), torch.randn(3, 2, 40)
+    out = fused_bias_dropout.get_bias_dropout_add(True, True)((x, bias), residual, 0.0)
+    assert torch.equal(out, residual + (x + bias)), "p = 0 differs from residual + (x + bias)"
+
+
+def _check_the_rng_tracker_governs_the_mask() -> None:
+    """The kernel's seed comes from the generator a tracker stream forks (the CPU one here, the CUDA one on a GPU):
+    a stream gives the same mask whatever the default generator did, another stream another mask."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    x, residual = torch.ones(8, 2, 32), torch.zeros(8, 2, 32)
+    train = fused_bias_dropout.get_bias_dropout_add(True, True)
+    masks = []
+    for stream_seed, default_seed in ((100, 1), (100, 2), (101, 1)):
+        torch.manual_seed(default_seed)
+        tracker = CudaRNGStatesTracker()
+        tracker.add("model-parallel-rng", stream_seed)
+        with tracker.fork():
+            masks.append(train((x, None), residual, 0.5) != 0)
+    assert torch.equal(masks[0], masks[1]), "the default generator changed the stream's mask"
+    assert not torch.equal(masks[0], masks[2]), "two streams gave the same mask"
+
+
+CHECKS = {
+    "bias_dropout_add_p0_exact": _check_no_dropout_is_exact,
+    "bias_dropout_add_rng_tracker": _check_the_rng_tracker_governs_the_mask,
+    "bias_dropout_add_p0.3": lambda: _check_dropout(0.3),
+    "bias_dropout_add_p0.75": lambda: _check_dropout(0.75),
+}
 
 
 def _forbid_pytorch_bodies():
@@ -114,6 +222,12 @@ def main():
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = None
             except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = f"{type(error).__name__}: {error}"
+    for name, check in CHECKS.items():
+        try:
+            check()
+            results[name] = None
+        except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
+            results[name] = f"{type(error).__name__}: {error}"
     json.dump(results, sys.stdout)
 
 

@@ -15,7 +15,12 @@ pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope")
+FUSIONS += ("softmax_causal", "softmax_masked", "softmax_padding", "softmax")
+FUSIONS += ("bias_dropout_add_p0", "bias_dropout_add_inference")
 DTYPES = ("float32", "bfloat16")
+# Checks that are not a comparison per dtype (dropout's mask: kept fraction, scaling, backward, seeds).
+CHECKS = ("bias_dropout_add_p0_exact", "bias_dropout_add_rng_tracker", "bias_dropout_add_p0.3")
+CHECKS += ("bias_dropout_add_p0.75",)
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +41,28 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, fusion, dt
     assert interpreter_results[case] is None, interpreter_results[case]
 
 
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_check_in_interpreter(interpreter_results, check):
+    assert check in interpreter_results, f"the interpreter run did not run {check}"
+    assert interpreter_results[check] is None, interpreter_results[check]
+
+
 def _aot_kernels():
     if not HAVE_TRITON:
         return []
-    from megatron.core.fusions.kernels import activations, cross_entropy, moe_permute, moe_router, norm, rope
+    from megatron.core.fusions.kernels import (
+        activations,
+        bias_dropout,
+        cross_entropy,
+        moe_permute,
+        moe_router,
+        norm,
+        rope,
+        softmax,
+    )
 
     kernels = []
-    for module in (activations, norm, cross_entropy, rope, moe_permute, moe_router):
+    for module in (activations, norm, cross_entropy, rope, softmax, bias_dropout, moe_permute, moe_router):
         for kernel, signature, constexprs in module.AOT_SIGNATURES:
             name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
             suffix = "".join(f"-{k}={v}" for k, v in constexprs.items() if k != "BLOCK")

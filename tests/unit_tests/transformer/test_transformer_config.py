@@ -1,5 +1,7 @@
 """TransformerConfig / ModelParallelConfig: derived defaults and every validation message."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -122,8 +124,16 @@ def test_validation_errors(overrides, message):
 
 def test_fusion_switches_warn_once_and_are_accepted():
     warn_once.cache_clear()
-    with pytest.warns(UserWarning, match="masked_softmax_fusion=True: no fused kernel is available here"):
-        make(masked_softmax_fusion=True)
+    with pytest.warns(UserWarning, match="memory_efficient_layer_norm=True: no fused kernel is available here"):
+        make(memory_efficient_layer_norm=True)
+
+
+def test_fusions_of_megatron_core_fusions_are_accepted_without_a_notice():
+    warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = make(masked_softmax_fusion=True, bias_dropout_fusion=True)
+    assert config.masked_softmax_fusion and config.bias_dropout_fusion
 
 
 def test_model_parallel_config_alone():
