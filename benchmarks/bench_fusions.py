@@ -52,6 +52,7 @@ def _moe_permute(tokens, probs, fused=False):
     permuted, _, mapping, _, _ = moe_utils.permute(tokens, _MOE_MAP, probs, TOKENS * TOPK, fused=fused)
     return moe_utils.unpermute(permuted, mapping, tokens.shape, probs, _MOE_MAP, fused=fused)
 
+
 SEQ, MICRO_BATCH, HEADS, HIDDEN_DROPOUT = 256, 4, 8, 0.1
 
 
