@@ -91,11 +91,11 @@ _NON_NEGATIVE_INTS = (
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
 # Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off. (The bias
-# activation, layer-norm, RoPE and cross-entropy fusions are megatron.core.fusions and run on every device.)
+# activation, layer-norm, RoPE, cross-entropy and gradient-accumulation fusions are megatron.core.fusions and run on
+# every device.)
 _FUSION_SWITCHES = {
     "masked_softmax_fusion": "--no-masked-softmax-fusion",
     "bias_dropout_fusion": "--no-bias-dropout-fusion",
-    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
 }
 
 
@@ -738,6 +738,13 @@ def _turn_off_what_cannot_run_here(args) -> None:
         if getattr(args, dest):
             setattr(args, dest, False)
             switched_off.append((dest, flag))
+    if args.gradient_accumulation_fusion and args.use_torch_fsdp2:
+        # FSDP2 keeps gradients in param.grad: there is no main_grad for the weight-gradient GEMM to accumulate into.
+        args.gradient_accumulation_fusion = False
+        notes.append(
+            "--use-torch-fsdp2 keeps no main_grad for gradient accumulation fusion to accumulate into: fusion off; "
+            "pass --no-gradient-accumulation-fusion to silence this"
+        )
     if switched_off:
         names = ", ".join(dest for dest, _ in switched_off)
         flags = " ".join(flag for _, flag in switched_off)

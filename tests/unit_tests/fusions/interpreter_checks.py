@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
 from megatron.core.fusions import fused_layer_norm, fused_rope  # noqa: E402
+from megatron.core.fusions import fused_weight_gradient  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin  # noqa: E402
 
@@ -25,6 +26,7 @@ PYTORCH_BODIES = {
     fused_bias_gelu: ("bias_gelu", "bias_gelu_back"),
     fused_layer_norm: ("_torch_norm",),
     fused_cross_entropy: ("cross_entropy_statistics", "cross_entropy_backward", "_eager_forward", "_softmax_backward"),
+    fused_weight_gradient: ("_pytorch_wgrad_accum",),
 }
 
 # Storage-precision tolerances: the kernels compute in fp32 and round once when storing.
@@ -94,6 +96,32 @@ def _cases():
     yield "rope", lambda t: fused_rope.fused_apply_rotary_pos_emb(t, cos, sin), rope_ref, (t,)
 
 
+def _check_wgrad_accum(dtype):
+    """``main_grad += grad_output^T @ input`` onto a nonzero ``main_grad``, on shapes that are no multiple of any tile
+    (two tiles of output rows, a partial token step), directly and through a linear layer's backward."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    g = torch.Generator().manual_seed(1)
+    go, x = torch.randn(70, 133, generator=g).to(dtype), torch.randn(70, 45, generator=g).to(dtype)
+    start = torch.randn(133, 45, generator=g)
+    expected = start + go.double().t().matmul(x.double()).float()
+    # fp32 sums of 70 products: fp32 / bf16 storage of the inputs, one rounding when main_grad is bf16.
+    main_grads = [(torch.float32, dict(rtol=1e-5, atol=1e-4))]
+    if dtype != torch.float32:
+        main_grads.append((torch.bfloat16, dict(rtol=1e-2, atol=5e-2)))
+    for main_dtype, tolerance in main_grads:
+        main_grad = start.clone().to(main_dtype)
+        fused_weight_gradient.wgrad_gemm_accum(x, go, main_grad)
+        torch.testing.assert_close(main_grad.float(), expected, **tolerance, msg=lambda m: f"main_grad: {m}")
+    weight = torch.nn.Parameter(torch.randn(133, 45, generator=g).to(dtype))
+    weight.main_grad = start.clone()
+    inp = x.view(35, 2, 45).requires_grad_()
+    out = linear_with_grad_accumulation_and_async_allreduce(inp, weight, None, True, False, False)
+    out.backward(go.view(35, 2, 133))
+    torch.testing.assert_close(weight.main_grad, expected, **main_grads[0][1], msg=lambda m: f"layer: {m}")
+    assert weight.grad is not None and not weight.grad.any(), "the layer's placeholder gradient is not zero"
+
+
 def _forbid_pytorch_bodies():
     for module, names in PYTORCH_BODIES.items():
         for name in names:
@@ -114,6 +142,13 @@ def main():
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = None
             except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = f"{type(error).__name__}: {error}"
+    for dtype in TOLERANCES:
+        key = f"wgrad_accum/{str(dtype).removeprefix('torch.')}"
+        try:
+            _check_wgrad_accum(dtype)
+            results[key] = None
+        except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
+            results[key] = f"{type(error).__name__}: {error}"
     json.dump(results, sys.stdout)
 
 

@@ -14,7 +14,7 @@ from megatron.core.fusions.kernel_dispatch import HAVE_TRITON, triton_interpreti
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install triton)")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope")
+FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope", "wgrad_accum")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -39,10 +39,10 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, fusion, dt
 def _aot_kernels():
     if not HAVE_TRITON:
         return []
-    from megatron.core.fusions.kernels import activations, cross_entropy, norm, rope
+    from megatron.core.fusions.kernels import activations, cross_entropy, norm, rope, wgrad
 
     kernels = []
-    for module in (activations, norm, cross_entropy, rope):
+    for module in (activations, norm, cross_entropy, rope, wgrad):
         for kernel, signature, constexprs in module.AOT_SIGNATURES:
             name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
             suffix = "".join(f"-{k}={v}" for k, v in constexprs.items() if k != "BLOCK")
