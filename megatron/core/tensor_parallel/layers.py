@@ -220,17 +220,22 @@ class _TensorParallelModule(torch.nn.Module):
 
 def _weight_grad(ctx, weight, grad_output_2d, total_input):
     """The weight gradient ``grad_output^T @ input``, or, with gradient-accumulation fusion, that GEMM accumulated
-    straight into ``weight.main_grad`` (DDP's buffer; no temporary) and a zero placeholder handed to autograd.
+    straight into ``weight.main_grad`` (DDP's buffer; no temporary) and a placeholder handed to autograd.
 
-    The placeholder keeps autograd's gradient-ready hooks firing (DDP launches its bucket reductions from them), and
-    being zero it adds nothing when DDP moves ``weight.grad`` into ``main_grad``, while other uses of the same weight
-    (tied embeddings) still reach ``main_grad`` through ``weight.grad``.
+    The placeholder keeps autograd's gradient-ready hooks firing (DDP launches its bucket reductions from them). As in
+    Megatron, DDP's hook skips ``weight.grad`` once ``grad_added_to_main_grad`` is set, so the placeholder is left
+    uninitialised (no pass over the weight to fill it, none to add it). A tied embedding (``shared_embedding``) and
+    a weight outside DDP get a zero placeholder instead: other uses of the same weight (the embedding lookup) reach
+    ``main_grad`` through ``weight.grad``, to which the zero adds nothing.
     """
     total_input_2d = total_input.reshape(-1, total_input.size(-1))
     if not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
         return grad_output_2d.t().matmul(total_input_2d)
     wgrad_gemm_accum(total_input_2d, grad_output_2d, weight.main_grad)
-    return torch.zeros_like(weight)
+    if getattr(weight, "shared_embedding", False) or not hasattr(weight, "grad_added_to_main_grad"):
+        return torch.zeros_like(weight)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):

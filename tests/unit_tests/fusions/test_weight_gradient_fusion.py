@@ -37,11 +37,11 @@ def test_wgrad_gemm_accum_adds_into_main_grad(dtype, main_dtype, tolerance):
     assert error <= tolerance, f"relative error {error:.1e}"
 
 
-def _step(tp, distributed_optimizer, fusion):
-    """One step of two micro-batches of Llama (tied embeddings, SwiGLU, no biases) wrapped in DDP: the losses,
-    every parameter's main_grad after finalize_model_grads, the weights after the step, and how often the fused
-    GEMM ran."""
-    model = build_model(tp, False, "llama", config_overrides={"gradient_accumulation_fusion": fusion})
+def _step(tp, distributed_optimizer, fusion, variant="llama"):
+    """One step of two micro-batches of a GPT wrapped in DDP (Llama: tied embeddings, whose output layer gets a zero
+    placeholder gradient; GPT-2: untied): the losses, every parameter's main_grad after finalize_model_grads, the
+    weights after the step, and how often the fused GEMM ran."""
+    model = build_model(tp, False, variant, config_overrides={"gradient_accumulation_fusion": fusion})
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     optimizer = get_megatron_optimizer(
@@ -71,11 +71,13 @@ def _step(tp, distributed_optimizer, fusion):
 
 
 def _fused_vs_unfused():
-    return {
-        (tp, dist_opt): (_step(tp, dist_opt, True), _step(tp, dist_opt, False))
+    runs = {
+        (tp, dist_opt, "llama"): (_step(tp, dist_opt, True), _step(tp, dist_opt, False))
         for tp in (1, 2)  # DP2, then TP2
         for dist_opt in (False, True)
     }
+    runs[(2, False, "gpt2")] = (_step(2, False, True, "gpt2"), _step(2, False, False, "gpt2"))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +85,15 @@ def runs():
     return run_distributed(2, _fused_vs_unfused)
 
 
-@pytest.mark.parametrize("distributed_optimizer", (False, True), ids=("ddp", "distopt"))
-@pytest.mark.parametrize("tp", (1, 2), ids=("dp2", "tp2"))
-def test_gpt_ddp_fused_equals_unfused(runs, tp, distributed_optimizer):
+@pytest.mark.parametrize(
+    "tp,distributed_optimizer,variant",
+    ((1, False, "llama"), (1, True, "llama"), (2, False, "llama"), (2, True, "llama"), (2, False, "gpt2")),
+    ids=("dp2-ddp", "dp2-distopt", "tp2-ddp", "tp2-distopt", "tp2-ddp-untied"),
+)
+def test_gpt_ddp_fused_equals_unfused(runs, tp, distributed_optimizer, variant):
     for rank, results in enumerate(runs):
         (losses, grads, weights, calls), (ref_losses, ref_grads, ref_weights, ref_calls) = results[
-            (tp, distributed_optimizer)
+            (tp, distributed_optimizer, variant)
         ]
         # Every linear layer's weight gradient took the fused GEMM (2 layers x 4 linears + output, 2 micro-batches).
         assert calls == 18 and ref_calls == 0, (calls, ref_calls)
