@@ -3,13 +3,18 @@
 Started as a subprocess by test_triton_kernels.py: TRITON_INTERPRET must be set before Triton is first imported, and
 setting it in the test process would change Triton for every other test. Prints one JSON object mapping each case
 ``fusion/dtype`` to None (forward and backward match the reference) or the mismatch message.
+
+With ``--cuda`` (on a GPU machine: benchmarks/gpu_check.sh) the same checks run the compiled kernels on CUDA tensors
+instead of the interpreter.
 """
 
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -35,8 +40,8 @@ TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rt
 
 def _compare(kernel_fn, reference_fn, inputs, dtype):
     """Forward outputs and input gradients of ``kernel_fn`` vs ``reference_fn`` (run in fp32 on the same values)."""
-    ours = [x.detach().to(dtype).requires_grad_(x.is_floating_point()) for x in inputs]
-    ref = [x.detach().to(dtype).float().requires_grad_(x.is_floating_point()) for x in inputs]
+    ours = [x.detach().to(DEVICE, dtype).requires_grad_(x.is_floating_point()) for x in inputs]
+    ref = [x.detach().to(DEVICE, dtype).float().requires_grad_(x.is_floating_point()) for x in inputs]
     out, expected = kernel_fn(*ours), reference_fn(*ref)
     grad = torch.randn_like(expected)
     out.backward(grad.to(out.dtype))
@@ -62,7 +67,7 @@ def _cases():
     x = torch.randn(2, 3, 48, generator=g) * 2 + 0.5
     w, b = torch.randn(48, generator=g), torch.randn(48, generator=g)
     logits = torch.randn(5, 70, generator=g) * 4
-    target = torch.randint(0, 70, (5,), generator=g)
+    target = torch.randint(0, 70, (5,), generator=g).to(DEVICE)
 
     def swiglu_ref(y, bias=None):
         a, c = torch.chunk(y if bias is None else y + bias, 2, -1)
@@ -88,7 +93,7 @@ def _cases():
     t = torch.randn(5, 2, 3, 16, generator=g)
     angles = torch.randn(5, 1, 1, 6, generator=g) * 3
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = torch.cos(angles), torch.sin(angles)
+    cos, sin = torch.cos(angles).to(DEVICE), torch.sin(angles).to(DEVICE)
 
     def rope_ref(t):
         return apply_rotary_pos_emb_with_cos_sin(t, cos, sin)
@@ -102,8 +107,8 @@ def _check_wgrad_accum(dtype):
     from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 
     g = torch.Generator().manual_seed(1)
-    go, x = torch.randn(70, 133, generator=g).to(dtype), torch.randn(70, 45, generator=g).to(dtype)
-    start = torch.randn(133, 45, generator=g)
+    go, x = torch.randn(70, 133, generator=g).to(DEVICE, dtype), torch.randn(70, 45, generator=g).to(DEVICE, dtype)
+    start = torch.randn(133, 45, generator=g).to(DEVICE)
     expected = start + go.double().t().matmul(x.double()).float()
     # fp32 sums of 70 products: fp32 / bf16 storage of the inputs, one rounding when main_grad is bf16.
     main_grads = [(torch.float32, dict(rtol=1e-5, atol=1e-4))]
@@ -113,7 +118,7 @@ def _check_wgrad_accum(dtype):
         main_grad = start.clone().to(main_dtype)
         fused_weight_gradient.wgrad_gemm_accum(x, go, main_grad)
         torch.testing.assert_close(main_grad.float(), expected, **tolerance, msg=lambda m: f"main_grad: {m}")
-    weight = torch.nn.Parameter(torch.randn(133, 45, generator=g).to(dtype))
+    weight = torch.nn.Parameter(torch.randn(133, 45, generator=g).to(DEVICE, dtype))
     weight.main_grad = start.clone()
     inp = x.view(35, 2, 45).requires_grad_()
     out = linear_with_grad_accumulation_and_async_allreduce(inp, weight, None, True, False, False)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron.core.fusions.kernel_dispatch import HAVE_TRITON, triton_interpreting
 
@@ -18,14 +19,18 @@ FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_
 DTYPES = ("float32", "bfloat16")
 
 
+def _run_checks(*args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    script = Path(__file__).with_name("interpreter_checks.py")
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
     """One interpreter run for all kernels (a subprocess: TRITON_INTERPRET must be set before Triton is imported)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    script = Path(__file__).with_name("interpreter_checks.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return _run_checks()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -34,6 +39,17 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, fusion, dt
     case = f"{fusion}/{dtype}"
     assert case in interpreter_results, f"the interpreter run did not check {case}"
     assert interpreter_results[case] is None, interpreter_results[case]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_match_reference_on_cuda():
+    """The same checks with the kernels compiled for this GPU and run on CUDA tensors (benchmarks/gpu_check.sh)."""
+    results = _run_checks("--cuda")
+    missing = {f"{fusion}/{dtype}" for fusion in FUSIONS for dtype in DTYPES} - results.keys()
+    assert not missing, f"the CUDA run did not check {sorted(missing)}"
+    failures = {case: message for case, message in results.items() if message is not None}
+    assert not failures, failures
 
 
 def _aot_kernels():
