@@ -12,6 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.fusions.fused_weight_gradient import wgrad_gemm_accum
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import layers
+from tests.unit_tests.distributed import fsdp_test_helpers as fsdp
 from tests.unit_tests.models.gpt_test_helpers import assert_close_dicts, batch, build_model
 from tests.unit_tests.test_utilities import run_distributed
 
@@ -47,9 +48,7 @@ def _step(tp, distributed_optimizer, fusion, variant="llama"):
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=distributed_optimizer), [ddp]
     )
-    calls = []
-    original = layers.wgrad_gemm_accum
-    layers.wgrad_gemm_accum = lambda *args: (calls.append(1), original(*args))[1]
+    calls, restore = _counting_fused_calls()
     try:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -65,9 +64,32 @@ def _step(tp, distributed_optimizer, fusion, variant="llama"):
         grads = {name: param.main_grad.clone() for name, param in model.named_parameters()}
         optimizer.step()
     finally:
-        layers.wgrad_gemm_accum = original
+        restore()
     weights = {name: param.detach().clone() for name, param in model.named_parameters()}
     return torch.stack(losses), grads, weights, len(calls)
+
+
+def _counting_fused_calls():
+    calls, original = [], layers.wgrad_gemm_accum
+    layers.wgrad_gemm_accum = lambda *args: (calls.append(1), original(*args))[1]
+    return calls, lambda: setattr(layers, "wgrad_gemm_accum", original)
+
+
+def _megatron_fsdp_step(fusion):
+    """The same under Megatron FSDP at DP2 with parameters, gradients and optimizer state sharded: main_grad is a
+    full gradient tensor that exists only while the unit's backward runs."""
+    model = build_model(1, False, "llama", config_overrides={"gradient_accumulation_fusion": fusion})
+    wrapped = fsdp.wrap(model, "optim_grads_params")
+    optimizer = fsdp.optimizer_for(wrapped)
+    grads = {}
+    calls, restore = _counting_fused_calls()
+    try:
+        loss = fsdp.train_step(
+            wrapped, optimizer, 0, microbatches=2, after_grads=lambda w: grads.update(fsdp.reduced_gradients(w))
+        )
+    finally:
+        restore()
+    return torch.tensor([loss]), grads, fsdp.full_weights(wrapped), len(calls)
 
 
 def _fused_vs_unfused():
@@ -77,6 +99,7 @@ def _fused_vs_unfused():
         for dist_opt in (False, True)
     }
     runs[(2, False, "gpt2")] = (_step(2, False, True, "gpt2"), _step(2, False, False, "gpt2"))
+    runs[(1, "megatron_fsdp", "llama")] = (_megatron_fsdp_step(True), _megatron_fsdp_step(False))
     return runs
 
 
@@ -87,8 +110,15 @@ def runs():
 
 @pytest.mark.parametrize(
     "tp,distributed_optimizer,variant",
-    ((1, False, "llama"), (1, True, "llama"), (2, False, "llama"), (2, True, "llama"), (2, False, "gpt2")),
-    ids=("dp2-ddp", "dp2-distopt", "tp2-ddp", "tp2-distopt", "tp2-ddp-untied"),
+    (
+        (1, False, "llama"),
+        (1, True, "llama"),
+        (2, False, "llama"),
+        (2, True, "llama"),
+        (2, False, "gpt2"),
+        (1, "megatron_fsdp", "llama"),
+    ),
+    ids=("dp2-ddp", "dp2-distopt", "tp2-ddp", "tp2-distopt", "tp2-ddp-untied", "dp2-megatron-fsdp"),
 )
 def test_gpt_ddp_fused_equals_unfused(runs, tp, distributed_optimizer, variant):
     for rank, results in enumerate(runs):
