@@ -46,7 +46,7 @@ def _wgrad_accum(
         t_mask = t < n_tokens
         # grad_output read transposed, [BLOCK_N, BLOCK_T]: no transposed copy is made.
         go = tl.load(
-            go_ptr + rows[:, None] * stride_go_n + t[None, :] * stride_go_t,
+            go_ptr + rows[:, None].to(tl.int64) * stride_go_n + t[None, :] * stride_go_t,
             mask=row_mask[:, None] & t_mask[None, :],
             other=0.0,
         )
