@@ -8,6 +8,10 @@ For each fusion three bodies are timed, interleaved round by round so that load 
 - ``fused eager``: our autograd function with its PyTorch body (what runs on CPU with the flag on);
 - ``compiled``: the same math through ``torch.compile`` (inductor), with its one-off compile time measured too.
 
+Gradient-accumulation fusion (``wgrad accum`` rows) is a linear layer's forward + backward with DDP's hook moving
+``weight.grad`` into an fp32 ``main_grad``: unfused (weight gradient into a temporary, then added) against fused (the
+GEMM accumulates into ``main_grad``); there is nothing to compile.
+
     python benchmarks/bench_fusions.py [--threads 2 --rounds 15]
 
 Prints a table (median ms per forward + backward) and writes benchmarks/results/fusions.json.
@@ -29,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
 from megatron.core.fusions import fused_bias_dropout, fused_softmax  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce  # noqa: E402
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
@@ -149,6 +154,7 @@ def _cases():
             },
         )
     cases.update(_softmax_and_dropout_cases(randn))
+    cases.update(_wgrad_cases(g))
     return cases
 
 
@@ -187,9 +193,41 @@ def _softmax_and_dropout_cases(randn):
     }
 
 
+def _wgrad_cases(g) -> dict:
+    """A linear layer's weight with an fp32 ``main_grad`` and DDP's hook: its backward (weight gradient only, the
+    graph kept), unfused and fused."""
+
+    def case(rows, cols, dtype):
+        weight = torch.nn.Parameter(torch.randn(rows, cols, generator=g).to(dtype))
+        weight.main_grad = torch.zeros(rows, cols)
+        weight.grad_added_to_main_grad = False
+
+        def into_main_grad(param):  # what DistributedDataParallel's hook does
+            if not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+
+        weight.register_post_accumulate_grad_hook(into_main_grad)
+        x = torch.randn(TOKENS, cols, generator=g).to(dtype)
+        grad = torch.randn(TOKENS, rows, generator=g).to(dtype)
+
+        def backward(fusion):
+            out = linear_with_grad_accumulation_and_async_allreduce(x, weight, None, fusion, False, False)
+            return lambda: out.backward(grad, retain_graph=True)
+
+        return [], {"unfused": backward(False), "fused eager": backward(True)}
+
+    return {
+        "wgrad accum ffn": case(FFN, HIDDEN, torch.float32),
+        "wgrad accum output": case(VOCAB, HIDDEN, torch.float32),
+        "wgrad accum bf16": case(FFN, HIDDEN, torch.bfloat16),
+    }
+
+
 def _step(fn, inputs):
     out = fn(*inputs)
-    out.backward(torch.ones_like(out))
+    if out is not None:  # None: fn ran its backward itself
+        out.backward(torch.ones_like(out))
 
 
 def run(rounds: int, reps: int, only: list | None = None) -> dict:
@@ -199,8 +237,9 @@ def run(rounds: int, reps: int, only: list | None = None) -> dict:
             continue
         inputs = [make() for make in factories]
         compile_s = time.perf_counter()
-        _step(variants["compiled"], inputs)
-        compile_s = time.perf_counter() - compile_s
+        if "compiled" in variants:
+            _step(variants["compiled"], inputs)
+        compile_s = time.perf_counter() - compile_s if "compiled" in variants else float("nan")
         for fn in variants.values():
             _step(fn, inputs)  # warm-up
         times = {variant: [] for variant in variants}
@@ -229,9 +268,10 @@ def main():
     header = ("unfused", "fused eager", "compiled", "eager/unf", "comp/unf", "compile s")
     print(f"{'fusion':<18} " + " ".join(f"{h:>11}" for h in header))
     for name, r in results.items():
+        compiled = r.get("compiled", float("nan"))
         print(
-            f"{name:<18} {r['unfused']:>11.2f} {r['fused eager']:>11.2f} {r['compiled']:>11.2f} "
-            f"{r['fused eager'] / r['unfused']:>10.2f}x {r['compiled'] / r['unfused']:>10.2f}x {r['compile_s']:>11.1f}"
+            f"{name:<18} {r['unfused']:>11.2f} {r['fused eager']:>11.2f} {compiled:>11.2f} "
+            f"{r['fused eager'] / r['unfused']:>10.2f}x {compiled / r['unfused']:>10.2f}x {r['compile_s']:>11.1f}"
         )
     out = REPO_ROOT / "benchmarks" / "results" / "fusions.json"
     out.parent.mkdir(exist_ok=True)

@@ -91,7 +91,8 @@ class ModelParallelConfig:
 
     # ---- fused kernels and GPU communication overlap (accepted; no-ops where the kernel is absent) ----
     gradient_accumulation_fusion: bool = False
-    """Fuse weight-gradient GEMM with accumulation into main_grad (needs a CUDA fused kernel)."""
+    """Accumulate the linear layers' weight-gradient GEMM straight into ``main_grad`` (needs DDP's ``main_grad``;
+    megatron.core.fusions.fused_weight_gradient: a Triton kernel on CUDA, ``addmm_`` on CPU)."""
     use_te_rng_tracker: bool = False
     """Use Transformer Engine's RNG tracker (only with Transformer Engine)."""
     tp_comm_overlap: bool = False

@@ -90,14 +90,6 @@ _NON_NEGATIVE_INTS = (
 )
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
-# Switches that need a fused kernel this build does not have: dest -> the flag that turns the switch off. (The bias
-# activation, layer-norm, RoPE, cross-entropy, masked-softmax and bias-dropout-add fusions are megatron.core.fusions
-# and run on every device.)
-_FUSION_SWITCHES = {
-    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
-}
-
-
 # Implemented flags whose non-default values need a feature that is not built yet (the flags themselves are defined
 # with the implemented ones in arguments.py; these rows only carry their defaults).
 _NOT_BUILT_SETTINGS = (
@@ -726,23 +718,19 @@ def _validate_logging(args) -> None:
 
 
 def _turn_off_what_cannot_run_here(args) -> None:
-    """GPU-only and fused-kernel settings are accepted everywhere; where they cannot apply, turn them off and say
-    so once (the PyTorch code that runs instead computes the same results)."""
+    """GPU-only settings are accepted everywhere; where they cannot apply, turn them off and say so once (the
+    PyTorch code that runs instead computes the same results). Every fusion flag runs megatron.core.fusions, on
+    every device."""
     notes = []
     if args.distributed_backend == "nccl" and not cuda_available():
         args.distributed_backend = "gloo"
         notes.append("--distributed-backend nccl needs CUDA GPUs: using gloo")
-    switched_off = []
-    for dest, flag in _FUSION_SWITCHES.items():
-        if getattr(args, dest):
-            setattr(args, dest, False)
-            switched_off.append((dest, flag))
-    if switched_off:
-        names = ", ".join(dest for dest, _ in switched_off)
-        flags = " ".join(flag for _, flag in switched_off)
+    if args.gradient_accumulation_fusion and args.use_torch_fsdp2:
+        # FSDP2 keeps gradients in param.grad: there is no main_grad for the weight-gradient GEMM to accumulate into.
+        args.gradient_accumulation_fusion = False
         notes.append(
-            f"no fused kernel in this build for {names}: running the PyTorch implementation (same results); pass "
-            f"{flags} to silence this"
+            "--use-torch-fsdp2 keeps no main_grad for gradient accumulation fusion to accumulate into: fusion off; "
+            "pass --no-gradient-accumulation-fusion to silence this"
         )
     if notes:
         warn_once("; ".join(notes))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron.core.fusions.fused_weight_gradient import wgrad_gemm_accum
 from megatron.core.public_api import public_api
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.mappings import (
@@ -217,18 +218,24 @@ class _TensorParallelModule(torch.nn.Module):
 # ---- the linear autograd function ----------------------------------------------------------------------------------
 
 
-def _accumulate_weight_grad(ctx, weight, grad_weight):
-    """With gradient-accumulation fusion, add the weight gradient straight into ``weight.main_grad`` (DDP's buffer)
-    and hand autograd a zero placeholder instead.
+def _weight_grad(ctx, weight, grad_output_2d, total_input):
+    """The weight gradient ``grad_output^T @ input``, or, with gradient-accumulation fusion, that GEMM accumulated
+    straight into ``weight.main_grad`` (DDP's buffer; no temporary) and a placeholder handed to autograd.
 
-    The placeholder keeps autograd's gradient-ready hooks firing (DDP launches its bucket reductions from them), and
-    being zero it adds nothing when DDP moves ``weight.grad`` into ``main_grad``, while other uses of the same weight
-    (tied embeddings) still reach ``main_grad`` through ``weight.grad``.
+    The placeholder keeps autograd's gradient-ready hooks firing (DDP launches its bucket reductions from them). As in
+    Megatron, DDP's hook skips ``weight.grad`` once ``grad_added_to_main_grad`` is set, so the placeholder is left
+    uninitialised (no pass over the weight to fill it, none to add it). A tied embedding (``shared_embedding``) and
+    a weight outside DDP get a zero placeholder instead: other uses of the same weight (the embedding lookup) reach
+    ``main_grad`` through ``weight.grad``, to which the zero adds nothing.
     """
-    if grad_weight is None or not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
-        return grad_weight
-    weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
-    return torch.zeros_like(weight)
+    total_input_2d = total_input.reshape(-1, total_input.size(-1))
+    if not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
+        return grad_output_2d.t().matmul(total_input_2d)
+    wgrad_gemm_accum(total_input_2d, grad_output_2d, weight.main_grad)
+    if getattr(weight, "shared_embedding", False) or not hasattr(weight, "grad_added_to_main_grad"):
+        return torch.zeros_like(weight)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -300,8 +307,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = grad_bias = None
         grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
         if wgrad_compute:
-            grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))
-            grad_weight = _accumulate_weight_grad(ctx, weight, grad_weight)
+            grad_weight = _weight_grad(ctx, weight, grad_output_2d, total_input)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output_2d.sum(dim=0)
         if reduce_work is not None:
@@ -632,6 +638,7 @@ class RowParallelLinear(_ParallelLinearBase):
         )
         self.input_size_per_partition = input_size // self.tp_size
         self.input_is_parallel = input_is_parallel
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
@@ -651,8 +658,17 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        # No bias here: added after the reduction, it is counted once rather than tp times.
-        output_parallel = F.linear(input_parallel, self.weight)
+        # No bias here: added after the reduction, it is counted once rather than tp times. No communication in
+        # the linear itself (the reduction follows); it is plain F.linear unless the weight gradient is fused.
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel,
+            self.weight,
+            None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+        )
 
         if self.explicit_expert_comm:
             output = output_parallel
@@ -767,10 +783,11 @@ def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_outp
                 activation, tensor_parallel_output_grad=False, group=tp_group
             )
         grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
-        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
         if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
-        elif weight.grad is None:
+            wgrad_gemm_accum(activation, grad_output, weight.main_grad)
+            continue
+        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
+        if weight.grad is None:
             weight.grad = grad_weight.to(weight.dtype)
         else:
             weight.grad.add_(grad_weight.to(weight.grad.dtype))

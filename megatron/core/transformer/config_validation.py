@@ -32,11 +32,10 @@ _ROPE_TYPES = ("rope", "yarn")
 
 # Knobs that only select a fused GPU kernel or implementation: accepted at any value, with one warning when set,
 # because the pure-PyTorch code computes the same result. (bias_activation_fusion, persist_layer_norm,
-# apply_rope_fusion, cross_entropy_loss_fusion, masked_softmax_fusion, bias_dropout_fusion, moe_permute_fusion and
-# moe_router_fusion select megatron.core.fusions, which runs on every device.)
+# apply_rope_fusion, cross_entropy_loss_fusion, masked_softmax_fusion, bias_dropout_fusion, moe_permute_fusion,
+# moe_router_fusion and gradient_accumulation_fusion select megatron.core.fusions, which runs on every device.)
 _KERNEL_KNOBS = (
     "memory_efficient_layer_norm",
-    "gradient_accumulation_fusion",
     "use_fused_weighted_squared_relu",
     "fused_single_qkv_rope",
     "fused_residual_rmsnorm",

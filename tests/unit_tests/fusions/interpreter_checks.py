@@ -3,19 +3,25 @@
 Started as a subprocess by test_triton_kernels.py: TRITON_INTERPRET must be set before Triton is first imported, and
 setting it in the test process would change Triton for every other test. Prints one JSON object mapping each case
 ``fusion/dtype`` to None (forward and backward match the reference) or the mismatch message.
+
+With ``--cuda`` (on a GPU machine: benchmarks/gpu_check.sh) the same checks run the compiled kernels on CUDA tensors
+instead of the interpreter.
 """
 
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu, fused_cross_entropy  # noqa: E402
 from megatron.core.fusions import fused_layer_norm, fused_rope  # noqa: E402
+from megatron.core.fusions import fused_weight_gradient  # noqa: E402
 from megatron.core.fusions.fused_layer_norm import fused_norm  # noqa: E402
 from megatron.core.fusions import fused_bias_dropout, fused_softmax  # noqa: E402
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb_with_cos_sin  # noqa: E402
@@ -28,6 +34,7 @@ PYTORCH_BODIES = {
     fused_cross_entropy: ("cross_entropy_statistics", "cross_entropy_backward", "_eager_forward", "_softmax_backward"),
     fused_softmax: ("scaled_masked_softmax", "scaled_softmax_back"),
     fused_bias_dropout: ("_bias_dropout_add_func",),
+    fused_weight_gradient: ("_pytorch_wgrad_accum",),
 }
 
 # Storage-precision tolerances: the kernels compute in fp32 and round once when storing.
@@ -36,8 +43,8 @@ TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rt
 
 def _compare(kernel_fn, reference_fn, inputs, dtype):
     """Forward outputs and input gradients of ``kernel_fn`` vs ``reference_fn`` (run in fp32 on the same values)."""
-    ours = [x.detach().to(dtype).requires_grad_(x.is_floating_point()) for x in inputs]
-    ref = [x.detach().to(dtype).float().requires_grad_(x.is_floating_point()) for x in inputs]
+    ours = [x.detach().to(DEVICE, dtype).requires_grad_(x.is_floating_point()) for x in inputs]
+    ref = [x.detach().to(DEVICE, dtype).float().requires_grad_(x.is_floating_point()) for x in inputs]
     out, expected = kernel_fn(*ours), reference_fn(*ref)
     grad = torch.randn_like(expected)
     out.backward(grad.to(out.dtype))
@@ -63,7 +70,7 @@ def _cases():
     x = torch.randn(2, 3, 48, generator=g) * 2 + 0.5
     w, b = torch.randn(48, generator=g), torch.randn(48, generator=g)
     logits = torch.randn(5, 70, generator=g) * 4
-    target = torch.randint(0, 70, (5,), generator=g)
+    target = torch.randint(0, 70, (5,), generator=g).to(DEVICE)
 
     def swiglu_ref(y, bias=None):
         a, c = torch.chunk(y if bias is None else y + bias, 2, -1)
@@ -89,7 +96,7 @@ def _cases():
     t = torch.randn(5, 2, 3, 16, generator=g)
     angles = torch.randn(5, 1, 1, 6, generator=g) * 3
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = torch.cos(angles), torch.sin(angles)
+    cos, sin = torch.cos(angles).to(DEVICE), torch.sin(angles).to(DEVICE)
 
     def rope_ref(t):
         return apply_rotary_pos_emb_with_cos_sin(t, cos, sin)
@@ -202,6 +209,32 @@ CHECKS = {
 }
 
 
+def _check_wgrad_accum(dtype):
+    """``main_grad += grad_output^T @ input`` onto a nonzero ``main_grad``, on shapes that are no multiple of any tile
+    (two tiles of output rows, a partial token step), directly and through a linear layer's backward."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    g = torch.Generator().manual_seed(1)
+    go, x = torch.randn(70, 133, generator=g).to(DEVICE, dtype), torch.randn(70, 45, generator=g).to(DEVICE, dtype)
+    start = torch.randn(133, 45, generator=g).to(DEVICE)
+    expected = start + go.double().t().matmul(x.double()).float()
+    # fp32 sums of 70 products: fp32 / bf16 storage of the inputs, one rounding when main_grad is bf16.
+    main_grads = [(torch.float32, dict(rtol=1e-5, atol=1e-4))]
+    if dtype != torch.float32:
+        main_grads.append((torch.bfloat16, dict(rtol=1e-2, atol=5e-2)))
+    for main_dtype, tolerance in main_grads:
+        main_grad = start.clone().to(main_dtype)
+        fused_weight_gradient.wgrad_gemm_accum(x, go, main_grad)
+        torch.testing.assert_close(main_grad.float(), expected, **tolerance, msg=lambda m: f"main_grad: {m}")
+    weight = torch.nn.Parameter(torch.randn(133, 45, generator=g).to(DEVICE, dtype))
+    weight.main_grad = start.clone()
+    inp = x.view(35, 2, 45).requires_grad_()
+    out = linear_with_grad_accumulation_and_async_allreduce(inp, weight, None, True, False, False)
+    out.backward(go.view(35, 2, 133))
+    torch.testing.assert_close(weight.main_grad, expected, **main_grads[0][1], msg=lambda m: f"layer: {m}")
+    assert weight.grad is not None and not weight.grad.any(), "the layer's placeholder gradient is not zero"
+
+
 def _forbid_pytorch_bodies():
     for module, names in PYTORCH_BODIES.items():
         for name in names:
@@ -222,12 +255,20 @@ def main():
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = None
             except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
                 results[f"{name}/{str(dtype).removeprefix('torch.')}"] = f"{type(error).__name__}: {error}"
-    for name, check in CHECKS.items():
+    # The dropout checks build CPU tensors (on a GPU, test_softmax_dropout_cuda.py checks the compiled kernel).
+    for name, check in CHECKS.items() if DEVICE == "cpu" else ():
         try:
             check()
             results[name] = None
         except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
             results[name] = f"{type(error).__name__}: {error}"
+    for dtype in TOLERANCES:
+        key = f"wgrad_accum/{str(dtype).removeprefix('torch.')}"
+        try:
+            _check_wgrad_accum(dtype)
+            results[key] = None
+        except Exception as error:  # noqa: BLE001 - every failure is reported to the test, by case
+            results[key] = f"{type(error).__name__}: {error}"
     json.dump(results, sys.stdout)
 
 

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron.core.fusions.kernel_dispatch import HAVE_TRITON, triton_interpreting
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install triton)")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope")
+FUSIONS = ("bias_swiglu", "swiglu", "bias_gelu", "LayerNorm", "RMSNorm", "cross_entropy", "rope", "wgrad_accum")
 FUSIONS += ("softmax_causal", "softmax_masked", "softmax_padding", "softmax")
 FUSIONS += ("bias_dropout_add_p0", "bias_dropout_add_inference")
 DTYPES = ("float32", "bfloat16")
@@ -23,14 +24,18 @@ CHECKS = ("bias_dropout_add_p0_exact", "bias_dropout_add_rng_tracker", "bias_dro
 CHECKS += ("bias_dropout_add_p0.75",)
 
 
+def _run_checks(*args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    script = Path(__file__).with_name("interpreter_checks.py")
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
     """One interpreter run for all kernels (a subprocess: TRITON_INTERPRET must be set before Triton is imported)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    script = Path(__file__).with_name("interpreter_checks.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return _run_checks()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,6 +52,17 @@ def test_kernel_check_in_interpreter(interpreter_results, check):
     assert interpreter_results[check] is None, interpreter_results[check]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_match_reference_on_cuda():
+    """The same checks with the kernels compiled for this GPU and run on CUDA tensors (benchmarks/gpu_check.sh)."""
+    results = _run_checks("--cuda")
+    missing = {f"{fusion}/{dtype}" for fusion in FUSIONS for dtype in DTYPES} - results.keys()
+    assert not missing, f"the CUDA run did not check {sorted(missing)}"
+    failures = {case: message for case, message in results.items() if message is not None}
+    assert not failures, failures
+
+
 def _aot_kernels():
     if not HAVE_TRITON:
         return []
@@ -59,10 +75,11 @@ def _aot_kernels():
         norm,
         rope,
         softmax,
+        wgrad,
     )
 
     kernels = []
-    for module in (activations, norm, cross_entropy, rope, softmax, bias_dropout, moe_permute, moe_router):
+    for module in (activations, norm, cross_entropy, rope, softmax, bias_dropout, moe_permute, moe_router, wgrad):
         for kernel, signature, constexprs in module.AOT_SIGNATURES:
             name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
             suffix = "".join(f"-{k}={v}" for k, v in constexprs.items() if k != "BLOCK")

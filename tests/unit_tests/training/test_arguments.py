@@ -804,15 +804,27 @@ def test_gpu_only_settings_are_turned_off_with_one_warning(monkeypatch):
     message = str(record[0].message)
     assert "--distributed-backend nccl needs CUDA GPUs: using gloo" in message
     assert "Transformer Engine" not in message  # the Transformer Engine layout is built, and says so itself
-    assert "--no-gradient-accumulation-fusion" in message
     assert (args.distributed_backend, args.transformer_impl) == ("gloo", "transformer_engine")
-    switches = ("gradient_accumulation_fusion",)
-    assert not any(getattr(args, name) for name in switches)
-    # megatron.core.fusions runs these on every device: they stay on, unmentioned.
-    kept = ("bias_gelu_fusion", "bias_swiglu_fusion", "cross_entropy_loss_fusion")
+    # megatron.core.fusions runs every fusion on every device: they stay on, unmentioned.
+    kept = ("bias_gelu_fusion", "bias_swiglu_fusion", "cross_entropy_loss_fusion", "gradient_accumulation_fusion")
     kept += ("masked_softmax_fusion", "bias_dropout_fusion")
     assert all(getattr(args, name) for name in kept) and args.no_persist_layer_norm is False
     assert not any(name in message for name in (*kept, "persist_layer_norm", "rope", "softmax", "dropout"))
+
+
+def test_gradient_accumulation_fusion_is_on_by_default_and_off_with_fsdp2():
+    base = [item for item in BASE if item != "--no-gradient-accumulation-fusion"]
+    assert validated(base=base).gradient_accumulation_fusion  # Megatron-LM's CLI default
+    assert not validated(base=BASE).gradient_accumulation_fusion
+    warn_once.cache_clear()
+    # FSDP2 keeps its gradients in param.grad: nothing to accumulate into, so the fusion goes off with one notice.
+    with pytest.warns(UserWarning) as record:
+        args = validated("--use-torch-fsdp2", "--untie-embeddings-and-output-weights", base=base)
+    assert not args.gradient_accumulation_fusion
+    assert [str(r.message) for r in record] == [
+        "--use-torch-fsdp2 keeps no main_grad for gradient accumulation fusion to accumulate into: fusion off; "
+        "pass --no-gradient-accumulation-fusion to silence this"
+    ]
 
 
 def test_nothing_to_turn_off_means_no_warning():
