@@ -21,6 +21,9 @@ from torch.nn.parameter import Parameter
 
 from megatron.core.public_api import public_api
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.comm_overlap import ColumnParallelLinearWithCommOverlap as _ColumnWithOverlap
+from megatron.core.tensor_parallel.comm_overlap import RowParallelLinearWithCommOverlap as _RowWithOverlap
+from megatron.core.tensor_parallel.comm_overlap import tp_comm_overlap_for
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
@@ -483,8 +486,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
     SwiGLU ``[gate; up]``), so each rank keeps matching slices of each. ``disable_grad_reduce`` skips the
     input-gradient all-reduce (the caller reduces it). ``is_expert`` uses the expert tensor-parallel group and RNG
     stream; when experts are parallelised the MoE dispatcher does the communication, so the layer does none.
-    ``embedding_activation_buffer``, ``grad_output_buffer`` (deferred embedding weight gradients) and
-    ``tp_comm_buffer_name`` (Transformer Engine overlap) are accepted for compatibility and unused.
+    ``embedding_activation_buffer`` and ``grad_output_buffer`` (deferred embedding weight gradients) are accepted
+    for compatibility and unused. ``tp_comm_buffer_name`` (``qkv``, ``fc1``) names the layer for
+    ``config.tp_comm_overlap`` (tensor_parallel/comm_overlap.py), which overlaps the sequence-parallel gather with
+    the GEMM.
     """
 
     _sharded_axes = {"weight": 0, "bias": 0}
@@ -527,6 +532,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
+        self.tp_comm_overlap = tp_comm_overlap_for(self, tp_comm_buffer_name, _accumulate_weight_grad)
         if config.defer_embedding_wgrad_compute:
             warn_once("defer_embedding_wgrad_compute is not implemented; weight gradients are computed immediately")
 
@@ -563,16 +569,19 @@ class ColumnParallelLinear(_ParallelLinearBase):
         bias = None if self.skip_bias_add else self.bias
 
         communicates = not self.explicit_expert_comm
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_,
-            weight,
-            bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            # Under sequence parallelism the reduce-scatter in backward does this reduction.
-            allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
-            sequence_parallel=communicates and self.sequence_parallel,
-            tp_group=self.tp_group,
-        )
+        if self.tp_comm_overlap is not None:
+            output_parallel = _ColumnWithOverlap.apply(input_, weight, bias, self.tp_comm_overlap)
+        else:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input_,
+                weight,
+                bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                # Under sequence parallelism the reduce-scatter in backward does this reduction.
+                allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
+                sequence_parallel=communicates and self.sequence_parallel,
+                tp_group=self.tp_group,
+            )
 
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather_output and not self.explicit_expert_comm:
@@ -639,6 +648,8 @@ class RowParallelLinear(_ParallelLinearBase):
             )
 
         self.weight = self._new_weight((output_size, input_size), 1, init_method, stride, keep_master_weight_for_test)
+        # tp_comm_buffer_name ("proj", "fc2") names the layer for config.tp_comm_overlap (comm_overlap.py).
+        self.tp_comm_overlap = tp_comm_overlap_for(self, tp_comm_buffer_name, _accumulate_weight_grad)
         if bias:
             self.bias = self._new_bias(output_size)
             # Under SP each rank adds the bias to its own sequence slice only, so its gradient is partial.
@@ -652,14 +663,18 @@ class RowParallelLinear(_ParallelLinearBase):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         # No bias here: added after the reduction, it is counted once rather than tp times.
-        output_parallel = F.linear(input_parallel, self.weight)
-
-        if self.explicit_expert_comm:
-            output = output_parallel
+        if self.tp_comm_overlap is not None:
+            output = _RowWithOverlap.apply(input_parallel, self.weight, self.tp_comm_overlap)
+        elif self.explicit_expert_comm:
+            output = F.linear(input_parallel, self.weight)
         elif self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+            output = reduce_scatter_to_sequence_parallel_region(
+                F.linear(input_parallel, self.weight), group=self.tp_group
+            )
         else:
-            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+            output = reduce_from_tensor_model_parallel_region(
+                F.linear(input_parallel, self.weight), group=self.tp_group
+            )
 
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
