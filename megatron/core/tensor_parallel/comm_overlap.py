@@ -67,7 +67,7 @@ def tp_comm_overlap_for(layer, tp_comm_buffer_name: Optional[str], accumulate_we
     config = layer.config
     if not (config.tp_comm_overlap and layer.sequence_parallel) or layer.explicit_expert_comm:
         return None
-    if tp_comm_buffer_name is None:
+    if tp_comm_buffer_name is None:  # as in Megatron, where only Transformer Engine's layers overlap
         return None
     disabled_gather = (tp_comm_buffer_name == "qkv" and config.tp_comm_overlap_disable_qkv) or (
         tp_comm_buffer_name == "fc1" and config.tp_comm_overlap_disable_fc1
