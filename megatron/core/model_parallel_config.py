@@ -96,17 +96,20 @@ class ModelParallelConfig:
     use_te_rng_tracker: bool = False
     """Use Transformer Engine's RNG tracker (only with Transformer Engine)."""
     tp_comm_overlap: bool = False
-    """Overlap TP communication with GEMMs (Transformer Engine userbuffers; not available here)."""
+    """Overlap the sequence-parallel all-gathers / reduce-scatters of the transformer layers' linears with their
+    GEMMs, chunk by chunk, with asynchronous collectives (megatron.core.tensor_parallel.comm_overlap; no Transformer
+    Engine needed). Needs sequence_parallel and tensor_model_parallel_size > 1."""
     tp_comm_bulk_wgrad: bool = True
-    """tp_comm_overlap: overlap the all-gather with the activation-gradient GEMM (no effect here)."""
+    """tp_comm_overlap: overlap the column-parallel backward's input all-gather with the activation-gradient GEMM."""
     tp_comm_bulk_dgrad: bool = True
-    """tp_comm_overlap: overlap the reduce-scatter with the weight-gradient GEMM (no effect here)."""
+    """tp_comm_overlap: overlap the column-parallel backward's reduce-scatter with the weight-gradient GEMM."""
     tp_comm_overlap_ag: bool = True
-    """tp_comm_overlap: pipeline all-gathers with GEMMs (no effect here)."""
+    """tp_comm_overlap: pipeline all-gathers with GEMMs (column-parallel forward, row-parallel backward)."""
     tp_comm_overlap_rs: bool = True
-    """tp_comm_overlap: pipeline reduce-scatters with GEMMs (no effect here)."""
+    """tp_comm_overlap: pipeline reduce-scatters with GEMMs (row-parallel forward)."""
     tp_comm_overlap_rs_dgrad: bool = False
-    """tp_comm_overlap: pipeline reduce-scatters with the data-gradient GEMM (no effect here)."""
+    """tp_comm_overlap: pipeline the column-parallel input-gradient reduce-scatter with its GEMM (instead of the bulk
+    overlap with the weight-gradient GEMM)."""
     tp_comm_split_ag: bool = True
     """tp_comm_overlap: split all-gather overlap (deprecated in Transformer Engine; no effect here)."""
     tp_comm_atomic_ag: bool = False
@@ -120,9 +123,9 @@ class ModelParallelConfig:
     cross_entropy_fusion_impl: str = "native"
     """Which fused cross entropy cross_entropy_loss_fusion would use: 'native' or 'te' (no effect here)."""
     tp_comm_overlap_disable_qkv: bool = False
-    """tp_comm_overlap: no all-gather overlap for the QKV projection (no effect here)."""
+    """tp_comm_overlap: no all-gather overlap for the QKV projection."""
     tp_comm_overlap_disable_fc1: bool = False
-    """tp_comm_overlap: no all-gather overlap for the first MLP projection (no effect here)."""
+    """tp_comm_overlap: no all-gather overlap for the first MLP projection."""
     tp_comm_bootstrap_backend: str = "nccl"
     """tp_comm_overlap: backend that bootstraps the userbuffers, 'nccl', 'mpi' or 'gloo' (no effect here)."""
     overlap_moe_expert_parallel_comm: bool = False
@@ -182,6 +185,7 @@ class ModelParallelConfig:
     def __post_init__(self):
         _validate_parallel_sizes(self)
         _validate_precision(self)
+        _validate_tp_comm_overlap(self)
         # Checks every field of the concrete class, TransformerConfig's included, before anything is derived.
         refuse_features_not_supported_yet(self)
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
@@ -196,8 +200,6 @@ class ModelParallelConfig:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
-        if self.tp_comm_overlap:
-            warn_once("tp_comm_overlap needs Transformer Engine userbuffers; running without the overlap")
         if self.expert_model_parallel_size > 1 and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             # Megatron warns here too; MoELayer refuses the training forward (evaluation and inference are fine).
             warn_once(
@@ -221,6 +223,23 @@ def _validate_parallel_sizes(config: ModelParallelConfig) -> None:
         raise ValueError(
             "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1); "
             "turn sequence_parallel off or raise tensor_model_parallel_size"
+        )
+
+
+def _validate_tp_comm_overlap(config: ModelParallelConfig) -> None:
+    # Megatron-LM refuses --tp-comm-overlap without --sequence-parallel (which it turns off at TP 1).
+    if not config.tp_comm_overlap:
+        return
+    if config.tensor_model_parallel_size == 1:
+        raise ValueError(
+            "tp_comm_overlap=True has nothing to overlap at tensor_model_parallel_size=1 (it hides the "
+            "tensor-parallel all-gathers and reduce-scatters behind GEMMs); turn tp_comm_overlap off or raise "
+            "tensor_model_parallel_size"
+        )
+    if not config.sequence_parallel:
+        raise ValueError(
+            "tp_comm_overlap=True needs sequence_parallel=True (it overlaps the sequence-parallel all-gathers and "
+            "reduce-scatters with the GEMMs); turn sequence_parallel on or tp_comm_overlap off"
         )
 
 

@@ -7,10 +7,10 @@ the feature, the field and the value, before any model is built or any collectiv
 one place that refuses it; whoever builds the feature removes the row and validates the fields properly instead.
 
 Not listed, and accepted at any value: knobs that only select or tune GPU kernels and communication overlap
-(``*_fusion``, ``tp_comm_*``, ``flash_attention_version``, ...), which have no effect here (the config warns where
-they would be expected to change something), and sub-options that Megatron itself ignores until their feature is
-switched on (``cuda_graph_modules`` with ``cuda_graph_impl='none'``; Megatron-LM's command line passes a
-non-default value by default).
+(``*_fusion``, the userbuffers ``tp_comm_*`` knobs, ``flash_attention_version``, ...), which have no effect here
+(the config warns where they would be expected to change something), and sub-options that Megatron itself ignores
+until their feature is switched on (``cuda_graph_modules`` with ``cuda_graph_impl='none'``; Megatron-LM's command
+line passes a non-default value by default).
 """
 
 import dataclasses

@@ -23,6 +23,7 @@ from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
+from megatron.training.argument_validation_comm_overlap import validate_tp_comm_overlap_args
 from megatron.training.argument_validation_fsdp import validate_megatron_fsdp, validate_torch_fsdp2_args
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_memory import validate_memory_args
@@ -134,6 +135,7 @@ def validate_args(args, defaults={}):
     _check_required(args)
     _check_integer_ranges(args)
     _validate_parallel_layout(args)
+    validate_tp_comm_overlap_args(args)
     _validate_pipeline_split(args)
     _validate_batch_size(args)
     _validate_model_shape(args)

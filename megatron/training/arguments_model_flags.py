@@ -394,24 +394,60 @@ KERNEL_CHOICES = FlagTable(
 )
 
 
+TP_COMM_OVERLAP = FlagTable(
+    "Transformer-Engine",
+    (
+        switch(
+            "--tp-comm-overlap",
+            help="Overlap the sequence-parallel all-gathers / reduce-scatters of the transformer layers' linears with "
+            "their GEMMs, in sequence chunks with asynchronous collectives (needs --sequence-parallel).",
+        ),
+        value(
+            "--tp-comm-overlap-cfg",
+            str,
+            None,
+            help="Transformer Engine userbuffers YAML: accepted with a warning and not read (it tunes GPU kernels "
+            "this build does not use).",
+        ),
+        off_switch(
+            "--no-tp-comm-bulk-dgrad, --disable-tp-comm-bulk-dgrad",
+            "tp_comm_bulk_dgrad",
+            help="--tp-comm-overlap: wait for the input-gradient reduce-scatter before the weight-gradient GEMM.",
+        ),
+        off_switch(
+            "--no-tp-comm-bulk-wgrad, --disable-tp-comm-bulk-wgrad",
+            "tp_comm_bulk_wgrad",
+            help="--tp-comm-overlap: wait for the input all-gather before the input-gradient GEMM.",
+        ),
+        off_switch(
+            "--no-tp-comm-overlap-ag, --disable-tp-comm-overlap-ag",
+            "tp_comm_overlap_ag",
+            help="--tp-comm-overlap: do not pipeline the all-gathers with the GEMMs.",
+        ),
+        off_switch(
+            "--no-tp-comm-overlap-rs, --disable-tp-comm-overlap-rs",
+            "tp_comm_overlap_rs",
+            help="--tp-comm-overlap: do not pipeline the reduce-scatters with the GEMMs.",
+        ),
+        switch(
+            "--tp-comm-overlap-rs-dgrad",
+            help="--tp-comm-overlap: pipeline the column-parallel input-gradient reduce-scatter with its GEMM.",
+        ),
+    ),
+)
+
+
 TE_COMM_OVERLAP = FlagTable(
     "Transformer-Engine",
     (
         switch("--disable-symmetric-registration"),
-        off_switch("--no-tp-comm-bulk-dgrad, --disable-tp-comm-bulk-dgrad", "tp_comm_bulk_dgrad"),
-        off_switch("--no-tp-comm-bulk-wgrad, --disable-tp-comm-bulk-wgrad", "tp_comm_bulk_wgrad"),
-        off_switch("--no-tp-comm-overlap-ag, --disable-tp-comm-overlap-ag", "tp_comm_overlap_ag"),
-        off_switch("--no-tp-comm-overlap-rs, --disable-tp-comm-overlap-rs", "tp_comm_overlap_rs"),
         off_switch("--no-tp-comm-split-ag, --disable-tp-comm-split-ag", "tp_comm_split_ag"),
         off_switch("--no-tp-comm-split-rs, --disable-tp-comm-split-rs", "tp_comm_split_rs"),
         value("--symmetric-ar-type", str, None, choices=["two_shot", "one_shot", "multimem_all_reduce"]),
         value("--tp-comm-bootstrap-backend", str, "nccl", choices=["nccl", "mpi", "gloo"]),
-        switch("--tp-comm-overlap"),
-        value("--tp-comm-overlap-cfg", str, None),
-        switch("--tp-comm-overlap-rs-dgrad"),
         switch("--use-nccl-ub", dest="nccl_ub"),
     ),
-    no_effect="Transformer Engine communication overlap",
+    no_effect="Transformer Engine userbuffers and symmetric-memory communication",
 )
 
 
@@ -451,6 +487,7 @@ TABLES = (
     KITCHEN,
     LOW_PRECISION_RECIPES,
     KERNEL_CHOICES,
+    TP_COMM_OVERLAP,
     TE_COMM_OVERLAP,
     CUDA_GRAPHS,
 )

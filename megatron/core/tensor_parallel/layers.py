@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core.fusions.fused_weight_gradient import wgrad_gemm_accum
-from megatron.core.public_api import public_api
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.comm_overlap import ColumnParallelLinearWithCommOverlap as _ColumnWithOverlap
+from megatron.core.tensor_parallel.comm_overlap import RowParallelLinearWithCommOverlap as _RowWithOverlap
+from megatron.core.tensor_parallel.comm_overlap import tp_comm_overlap_for
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
@@ -489,8 +491,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
     SwiGLU ``[gate; up]``), so each rank keeps matching slices of each. ``disable_grad_reduce`` skips the
     input-gradient all-reduce (the caller reduces it). ``is_expert`` uses the expert tensor-parallel group and RNG
     stream; when experts are parallelised the MoE dispatcher does the communication, so the layer does none.
-    ``embedding_activation_buffer``, ``grad_output_buffer`` (deferred embedding weight gradients) and
-    ``tp_comm_buffer_name`` (Transformer Engine overlap) are accepted for compatibility and unused.
+    ``embedding_activation_buffer`` and ``grad_output_buffer`` (deferred embedding weight gradients) are accepted
+    for compatibility and unused. ``tp_comm_buffer_name`` (``qkv``, ``fc1``) names the layer for
+    ``config.tp_comm_overlap`` (tensor_parallel/comm_overlap.py), which overlaps the sequence-parallel gather with
+    the GEMM.
     """
 
     _sharded_axes = {"weight": 0, "bias": 0}
@@ -533,6 +537,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
+        self.tp_comm_overlap = tp_comm_overlap_for(self, tp_comm_buffer_name, _weight_grad)
         if config.defer_embedding_wgrad_compute:
             warn_once("defer_embedding_wgrad_compute is not implemented; weight gradients are computed immediately")
 
@@ -569,16 +574,19 @@ class ColumnParallelLinear(_ParallelLinearBase):
         bias = None if self.skip_bias_add else self.bias
 
         communicates = not self.explicit_expert_comm
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_,
-            weight,
-            bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            # Under sequence parallelism the reduce-scatter in backward does this reduction.
-            allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
-            sequence_parallel=communicates and self.sequence_parallel,
-            tp_group=self.tp_group,
-        )
+        if self.tp_comm_overlap is not None:
+            output_parallel = _ColumnWithOverlap.apply(input_, weight, bias, self.tp_comm_overlap)
+        else:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input_,
+                weight,
+                bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                # Under sequence parallelism the reduce-scatter in backward does this reduction.
+                allreduce_dgrad=communicates and not self.sequence_parallel and not self.disable_grad_reduce,
+                sequence_parallel=communicates and self.sequence_parallel,
+                tp_group=self.tp_group,
+            )
 
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather_output and not self.explicit_expert_comm:
@@ -646,6 +654,8 @@ class RowParallelLinear(_ParallelLinearBase):
             )
 
         self.weight = self._new_weight((output_size, input_size), 1, init_method, stride, keep_master_weight_for_test)
+        # tp_comm_buffer_name ("proj", "fc2") names the layer for config.tp_comm_overlap (comm_overlap.py).
+        self.tp_comm_overlap = tp_comm_overlap_for(self, tp_comm_buffer_name, _weight_grad)
         if bias:
             self.bias = self._new_bias(output_size)
             # Under SP each rank adds the bias to its own sequence slice only, so its gradient is partial.
@@ -658,8 +668,12 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        # No bias here: added after the reduction, it is counted once rather than tp times. No communication in
-        # the linear itself (the reduction follows); it is plain F.linear unless the weight gradient is fused.
+        # No bias here: added after the reduction, it is counted once rather than tp times.
+        if self.tp_comm_overlap is not None:
+            output = _RowWithOverlap.apply(input_parallel, self.weight, self.tp_comm_overlap)
+            return self._add_bias(output)
+        # No communication in the linear itself (the reduction follows); it is plain F.linear unless the weight
+        # gradient is fused.
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input_parallel,
             self.weight,
@@ -669,14 +683,15 @@ class RowParallelLinear(_ParallelLinearBase):
             sequence_parallel=False,
             tp_group=self.tp_group,
         )
-
         if self.explicit_expert_comm:
             output = output_parallel
         elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        return self._add_bias(output)
 
+    def _add_bias(self, output):
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
@@ -752,43 +767,3 @@ class VocabParallelEmbedding(_TensorParallelModule):
                 tp_group=self.tp_group,
             )
         }
-
-
-# ---- deferred embedding weight gradients -------------------------------------------------------------------
-
-
-@public_api("megatron.core.utils")
-def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
-    """Flatten ``[s, b, h]`` gradients and inputs to 2-D ``[s*b, h]`` for the weight-gradient GEMM."""
-    grad_output = grad_output.contiguous()
-    grad_output = grad_output.view(-1, grad_output.shape[-1])
-    all_gathered_input = all_gathered_input.contiguous()
-    all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[-1])
-    return grad_output, all_gathered_input
-
-
-@public_api("megatron.core.utils")
-def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
-    """Compute the output-layer weight gradients that ``defer_embedding_wgrad_compute`` postponed, and empty the
-    buffers.
-
-    Each buffered input is gathered over ``tp_group`` first when sequence parallelism split it; the gradient is
-    accumulated into ``weight.main_grad`` with gradient-accumulation fusion, else into ``weight.grad``.
-    """
-    while embedding_activation_buffer:
-        activation = embedding_activation_buffer.pop(0)
-        grad_output = grad_output_buffer.pop(0)
-        if config.sequence_parallel:
-            activation = gather_from_sequence_parallel_region(
-                activation, tensor_parallel_output_grad=False, group=tp_group
-            )
-        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
-        if config.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            wgrad_gemm_accum(activation, grad_output, weight.main_grad)
-            continue
-        grad_weight = grad_output.t().matmul(activation.to(grad_output.dtype))
-        if weight.grad is None:
-            weight.grad = grad_weight.to(weight.dtype)
-        else:
-            weight.grad.add_(grad_weight.to(weight.grad.dtype))
-    grad_output_buffer.clear()
