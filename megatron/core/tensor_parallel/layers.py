@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron.core.fp8.recipe import delayed_scaling_state_for
 from megatron.core.public_api import public_api
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.fp8_linear import fp8_extra_state, fp8_linear_for, load_fp8_extra_state
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
@@ -410,9 +412,9 @@ def linear_with_frozen_weight(
 
 
 class _EmptyExtraState:
-    """An always-empty ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry
-    the same keys as Transformer Engine layers (whose extra state holds FP8 metadata). Checkpoints written without
-    the entry still load strictly."""
+    """An ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry the same
+    keys as Transformer Engine layers: None, or the delayed FP8 scaling state. Checkpoints written without the entry
+    still load strictly."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(f"{prefix}_extra_state", None)
@@ -420,7 +422,7 @@ class _EmptyExtraState:
 
 
 class _ParallelLinearBase(_EmptyExtraState, _TensorParallelModule):
-    """What ColumnParallelLinear and RowParallelLinear share: an always-empty extra state, no deferred weight
+    """What ColumnParallelLinear and RowParallelLinear share: the FP8 extra state, no deferred weight
     gradients, their repr and their checkpoint layout. A subclass sets ``_sharded_axes`` (the TP-split axis of each
     parameter; a parameter not named is replicated) and ``_layout_flag`` (the attribute its repr shows last)."""
 
@@ -439,16 +441,18 @@ class _ParallelLinearBase(_EmptyExtraState, _TensorParallelModule):
         self.input_size = input_size
         self.output_size = output_size
         self.skip_bias_add = skip_bias_add
+        self.fp8_scaling_state = delayed_scaling_state_for(config)
 
     def backward_dw(self) -> None:
         """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
         layers), since backward computes the weight gradient at once."""
 
-    def get_extra_state(self) -> None:
-        return None
+    def get_extra_state(self) -> Optional[dict]:
+        return fp8_extra_state(self)
 
     def set_extra_state(self, state: Any):
-        """Nothing to restore: the extra state is always empty."""
+        """Restore the delayed FP8 scaling state, if the layer keeps one and ``state`` holds it."""
+        load_fp8_extra_state(self, state)
 
     def extra_repr(self) -> str:
         return (
@@ -563,7 +567,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         bias = None if self.skip_bias_add else self.bias
 
         communicates = not self.explicit_expert_comm
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        linear = fp8_linear_for(self, _accumulate_weight_grad) or linear_with_grad_accumulation_and_async_allreduce
+        output_parallel = linear(
             input_,
             weight,
             bias,
@@ -652,7 +657,11 @@ class RowParallelLinear(_ParallelLinearBase):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         # No bias here: added after the reduction, it is counted once rather than tp times.
-        output_parallel = F.linear(input_parallel, self.weight)
+        fp8 = fp8_linear_for(self, _accumulate_weight_grad)
+        if fp8 is None:
+            output_parallel = F.linear(input_parallel, self.weight)
+        else:
+            output_parallel = fp8(input_parallel, self.weight, None, tp_group=self.tp_group)
 
         if self.explicit_expert_comm:
             output = output_parallel
