@@ -8,8 +8,9 @@ short training run of a tiny GPT per recipe next to the unquantised (fp32) and b
    from torchao's dequantised result (0 = the same bytes and scales; torchao optional).
 2. GEMM: relative Frobenius error of the FP8 GEMM (x @ w.T, E4M3 operands) against fp32.
 3. Training: losses of a 2-layer GPT (hidden 128, FFN 512, seq 64 x batch 8, vocab 512, Adam 3e-3, one fixed batch)
-   per recipe (hybrid format), and the median step time (CPU emulation: FP8 is slower than fp32 here, since the
-   quantisation passes come on top of an fp32 GEMM; no FP8 GEMM runs on a CPU).
+   per recipe (hybrid format, fp32 parameters) next to fp32 and bf16, and the median step time, the runs' steps
+   interleaved (CPU emulation: FP8 is slower than fp32 here, since the quantisation passes come on top of an fp32
+   GEMM; no FP8 GEMM runs on a CPU).
 
 Prints tables and writes benchmarks/results/fp8.json.
 """
@@ -111,7 +112,7 @@ def _init_single_process():
     model_parallel_cuda_manual_seed(1)
 
 
-def train(label, steps, fp8_recipe=None, bf16=False):
+def build(fp8_recipe=None, bf16=False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -131,23 +132,29 @@ def train(label, steps, fp8_recipe=None, bf16=False):
         **fp8,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=64)
-    if bf16:
-        model = model.bfloat16()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    return model.bfloat16() if bf16 else model
+
+
+def train(runs, steps):
+    """Train every model of ``runs`` (label -> model) on one fixed batch, one step of each in turn, so that load
+    on the shared machine hits all runs alike."""
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 512, (8, 64), generator=generator)
     labels = torch.randint(0, 512, (8, 64), generator=generator)
     positions = torch.arange(64).unsqueeze(0).expand(8, 64)
-    losses, times = [], []
+    optimizers = {label: torch.optim.Adam(model.parameters(), lr=3e-3) for label, model in runs.items()}
+    losses = {label: [] for label in runs}
+    times = {label: [] for label in runs}
     for _ in range(steps):
-        start = time.perf_counter()
-        loss = model(tokens, positions, None, labels=labels).float().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return {"run": label, "losses": losses, "step_s": statistics.median(times)}
+        for label, model in runs.items():
+            start = time.perf_counter()
+            loss = model(tokens, positions, None, labels=labels).float().mean()
+            optimizers[label].zero_grad()
+            loss.backward()
+            optimizers[label].step()
+            times[label].append(time.perf_counter() - start)
+            losses[label].append(loss.item())
+    return [{"run": label, "losses": losses[label], "step_s": statistics.median(times[label])} for label in runs]
 
 
 def main():
@@ -165,8 +172,9 @@ def main():
         print(f"| {row['recipe']} | {row['format']} | {row['sqnr_db']:.1f} | {gap} | {row['gemm_rel_error']:.2e} |")
 
     _init_single_process()
-    runs = [train("fp32", args.steps), train("bf16", args.steps, bf16=True)]
-    runs += [train(f"fp8 hybrid {recipe}", args.steps, recipe) for recipe in RECIPES]
+    models = {"fp32": build(), "bf16 (parameters and Adam in bf16)": build(bf16=True)}
+    models.update({f"fp8 hybrid {recipe}": build(recipe) for recipe in RECIPES})
+    runs = train(models, args.steps)
     baseline = runs[0]["losses"]
     print(f"\n| run | loss at step 1 / {args.steps // 2} / {args.steps} | max rel. diff vs fp32 | median step (s) |")
     print("|---|---|---|---|")
