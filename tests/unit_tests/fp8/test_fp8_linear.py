@@ -220,3 +220,20 @@ def test_tp2_with_sequence_parallelism_equals_tp1(one_rank):
         layouts = torch.tensor(tp2[0][recipe]), torch.tensor(one_rank[recipe])
         torch.testing.assert_close(layouts[0][:2], layouts[1][:2], rtol=1e-5, atol=0, msg=str(recipe))
         torch.testing.assert_close(layouts[0], layouts[1], rtol=5e-4, atol=0, msg=str(recipe))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="torch._scaled_mm's FP8 GEMM needs a CUDA GPU of compute capability 8.9 or newer",
+)
+def test_scaled_mm_on_an_fp8_gpu_matches_the_cpu_emulation():
+    from megatron.core.fp8.quantization import quantize_tensorwise, scaled_matmul
+
+    generator = torch.Generator().manual_seed(5)
+    x, w = torch.randn(64, 128, generator=generator), torch.randn(96, 128, generator=generator) * 0.05
+    for x_dtype in (E4M3, E5M2):
+        qx, qw = quantize_tensorwise(x.cuda(), x_dtype), quantize_tensorwise(w.cuda(), E4M3)
+        on_gpu = scaled_matmul(qx, qw, torch.float32).cpu()
+        emulated = scaled_matmul(quantize_tensorwise(x, x_dtype), quantize_tensorwise(w, E4M3), torch.float32)
+        # Same products, both accumulated in float32; only the summation order differs.
+        torch.testing.assert_close(on_gpu, emulated, rtol=1e-5, atol=1e-5)
