@@ -222,6 +222,26 @@ def test_tp2_with_sequence_parallelism_equals_tp1(one_rank):
         torch.testing.assert_close(layouts[0], layouts[1], rtol=5e-4, atol=0, msg=str(recipe))
 
 
+def _hybrid_losses():
+    from tests.unit_tests.models.hybrid.hybrid_test_helpers import BATCH, SEQ, VOCAB, build_model
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    losses = []
+    for overrides in ({}, {"fp8": "hybrid", "fp8_recipe": "mxfp8"}):
+        model = build_model(config_overrides=overrides)
+        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_hybrid_mamba_model_trains_in_fp8():
+    plain, fp8 = run_distributed(1, _hybrid_losses)[0]
+    assert fp8 != plain and abs(fp8 - plain) < 1e-2 * plain
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="torch._scaled_mm's FP8 GEMM needs a CUDA GPU of compute capability 8.9 or newer",
