@@ -125,7 +125,7 @@ def test_parallel_linears_run_fp8_only_inside_the_region():
 # ---- a tiny GPT trained in FP8 ---------------------------------------------------------------------------------
 
 
-STEPS = 6
+STEPS = 4
 
 
 def _train(tp, sp, recipes, checkpoint_dir=None):
