@@ -353,6 +353,11 @@ def _validate_fp8(config: TransformerConfig) -> None:
     """The FP8 fields make a valid recipe, and every linear layer's contraction dimension (per tensor-parallel
     rank) is a whole number of the recipe's scaling blocks."""
     recipe = Fp8ScalingRecipe.from_config(config)  # None without fp8; raises naming a bad field
+    if recipe is not None and config.num_moe_experts and config.moe_grouped_gemm:
+        warn_once(
+            f"fp8={config.fp8!r} with moe_grouped_gemm=True: the grouped-GEMM experts are not quantised yet and run "
+            "in the parameters' precision (the other linear layers run in FP8)"
+        )
     block = RECIPE_BLOCK_SIZES.get(recipe.recipe) if recipe is not None else None
     if block is None:
         return

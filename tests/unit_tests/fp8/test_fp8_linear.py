@@ -257,3 +257,14 @@ def test_scaled_mm_on_an_fp8_gpu_matches_the_cpu_emulation():
         emulated = scaled_matmul(quantize_tensorwise(x, x_dtype), quantize_tensorwise(w, E4M3), torch.float32)
         # Same products, both accumulated in float32; only the summation order differs.
         torch.testing.assert_close(on_gpu, emulated, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_experts_say_they_stay_unquantised():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import warn_once
+
+    warn_once.cache_clear()
+    with pytest.warns(UserWarning, match=r"fp8='hybrid' with moe_grouped_gemm=True: the grouped-GEMM experts are not"):
+        TransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=2, moe_grouped_gemm=True, fp8="hybrid"
+        )
