@@ -26,6 +26,7 @@ setup(
             "openai",
             "safetensors",
             "transformers",
+            "torchao",  # independent FP8 / MX quantisation references for the FP8 tests
             "triton",  # the kernels' tests: interpreter runs and ahead-of-time GPU compiles, no GPU needed
         ],
         "tokenizers": ["tokenizers", "sentencepiece", "tiktoken"],

@@ -54,6 +54,7 @@ FLOORS = [
         "megatron.core.datasets",
         "megatron.core.dist_checkpointing",
         "megatron.core.optimizer_param_scheduler",
+        "megatron.core.fp8",
     ],
     # 4
     ["megatron.core.rerun_state_machine", "megatron.core.mpu"],

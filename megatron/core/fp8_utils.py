@@ -1,11 +1,11 @@
-"""Megatron-Core's FP8 helpers (``megatron.core.fp8_utils``), as they behave where FP8 is off.
+"""Megatron-Core's FP8 helpers (``megatron.core.fp8_utils``) over this project's pure-PyTorch FP8 training.
 
-Megatron implements these on Transformer Engine's quantized tensor classes. This project has no FP8 training yet
-(``TransformerConfig`` refuses ``fp8=...`` and the other FP8 fields), so no tensor here is ever quantized. The
-functions keep Megatron's names and signatures and answer as Megatron does without Transformer Engine: the
-predicates are False for every tensor, the contexts are no-ops, the per-step hooks do nothing for unquantized
-parameters, and the pure helpers (alignment size, first/last BF16 layers, linear-layer kinds) compute their answer.
-Whatever would need an FP8 tensor, or a config that actually asks for FP8, raises one ``ValueError`` saying so.
+Megatron implements these on Transformer Engine's quantized tensor classes. Here FP8 is a property of the linear
+layers' GEMMs (:mod:`megatron.core.fp8`, :mod:`megatron.core.tensor_parallel.fp8_linear`): parameters stay in their
+high precision (``fp8_param`` / ``--fp8-param-gather`` is not built), so the parameter predicates are False, the
+per-step parameter hooks have nothing to do, ``get_fp8_recipe`` returns a :class:`Fp8ScalingRecipe` and
+``get_fp8_context`` the region a layer's linears run FP8 in. Whatever needs an FP8 parameter raises one
+``ValueError`` saying so.
 """
 
 from contextlib import nullcontext
@@ -14,6 +14,9 @@ from typing import List
 import torch
 
 from megatron.core.enums import Fp8Recipe
+from megatron.core.fp8.context import fp8_layer_context, is_first_last_bf16_layer  # noqa: F401  (Megatron's path)
+from megatron.core.fp8.quantization import QuantizedTensor
+from megatron.core.fp8.recipe import Fp8ScalingRecipe
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -21,8 +24,8 @@ HAVE_TE = False
 """Whether Transformer Engine's FP8 classes are in use (never, here); Megatron's tests read this flag."""
 
 _NO_FP8 = (
-    "not supported yet: FP8 training ({what}); this project has no FP8 tensors. Leave fp8 / fp8_param unset "
-    "(train in bf16 or fp32)"
+    "not supported yet: FP8 parameters ({what}); FP8 here quantises the linear layers' GEMM operands and keeps "
+    "parameters in high precision. Leave fp8_param unset"
 )
 
 
@@ -80,9 +83,11 @@ def modify_grouped_tensor_rowwise_storage(tensor: torch.Tensor, new_storage: tor
     )
 
 
-def dequantize_fp8_tensor(fp8_tensor: torch.Tensor) -> torch.Tensor:
-    """The high-precision value of an FP8 tensor; refused, as no tensor here is FP8."""
-    raise _refuse(f"dequantize_fp8_tensor got a {type(fp8_tensor).__name__}, not a Transformer Engine FP8 tensor")
+def dequantize_fp8_tensor(fp8_tensor) -> torch.Tensor:
+    """The high-precision (float32) value of a quantised tensor (:class:`QuantizedTensor`)."""
+    if not isinstance(fp8_tensor, QuantizedTensor):
+        raise ValueError(f"dequantize_fp8_tensor expects a QuantizedTensor, got a {type(fp8_tensor).__name__}")
+    return fp8_tensor.dequantize()
 
 
 # ---- pure helpers --------------------------------------------------------------------------------------------------
@@ -101,17 +106,6 @@ def is_column_parallel_linear(module) -> bool:
 def is_row_parallel_linear(module) -> bool:
     """Whether ``module`` is a row-parallel linear layer."""
     return isinstance(module, RowParallelLinear)
-
-
-def is_first_last_bf16_layer(config: TransformerConfig, layer_no: int) -> bool:
-    """Whether global layer ``layer_no`` (0-based) stays in BF16 under ``first_last_layers_bf16``: one of the first
-    ``num_layers_at_start_in_bf16`` or last ``num_layers_at_end_in_bf16`` layers. A negative ``layer_no`` (the
-    whole model) never is."""
-    if layer_no < 0 or not config.first_last_layers_bf16:
-        return False
-    return layer_no < config.num_layers_at_start_in_bf16 or layer_no >= (
-        config.num_layers - config.num_layers_at_end_in_bf16
-    )
 
 
 def is_mxfp8_output_proj_active(config) -> bool:
@@ -141,24 +135,23 @@ def post_all_gather_processing(model_params):
     """Rebuild FP8 transposes after the distributed optimizer's all-gather: unquantized parameters need none."""
 
 
-# ---- contexts and recipes: no-ops while FP8 is off, one error when it is asked for --------------------------------
+# ---- contexts and recipes ------------------------------------------------------------------------------------------
 
 
 def get_fp8_recipe(config: TransformerConfig):
-    """The FP8 recipe for ``config``: None while ``config.fp8`` is unset; FP8 itself is refused."""
-    if getattr(config, "fp8", None):
-        raise _refuse(f"get_fp8_recipe with fp8={config.fp8!r}")
-    return None
+    """The FP8 recipe for ``config`` (a :class:`Fp8ScalingRecipe`), or None while ``config.fp8`` is unset."""
+    return Fp8ScalingRecipe.from_config(config)
 
 
 def get_fp8_context(config: TransformerConfig, layer_no: int = -1, is_init: bool = False):
-    """The context to run layer ``layer_no`` (or to build parameters, ``is_init``) in: a no-op context while
-    ``config.fp8`` (``config.fp8_param`` for ``is_init``) is unset; FP8 itself is refused."""
-    requested = getattr(config, "fp8_param", False) if is_init else getattr(config, "fp8", None)
-    if requested:
-        field = "fp8_param" if is_init else "fp8"
-        raise _refuse(f"get_fp8_context with {field}={requested!r}")
-    return nullcontext()
+    """The context to run global layer ``layer_no`` in (``-1``: any layer): the FP8 region of ``config``'s recipe,
+    or a no-op context without ``config.fp8`` or for a first / last BF16 layer. ``is_init`` (building FP8
+    parameters) is a no-op context unless ``config.fp8_param`` asks for them, which is refused."""
+    if is_init:
+        if getattr(config, "fp8_param", False):
+            raise _refuse("get_fp8_context(is_init=True) with fp8_param=True")
+        return nullcontext()
+    return fp8_layer_context(config, layer_no)
 
 
 def prepare_model_for_fp8_inference(model):

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_layer import layers_per_virtual_stage
 from megatron.core.tokenizers.utils.build_tokenizer import TOKENIZER_TYPES as BUILT_TOKENIZER_TYPES
 from megatron.core.utils import cuda_available, warn_once
 from megatron.training.argument_validation_comm_overlap import validate_tp_comm_overlap_args
+from megatron.training.argument_validation_fp8 import validate_fp8_args
 from megatron.training.argument_validation_fsdp import validate_megatron_fsdp, validate_torch_fsdp2_args
 from megatron.training.argument_validation_hybrid import has_pipeline_segments, validate_hybrid_args
 from megatron.training.argument_validation_memory import validate_memory_args
@@ -141,6 +142,7 @@ def validate_args(args, defaults={}):
     _validate_model_shape(args)
     _validate_positions(args)
     _validate_precision(args)
+    validate_fp8_args(args)
     _validate_recompute(args)
     _validate_training_length(args)
     _validate_learning_rate(args)

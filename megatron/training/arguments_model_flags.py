@@ -345,31 +345,81 @@ KITCHEN = FlagTable(
 )
 
 
-LOW_PRECISION_RECIPES = FlagTable(
+FP8_TRAINING = FlagTable(
     "mixed precision",
     (
-        switch("--first-last-layers-bf16"),
+        switch("--first-last-layers-bf16", help="Keep the first and last transformer layers out of FP8."),
+        value(
+            "--fp8-amax-compute-algo",
+            str,
+            "most_recent",
+            choices=["most_recent", "max"],
+            help="Delayed FP8 scaling: scale from the amax history's maximum or its most recent entry.",
+        ),
+        value("--fp8-amax-history-len", int, 1, help="Delayed FP8 scaling: amax values remembered per tensor."),
+        value(
+            "--fp8-format",
+            str,
+            None,
+            dest="fp8",
+            choices=["e4m3", "hybrid"],
+            help="Run the transformer layers' linear GEMMs in FP8: e4m3 everywhere, or hybrid (E5M2 gradients). "
+            "See docs/fp8.md.",
+        ),
+        value("--fp8-margin", int, 0, help="Delayed FP8 scaling: divide scales by 2**margin."),
+        value(
+            "--fp8-recipe",
+            str,
+            "delayed",
+            choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
+            help="FP8 scaling: per-tensor current (tensorwise) or from an amax history (delayed), E8M0 scales per "
+            "32 elements (mxfp8), float32 scales per 1x128 / 128x128 tile (blockwise); custom is not supported yet.",
+        ),
+        off_switch(
+            "--no-fp8-wgrad, --disable-fp8-wgrad",
+            "fp8_wgrad",
+            help="Compute weight gradients in the parameters' precision, not FP8.",
+        ),
+        value("--num-layers-at-end-in-bf16", int, 1, help="With --first-last-layers-bf16: trailing layers kept."),
+        value("--num-layers-at-start-in-bf16", int, 1, help="With --first-last-layers-bf16: leading layers kept."),
+    ),
+)
+
+
+FP8_NOT_BUILT = FlagTable(
+    "mixed precision",
+    (
+        switch("--fp8-output-proj"),
+        value("--fp8-quantizer-factory", str, None),
+        switch("--reuse-grad-buf-for-mxfp8-param-ag"),
+    ),
+    not_supported="FP8 output layer, custom FP8 quantizers and MXFP8 parameter all-gather into the gradient buffer",
+)
+
+
+# Megatron's FP8 launch scripts pass it; the training still runs in FP8 (every GEMM quantises its weight), only the
+# memory and all-gather savings of FP8 parameter storage are missing, so it warns rather than refuses.
+FP8_PARAM_GATHER = FlagTable(
+    "mixed precision",
+    (switch("--fp8-param-gather"),),
+    no_effect="FP8 parameter storage and its FP8 all-gather (parameters stay in their precision and each GEMM "
+    "quantises the weight, so the numerics are FP8's)",
+)
+
+
+LOW_PRECISION_KNOBS = FlagTable(
+    "mixed precision",
+    (
         value("--fp4-format", str, None, dest="fp4", choices=["e2m1"]),
         switch("--fp4-param-gather"),
         value("--fp4-quantizer-factory", str, None),
         value("--fp4-recipe", str, "nvfp4", choices=["nvfp4", "custom"]),
-        value("--fp8-amax-compute-algo", str, "most_recent", choices=["most_recent", "max"]),
-        value("--fp8-amax-history-len", int, 1),
-        value("--fp8-format", str, None, dest="fp8", choices=["e4m3", "hybrid"]),
         value("--fp8-interval", int, 1),
-        value("--fp8-margin", int, 0),
-        switch("--fp8-output-proj"),
-        switch("--fp8-param-gather"),
-        value("--fp8-quantizer-factory", str, None),
-        value("--fp8-recipe", str, "delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]),
         switch("--keep-fp8-transpose-cache"),
-        off_switch("--no-fp8-wgrad, --disable-fp8-wgrad", "fp8_wgrad"),
-        value("--num-layers-at-end-in-bf16", int, 1),
-        value("--num-layers-at-start-in-bf16", int, 1),
-        switch("--reuse-grad-buf-for-mxfp8-param-ag"),
         value("--te-precision-config-file", None, None),
     ),
-    no_effect="FP8/FP4 recipes of Transformer Engine; training runs in the --fp16/--bf16/fp32 precision",
+    no_effect="FP4 recipes of Transformer Engine, its deprecated FP8 interval and FP8 parameter transpose caching; "
+    "training runs in the --fp16/--bf16/fp32 precision (FP8 with --fp8-format)",
 )
 
 
@@ -485,7 +535,10 @@ TABLES = (
     VISION,
     RETRIEVAL,
     KITCHEN,
-    LOW_PRECISION_RECIPES,
+    FP8_TRAINING,
+    FP8_NOT_BUILT,
+    FP8_PARAM_GATHER,
+    LOW_PRECISION_KNOBS,
     KERNEL_CHOICES,
     TP_COMM_OVERLAP,
     TE_COMM_OVERLAP,

@@ -1,5 +1,6 @@
-"""megatron.core.fp8_utils where FP8 is off: Megatron's names and signatures, False predicates, no-op contexts and
-hooks, the pure helpers, and one clear error wherever FP8 is actually asked for."""
+"""megatron.core.fp8_utils: Megatron's names and signatures, False parameter predicates (parameters are never FP8
+here), no-op contexts and hooks without FP8, the recipe and region with it, the pure helpers, and one clear error
+wherever FP8 parameters are asked for."""
 
 import inspect
 import types
@@ -9,6 +10,8 @@ import torch
 
 from megatron.core import fp8_utils
 from megatron.core.enums import Fp8Recipe
+from megatron.core.fp8.quantization import quantize_tensorwise
+from megatron.core.fp8.recipe import active_fp8_region
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -77,18 +80,28 @@ def test_contexts_and_recipe_are_no_ops_while_fp8_is_off():
     assert fp8_utils.is_mxfp8_output_proj_active(config) is False
 
 
-def test_asking_for_fp8_is_one_clear_error():
-    # TransformerConfig itself refuses fp8=...; a config-like object that asks for it reaches these helpers.
+def test_recipe_and_context_with_fp8():
+    config = _config(fp8="hybrid", fp8_recipe="delayed", fp8_margin=1, fp8_amax_history_len=4)
+    recipe = fp8_utils.get_fp8_recipe(config)
+    assert (recipe.fp8_format, recipe.recipe, recipe.margin, recipe.amax_history_len) == ("hybrid", "delayed", 1, 4)
+    assert (recipe.forward_dtype, recipe.backward_dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
+    with fp8_utils.get_fp8_context(config, layer_no=2):
+        assert active_fp8_region().recipe == recipe
+    assert active_fp8_region() is None
+    bf16_ends = _config(fp8="e4m3", fp8_recipe="tensorwise", first_last_layers_bf16=True)
+    with fp8_utils.get_fp8_context(bf16_ends, layer_no=0):
+        assert active_fp8_region() is None
+    q = quantize_tensorwise(torch.tensor([1.0, -2.0]), torch.float8_e4m3fn)
+    assert torch.equal(fp8_utils.dequantize_fp8_tensor(q), torch.tensor([1.0, -2.0]))
+
+
+def test_asking_for_fp8_parameters_is_one_clear_error():
     asks = types.SimpleNamespace(fp8="hybrid", fp8_param=True)
-    with pytest.raises(ValueError, match=r"not supported yet: FP8 training \(get_fp8_recipe with fp8='hybrid'\)"):
-        fp8_utils.get_fp8_recipe(asks)
-    with pytest.raises(ValueError, match=r"not supported yet: FP8 training \(get_fp8_context with fp8='hybrid'\)"):
-        fp8_utils.get_fp8_context(asks)
-    with pytest.raises(ValueError, match=r"get_fp8_context with fp8_param=True\); this project has no FP8 tensors"):
+    with pytest.raises(ValueError, match=r"get_fp8_context\(is_init=True\) with fp8_param=True\); FP8 here quanti"):
         fp8_utils.get_fp8_context(asks, is_init=True)
     with pytest.raises(ValueError, match=r"not supported yet: FP8 .*prepare_model_for_fp8_inference"):
         fp8_utils.prepare_model_for_fp8_inference(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"dequantize_fp8_tensor got a Tensor, not a Transformer Engine FP8"):
+    with pytest.raises(ValueError, match=r"dequantize_fp8_tensor expects a QuantizedTensor, got a Tensor"):
         fp8_utils.dequantize_fp8_tensor(torch.ones(2))
     with pytest.raises(ValueError, match=r"modify_underlying_storage needs a Transformer Engine FP8 parameter"):
         fp8_utils.modify_underlying_storage(torch.ones(2), torch.ones(2))
@@ -112,10 +125,7 @@ def test_per_step_hooks_do_nothing_without_fp8_parameters():
 def test_pure_helpers():
     assert fp8_utils.get_fp8_align_size(Fp8Recipe.mxfp8) == 32
     assert [fp8_utils.get_fp8_align_size(r) for r in (Fp8Recipe.delayed, Fp8Recipe.tensorwise)] == [16, 16]
-    config = _config()
-    object.__setattr__(config, "first_last_layers_bf16", True)  # set after construction: the config refuses it
-    object.__setattr__(config, "num_layers_at_start_in_bf16", 1)
-    object.__setattr__(config, "num_layers_at_end_in_bf16", 2)
+    config = _config(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
     assert [fp8_utils.is_first_last_bf16_layer(config, n) for n in (-1, 0, 1, 3, 4, 5)] == [
         False,
         True,

@@ -24,6 +24,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.comm_overlap import ColumnParallelLinearWithCommOverlap as _ColumnWithOverlap
 from megatron.core.tensor_parallel.comm_overlap import RowParallelLinearWithCommOverlap as _RowWithOverlap
 from megatron.core.tensor_parallel.comm_overlap import tp_comm_overlap_for
+from megatron.core.fp8.recipe import delayed_scaling_state_for
+from megatron.core.tensor_parallel.fp8_linear import fp8_extra_state, fp8_linear_for, load_fp8_extra_state
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _start_gather_along_first_dim,
@@ -234,6 +236,18 @@ def _weight_grad(ctx, weight, grad_output_2d, total_input):
     if not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
         return grad_output_2d.t().matmul(total_input_2d)
     wgrad_gemm_accum(total_input_2d, grad_output_2d, weight.main_grad)
+    return _placeholder_grad(weight)
+
+
+def _accumulate_weight_grad(ctx, weight, grad_weight):
+    """The fusion's step for a weight gradient computed elsewhere (the FP8 GEMM): added into ``main_grad``."""
+    if grad_weight is None or not (ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad")):
+        return grad_weight
+    weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+    return _placeholder_grad(weight)
+
+
+def _placeholder_grad(weight):
     if getattr(weight, "shared_embedding", False) or not hasattr(weight, "grad_added_to_main_grad"):
         return torch.zeros_like(weight)
     weight.grad_added_to_main_grad = True
@@ -418,9 +432,9 @@ def linear_with_frozen_weight(
 
 
 class _EmptyExtraState:
-    """An always-empty ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry
-    the same keys as Transformer Engine layers (whose extra state holds FP8 metadata). Checkpoints written without
-    the entry still load strictly."""
+    """An ``_extra_state`` entry, as Megatron's linear layers have, so state dicts and checkpoints carry the same
+    keys as Transformer Engine layers: None, or the delayed FP8 scaling state. Checkpoints written without the entry
+    still load strictly."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(f"{prefix}_extra_state", None)
@@ -428,7 +442,7 @@ class _EmptyExtraState:
 
 
 class _ParallelLinearBase(_EmptyExtraState, _TensorParallelModule):
-    """What ColumnParallelLinear and RowParallelLinear share: an always-empty extra state, no deferred weight
+    """What ColumnParallelLinear and RowParallelLinear share: the FP8 extra state, no deferred weight
     gradients, their repr and their checkpoint layout. A subclass sets ``_sharded_axes`` (the TP-split axis of each
     parameter; a parameter not named is replicated) and ``_layout_flag`` (the attribute its repr shows last)."""
 
@@ -447,16 +461,18 @@ class _ParallelLinearBase(_EmptyExtraState, _TensorParallelModule):
         self.input_size = input_size
         self.output_size = output_size
         self.skip_bias_add = skip_bias_add
+        self.fp8_scaling_state = delayed_scaling_state_for(config)
 
     def backward_dw(self) -> None:
         """Compute deferred weight gradients: none are deferred here (``delay_wgrad_compute`` is not used by these
         layers), since backward computes the weight gradient at once."""
 
-    def get_extra_state(self) -> None:
-        return None
+    def get_extra_state(self) -> Optional[dict]:
+        return fp8_extra_state(self)
 
     def set_extra_state(self, state: Any):
-        """Nothing to restore: the extra state is always empty."""
+        """Restore the delayed FP8 scaling state, if the layer keeps one and ``state`` holds it."""
+        load_fp8_extra_state(self, state)
 
     def extra_repr(self) -> str:
         return (
@@ -577,7 +593,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if self.tp_comm_overlap is not None:
             output_parallel = _ColumnWithOverlap.apply(input_, weight, bias, self.tp_comm_overlap)
         else:
-            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            linear = fp8_linear_for(self, _accumulate_weight_grad) or linear_with_grad_accumulation_and_async_allreduce
+            output_parallel = linear(
                 input_,
                 weight,
                 bias,
@@ -674,7 +691,8 @@ class RowParallelLinear(_ParallelLinearBase):
             return self._add_bias(output)
         # No communication in the linear itself (the reduction follows); it is plain F.linear unless the weight
         # gradient is fused.
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        linear = fp8_linear_for(self, _accumulate_weight_grad) or linear_with_grad_accumulation_and_async_allreduce
+        output_parallel = linear(
             input_parallel,
             self.weight,
             None,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron.core.fp8.recipe import RECIPE_BLOCK_SIZES, Fp8ScalingRecipe
 from megatron.core.transformer.activation_offload import validate_offload_modules
 from megatron.core.transformer.enums import CP_COMM_TYPES
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -342,6 +343,44 @@ def _validate_transformer_impl(config: TransformerConfig) -> None:
             "not supported yet: inference-optimised layers (transformer_impl='inference_optimized'); "
             "use 'local' or 'transformer_engine'"
         )
+
+
+def _validate_fp8(config: TransformerConfig) -> None:
+    """The FP8 fields make a valid recipe, and every linear layer's contraction dimension (per tensor-parallel
+    rank) is a whole number of the recipe's scaling blocks."""
+    recipe = Fp8ScalingRecipe.from_config(config)  # None without fp8; raises naming a bad field
+    if recipe is not None and config.tp_comm_overlap:
+        raise ValueError(
+            f"fp8={config.fp8!r} with tp_comm_overlap=True: the overlapped GEMMs (tensor_parallel/comm_overlap.py) "
+            "do not run in FP8 yet; set one of them off"
+        )
+    if recipe is not None and config.num_moe_experts and config.moe_grouped_gemm:
+        warn_once(
+            f"fp8={config.fp8!r} with moe_grouped_gemm=True: the grouped-GEMM experts are not quantised yet and run "
+            "in the parameters' precision (the other linear layers run in FP8)"
+        )
+    block = RECIPE_BLOCK_SIZES.get(recipe.recipe) if recipe is not None else None
+    if block is None:
+        return
+    tp = config.tensor_model_parallel_size
+    sizes = {
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size / tensor_model_parallel_size": config.ffn_hidden_size // tp,
+        "num_attention_heads * kv_channels / tensor_model_parallel_size": (
+            config.num_attention_heads * config.kv_channels // tp
+        ),
+    }
+    if config.num_moe_experts and config.moe_ffn_hidden_size:
+        sizes["moe_ffn_hidden_size / expert_tensor_parallel_size"] = config.moe_ffn_hidden_size // (
+            config.expert_tensor_parallel_size or tp
+        )
+    for name, size in sizes.items():
+        if size % block:
+            raise ValueError(
+                f"fp8_recipe={recipe.recipe!r} scales blocks of {block} elements along each linear layer's input "
+                f"dimension, but {name} = {size} is not a multiple of {block}; choose sizes divisible by {block} "
+                "or another fp8_recipe (tensorwise, delayed)"
+            )
 
 
 def _warn_about_kernel_knobs(config: TransformerConfig) -> None:

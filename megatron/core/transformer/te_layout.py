@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from megatron.core.tensor_parallel.fp8_linear import fp8_extra_state, load_fp8_extra_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
@@ -49,13 +50,16 @@ def announce_te_layout() -> None:
 
 
 class _TEExtraState:
-    """Transformer Engine's extra state for a run without FP8: an empty byte tensor; what is loaded is not used."""
+    """Transformer Engine's extra state: an empty byte tensor without FP8 scaling state, else the delayed-scaling
+    state (a dict of tensors, not Transformer Engine's pickled bytes, which are never unpickled here)."""
 
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
+    def get_extra_state(self):
+        state = fp8_extra_state(self)
+        return torch.empty(0, dtype=torch.uint8) if state is None else state
 
     def set_extra_state(self, state) -> None:
-        """Nothing to restore: without FP8 there is no scaling metadata to use (an FP8 run's is ignored)."""
+        """Restore this project's delayed FP8 scaling state; anything else (Transformer Engine's) is not used."""
+        load_fp8_extra_state(self, state)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checkpoints of the local spec, and distributed checkpoints for core attention, have no entry.

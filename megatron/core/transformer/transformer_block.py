@@ -8,6 +8,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.fp8.context import fp8_layer_context
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.activation_offload import install_fine_grained_offloading, layer_offload_context
@@ -137,7 +138,8 @@ class TransformerBlock(MegatronModule):
             def custom_forward(hidden, *tensors):
                 kwargs = dict(zip(tensor_names, tensors), **other_kwargs)
                 for layer in self.layers[start:end]:
-                    hidden, _ = layer(hidden, **kwargs)
+                    with fp8_layer_context(self.config, layer.layer_number - 1):
+                        hidden, _ = layer(hidden, **kwargs)
                 return hidden
 
             return custom_forward
@@ -230,7 +232,8 @@ class TransformerBlock(MegatronModule):
             else:
                 for index, layer in enumerate(self.layers):
                     with layer_offload_context(self.config, index, self.training) or nullcontext():
-                        hidden_states, context = layer(hidden_states, **layer_kwargs)
+                        with fp8_layer_context(self.config, layer.layer_number - 1):
+                            hidden_states, context = layer(hidden_states, **layer_kwargs)
                     layer_kwargs["context"] = context
                     self._extract(index, hidden_states, extract_layer_indices, intermediate)
         if self.final_layernorm is not None:

@@ -27,6 +27,7 @@ from megatron.core.transformer.config_validation import (
     _validate_shape,
     _validate_tensor_parallel_split,
     _validate_transformer_impl,
+    _validate_fp8,
     _warn_about_kernel_knobs,
 )
 from megatron.core.transformer.moe.moe_config_validation import validate_moe_config
@@ -253,25 +254,25 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[List[str]] = None
     """Selective recomputation targets among 'core_attn', 'mlp', 'layernorm' (None: ['core_attn'])."""
 
-    # ---- low precision (FP8 / FP4 need Transformer Engine kernels: not supported yet) ----
+    # ---- low precision (FP8 linear layers in pure PyTorch: docs/fp8.md; FP4 is not supported yet) ----
     fp8: Optional[str] = None
-    """FP8 format, 'e4m3' or 'hybrid' (not supported yet: must be None)."""
+    """FP8 format of the transformer layers' linear GEMMs: 'e4m3', or 'hybrid' (E5M2 gradients); None: off."""
     fp8_recipe: Optional[str] = "delayed"
-    """FP8 scaling recipe, a megatron.core.enums.Fp8Recipe name (not supported yet)."""
+    """FP8 scaling recipe: 'tensorwise', 'delayed', 'mxfp8' or 'blockwise' ('custom' is not supported yet)."""
     fp8_param: bool = False
     """Keep parameters in FP8 (not supported yet)."""
     fp8_quantizer_factory: Optional[str] = None
     """Import path of a custom FP8 quantizer factory (not supported yet)."""
     fp8_margin: int = 0
-    """FP8 scaling-factor margin (not supported yet)."""
+    """Delayed scaling: scales are divided by 2**fp8_margin."""
     fp8_interval: int = 1
-    """FP8 scaling-factor update interval (deprecated in Transformer Engine; not supported yet)."""
+    """FP8 scaling-factor update interval (deprecated in Transformer Engine, which ignores it; so is it here)."""
     fp8_amax_history_len: int = 1
-    """FP8 amax history length (not supported yet)."""
+    """Delayed scaling: amax values remembered per tensor."""
     fp8_amax_compute_algo: str = "most_recent"
-    """FP8 amax choice, 'most_recent' or 'max' (not supported yet)."""
+    """Delayed scaling: the scale's amax is the history's 'max' or its 'most_recent' entry."""
     fp8_wgrad: bool = True
-    """Compute weight gradients in FP8 (not supported yet)."""
+    """Compute weight gradients in FP8 (False: in the parameters' precision)."""
     fp8_output_proj: bool = False
     """Run the output layer in FP8 (not supported yet)."""
     fp8_dot_product_attention: bool = False
@@ -279,13 +280,13 @@ class TransformerConfig(ModelParallelConfig):
     fp8_multi_head_attention: bool = False
     """FP8 multi-head attention (not supported yet)."""
     tp_only_amax_red: bool = False
-    """Reduce FP8 amax over the TP group only (not supported yet)."""
+    """Reduce FP8 amaxes over the tensor (x context) parallel group only, not also over data-parallel ranks."""
     first_last_layers_bf16: bool = False
-    """Keep the first and last layers in bf16 under FP8 (not supported yet)."""
+    """Keep the first and last layers out of FP8 (in the parameters' precision)."""
     num_layers_at_start_in_bf16: int = 1
-    """Leading layers kept in bf16 under FP8 (not supported yet)."""
+    """Leading layers kept out of FP8 with first_last_layers_bf16."""
     num_layers_at_end_in_bf16: int = 1
-    """Trailing layers kept in bf16 under FP8 (not supported yet)."""
+    """Trailing layers kept out of FP8 with first_last_layers_bf16."""
     use_kitchen: bool = False
     """Kitchen quantization extension (not supported yet)."""
     use_kitchen_attention: bool = False
@@ -551,6 +552,7 @@ class TransformerConfig(ModelParallelConfig):
         _validate_recompute(self)
         _validate_activation_offloading(self)
         _validate_transformer_impl(self)
+        _validate_fp8(self)
         _warn_about_kernel_knobs(self)
         _apply_matmul_precision(self)
         _derive_init_methods(self)

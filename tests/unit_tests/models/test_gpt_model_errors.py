@@ -85,8 +85,8 @@ def test_spec_errors():
         get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=None)
     with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):
         get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(ValueError, match=r"not supported yet: FP8 .*fp8='e4m3'"):
-        get_gpt_layer_local_spec(fp8="e4m3")
+    with pytest.warns(UserWarning, match=r"fp8 argument of get_gpt_layer_local_spec is deprecated and ignored"):
+        get_gpt_layer_local_spec(fp8="e4m3")  # as in Megatron: FP8 is the config's business
     with pytest.raises(ValueError, match=r"not supported yet: Kitchen quantised layers .*use_kitchen=True"):
         get_gpt_layer_local_spec(use_kitchen=True)
     with pytest.raises(ValueError, match=r"not supported yet: multi-latent attention"):

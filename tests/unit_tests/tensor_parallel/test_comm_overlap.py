@@ -182,6 +182,7 @@ def test_config_refuses_overlap_without_sequence_parallel_or_at_tp1():
 
 def _args(**overrides):
     values = dict(tp_comm_overlap=True, tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap_cfg=None)
+    values.update(fp8=None)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
@@ -197,6 +198,24 @@ def test_flags_refused_without_sequence_parallel_or_at_tp1_and_missing_cfg(tmp_p
     with pytest.raises(ValueError, match="--tp-comm-overlap-cfg .*ub.yaml: no such file"):
         validate_tp_comm_overlap_args(_args(tp_comm_overlap_cfg=str(missing)))
     validate_tp_comm_overlap_args(_args(tp_comm_overlap=False, sequence_parallel=False, tp_comm_overlap_cfg="x"))
+
+
+def test_fp8_with_overlap_is_refused_by_flag_and_by_config():
+    # The overlapped GEMMs bypass the FP8 linear: together they would silently train in high precision.
+    with pytest.raises(ValueError, match="--tp-comm-overlap with --fp8-format hybrid: the overlapped GEMMs do not"):
+        validate_tp_comm_overlap_args(_args(fp8="hybrid"))
+    from megatron.core.transformer import TransformerConfig
+
+    with pytest.raises(ValueError, match="fp8='hybrid' with tp_comm_overlap=True: the overlapped GEMMs"):
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=64,
+            num_attention_heads=4,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            tp_comm_overlap=True,
+            fp8="hybrid",
+        )
 
 
 def test_userbuffers_cfg_is_accepted_with_a_warning(tmp_path):

@@ -157,12 +157,12 @@ def test_flag_without_effect_warns_once_and_is_ignored(reason, flag, capsys):
 
 def test_flags_without_effect_warn_only_on_rank_0(capsys):
     warn_once.cache_clear()
-    args = parse_args_list(BASE + ["--fp8-format", "hybrid", "--profile"])
+    args = parse_args_list(BASE + ["--fp8-interval", "2", "--profile"])
     args.rank = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         validate_args(args)
-    assert args.fp8 is None and args.profile is False
+    assert args.fp8_interval == 1 and args.profile is False
 
 
 def test_every_refused_setting_is_named_in_one_error():

@@ -88,7 +88,14 @@ def test_selective_recompute_defaults_to_core_attention():
             r"sliding-window attention is not supported with context_parallel_size=2",
         ),
         ({"multi_latent_attention": True}, r"not supported yet: multi-latent attention \(multi_latent_attention=True"),
-        ({"fp8": "hybrid"}, r"not supported yet: FP8 training \(fp8='hybrid'\)"),
+        ({"fp8": "hybrid", "fp8_param": True}, r"not supported yet: FP8 parameters, .*\(fp8_param=True\)"),
+        ({"fp8": "hybrid", "fp8_recipe": "custom"}, r"fp8_recipe='custom' is not supported yet; choose one of"),
+        ({"fp8": "fp4"}, r"fp8='fp4' is not an FP8 format; choose one of \('e4m3', 'hybrid'\)"),
+        (
+            {"fp8": "hybrid", "fp8_recipe": "mxfp8", "ffn_hidden_size": 48},
+            r"fp8_recipe='mxfp8' scales blocks of 32 elements .* ffn_hidden_size / tensor_model_parallel_size = 48 "
+            r"is not a multiple of 32",
+        ),
         ({"sequence_parallel": True}, r"sequence_parallel=True needs tensor_model_parallel_size > 1"),
         ({"tensor_model_parallel_size": 0}, r"tensor_model_parallel_size must be a positive integer, got 0"),
         ({"pipeline_model_parallel_size": 2}, r"pipeline_dtype must be set when pipeline_model_parallel_size > 1"),

@@ -105,10 +105,10 @@ def test_sub_options_megatron_ignores_until_their_feature_is_on_are_accepted():
 
 
 def test_false_counts_as_an_unset_none_switch():
-    # Megatron's own tests pass fp8=False for "no FP8"; True is still refused.
+    # Megatron's own tests pass fp8=False for "no FP8"; fp4=True is still refused.
     assert TransformerConfig(**BASE, fp8=False).fp8 is False
-    with pytest.raises(ValueError, match=r"^not supported yet: FP8 training \(fp8=True\)"):
-        TransformerConfig(**BASE, fp8=True)
+    with pytest.raises(ValueError, match=r"^not supported yet: FP4 training \(fp4=True\)"):
+        TransformerConfig(**BASE, fp4=True)
 
 
 def test_query_key_layer_scaling_turns_on_fp32_softmax():

@@ -45,11 +45,9 @@ def _not_supported(feature: str, **settings) -> ValueError:
     return ValueError(f"not supported yet: {feature} ({shown}); build the layer with the local dense specs")
 
 
-def _refuse_unbuilt(multi_latent_attention=False, fp8=None, use_kitchen=False, use_kitchen_attention=False) -> None:
+def _refuse_unbuilt(multi_latent_attention=False, use_kitchen=False, use_kitchen_attention=False) -> None:
     if multi_latent_attention:
         raise _not_supported("multi-latent attention", multi_latent_attention=multi_latent_attention)
-    if fp8 is not None:
-        raise _not_supported("FP8 (needs Transformer Engine)", fp8=fp8)
     if use_kitchen or use_kitchen_attention:
         raise _not_supported(
             "Kitchen quantised layers", use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention
@@ -57,7 +55,7 @@ def _refuse_unbuilt(multi_latent_attention=False, fp8=None, use_kitchen=False, u
 
 
 def _warn_deprecated_fp8(fp8: Optional[str], function: str) -> None:
-    # Megatron's Transformer Engine specs accept and ignore `fp8` (FP8 is the config's business).
+    # Megatron's specs accept and ignore `fp8` (FP8 is the config's business).
     if fp8 is not None:
         warnings.warn(f"The fp8 argument of {function} is deprecated and ignored; set FP8 in the config")
 
@@ -106,7 +104,7 @@ def get_mlp_module_spec(
         _warn_deprecated_fp8(fp8, "get_mlp_module_spec")
         announce_te_layout()
         return get_mlp_module_spec_for_backend(_TE_LAYOUT, num_experts, moe_grouped_gemm, use_te_op_fuser)
-    _refuse_unbuilt(fp8=fp8)
+    _warn_deprecated_fp8(fp8, "get_mlp_module_spec")
     return get_mlp_module_spec_for_backend(_LOCAL, num_experts, moe_grouped_gemm, use_te_op_fuser)
 
 
@@ -131,10 +129,10 @@ def get_gpt_layer_local_submodules(
     """
     _refuse_unbuilt(
         multi_latent_attention=multi_latent_attention,
-        fp8=fp8,
         use_kitchen=use_kitchen,
         use_kitchen_attention=use_kitchen_attention,
     )
+    _warn_deprecated_fp8(fp8, "get_gpt_layer_local_spec")
     norm = _norm_spec(normalization)
     if qk_l2_norm:
         qk_norm = _LOCAL.l2_norm()

@@ -9,6 +9,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.fp8.context import fp8_layer_context
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, refuse_layer_types_not_built
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -167,22 +168,23 @@ class HybridStack(MegatronModule):
         rng_context = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         with rng_context:
             for symbol, layer in zip(self.layer_type_list, self.layers):
-                if symbol == Symbols.MAMBA:
-                    hidden_states = layer(
-                        hidden_states,
-                        attention_mask=attention_mask,
-                        inference_context=inference_context,
-                        packed_seq_params=packed_seq_params,
-                    )
-                else:
-                    hidden_states, _ = layer(
-                        hidden_states,
-                        attention_mask=attention_mask,
-                        rotary_pos_emb=rotary_pos_emb,
-                        inference_context=inference_context,
-                        packed_seq_params=packed_seq_params,
-                        padding_mask=padding_mask,
-                    )
+                with fp8_layer_context(self.config, layer.layer_number - 1):
+                    if symbol == Symbols.MAMBA:
+                        hidden_states = layer(
+                            hidden_states,
+                            attention_mask=attention_mask,
+                            inference_context=inference_context,
+                            packed_seq_params=packed_seq_params,
+                        )
+                    else:
+                        hidden_states, _ = layer(
+                            hidden_states,
+                            attention_mask=attention_mask,
+                            rotary_pos_emb=rotary_pos_emb,
+                            inference_context=inference_context,
+                            packed_seq_params=packed_seq_params,
+                            padding_mask=padding_mask,
+                        )
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
         return hidden_states
